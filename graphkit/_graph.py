@@ -1,0 +1,295 @@
+"""Low-level graph plumbing shared by the DSL modules: dtypes, compiling onnxscript
+functions into typed models, and splicing one graph into another without name clashes."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import onnx
+import onnx.inliner
+from onnx import TensorProto, helper
+
+from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, finalize, opset_of, set_opset
+from graphkit.errors import DTypeError
+
+FLOAT_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}
+ELEM_TO_DTYPE = {v: k for k, v in FLOAT_TYPES.items()} | {
+    TensorProto.FLOAT16: np.dtype(np.float16),
+    TensorProto.INT64: np.dtype(np.int64),
+    TensorProto.INT32: np.dtype(np.int32),
+}
+
+def float_dtype(dtype: object) -> np.dtype:
+    """Validate that ``dtype`` is float32 or float64 and return it as a numpy dtype."""
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError as exc:
+        raise DTypeError(f"{dtype!r} is not a dtype; use numpy.float32 or numpy.float64.") from exc
+    if dt not in FLOAT_TYPES:
+        raise DTypeError(
+            f"graphkit computes in float32 or float64, not {dt}; "
+            "cast with .astype(numpy.float32)."
+        )
+    return dt
+
+
+def elem_type(dtype: object) -> int:
+    return FLOAT_TYPES[float_dtype(dtype)]
+
+
+Dim = int | str | None
+Shape = tuple[Dim, ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(
+    fn: object,
+    dtype: np.dtype,
+    shapes: tuple[tuple[str, Shape], ...],
+    int64: frozenset[str],
+    outputs: tuple[str, ...],
+) -> bytes:
+    model = fn.to_model_proto()  # type: ignore[attr-defined]
+    model = onnx.inliner.inline_local_functions(model)
+    del model.functions[:]
+    if outputs:
+        if len(outputs) != len(model.graph.output):
+            raise ValueError(f"{len(model.graph.output)} outputs, {len(outputs)} names given")
+        mapping = {o.name: new for o, new in zip(model.graph.output, outputs)}
+        rename_tensors(model.graph, lambda n: mapping.get(n, n))
+    shape_of = dict(shapes)
+    target = FLOAT_TYPES[dtype]
+    for value in model.graph.input:
+        if value.name not in shape_of:
+            raise ValueError(f"compile_function: no shape given for input {value.name!r}")
+        _set_type(value, TensorProto.INT64 if value.name in int64 else target, shape_of[value.name])
+    del model.graph.value_info[:]
+    resolve_castlike(model)
+    inferred = _inferred_output_shapes(model)
+    for value in model.graph.output:
+        # An output whose shape the caller does not know (a custom loss) is inferred.
+        shape = shape_of.get(value.name, inferred.get(value.name, ()))
+        _set_type(value, TensorProto.INT64 if value.name in int64 else target, shape)
+    keep = [o for o in model.opset_import if o.domain not in ("", "this")]
+    del model.opset_import[:]
+    model.opset_import.extend([helper.make_opsetid("", DSL_OPSET), *keep])
+    model.ir_version = MAX_IR_VERSION
+    return finalize(model, full_check=True).SerializeToString()
+
+
+def resolve_castlike(model: onnx.ModelProto) -> None:
+    """Replace ``CastLike`` nodes by ``Constant`` or ``Cast`` once types are known (in place).
+
+    DSL bodies write constants as ``CastLike(c, x)`` to serve any float dtype, but
+    onnxruntime-training has no gradient for ``CastLike``: once the model is typed, a
+    constant input is cast now and any other input gets a ``Cast`` (which has one).
+    """
+    from onnx import numpy_helper
+
+    typed = onnx.shape_inference.infer_shapes(model)
+    elem_of = {
+        v.name: v.type.tensor_type.elem_type
+        for v in itertools.chain(typed.graph.input, typed.graph.value_info, typed.graph.output)
+        if v.type.tensor_type.elem_type
+    }
+    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.domain == "" and node.attribute[0].name == "value":
+            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    nodes = []
+    for node in model.graph.node:
+        target = elem_of.get(node.input[1]) if node.op_type == "CastLike" else None
+        if target is None:
+            nodes.append(node)
+        elif node.input[0] in constants:
+            value = constants[node.input[0]].astype(helper.tensor_dtype_to_np_dtype(target))
+            tensor = numpy_helper.from_array(value, node.output[0])
+            nodes.append(helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor))
+        else:
+            nodes.append(helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=target))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+
+
+def _set_type(value: onnx.ValueInfoProto, elem: int, shape: Iterable[Dim]) -> None:
+    ttype = value.type.tensor_type
+    ttype.elem_type = elem
+    ttype.ClearField("shape")
+    ttype.shape.SetInParent()
+    for dim in shape:
+        entry = ttype.shape.dim.add()
+        if isinstance(dim, int):
+            entry.dim_value = dim
+        elif dim:
+            entry.dim_param = dim
+
+
+def _inferred_output_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    for value in probe.graph.output:
+        value.type.tensor_type.ClearField("shape")
+    try:
+        probe = onnx.shape_inference.infer_shapes(probe)
+    except Exception:  # inference is a convenience here, never a requirement
+        return {}
+    shapes = {}
+    for value in probe.graph.output:
+        dims = static_shape(value)
+        if dims is not None:
+            shapes[value.name] = tuple(dims)
+    return shapes
+
+
+def compile_function(
+    fn: object,
+    dtype: object,
+    shapes: Mapping[str, Iterable[Dim]],
+    int64: Iterable[str] = (),
+    outputs: Iterable[str] = (),
+) -> onnx.ModelProto:
+    """Compile an onnxscript function into a model typed for ``dtype``.
+
+    The functions of the DSL are written with ``FLOAT`` annotations and constants cast
+    with ``CastLike``, so one body serves float32 and float64: every input and output is
+    typed ``dtype`` except those named in ``int64``. Called functions are inlined.
+
+    Args:
+        fn: the onnxscript function.
+        dtype: float32 or float64.
+        shapes: the shape of every input and output (ints, symbolic names or None);
+            ``onnx.checker`` wants a rank for each.
+        int64: names of int64 inputs (labels, step).
+        outputs: new names for the outputs, in order (default: the function's).
+
+    The result is cached; each call returns a fresh copy.
+    """
+    key = tuple(sorted((name, tuple(shape)) for name, shape in shapes.items()))
+    model = onnx.ModelProto()
+    model.ParseFromString(
+        _compiled(fn, float_dtype(dtype), key, frozenset(int64), tuple(outputs))
+    )
+    return model
+
+
+def symbolic_shape(name: str, rank: int) -> Shape:
+    """("N", "name_1", ...): a batch dimension then one symbolic dim per extra axis."""
+    return ("N", *(f"{name}_{i}" for i in range(1, rank)))
+
+
+# -- names -------------------------------------------------------------------------------
+
+
+def graph_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor and node name used in ``graph`` and its subgraphs."""
+    names: set[str] = set()
+    names.update(i.name for i in graph.input)
+    names.update(o.name for o in graph.output)
+    names.update(i.name for i in graph.initializer)
+    names.update(i.name for i in graph.sparse_initializer)
+    names.update(v.name for v in graph.value_info)
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        names.add(node.name)
+        for sub in _subgraphs(node):
+            names.update(graph_names(sub))
+    names.discard("")
+    return names
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            yield attr.g
+        yield from attr.graphs
+
+
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base`` if free, else ``base_1``, ``base_2``...; the result is added to ``taken``."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+def rename_tensors(graph: onnx.GraphProto, rename: Callable[[str], str]) -> None:
+    """Rename every tensor of ``graph`` (and of its subgraphs) in place."""
+    for value in itertools.chain(graph.input, graph.output, graph.value_info):
+        value.name = rename(value.name)
+    for init in graph.initializer:
+        init.name = rename(init.name)
+    for node in graph.node:
+        node.input[:] = [rename(n) if n else n for n in node.input]
+        node.output[:] = [rename(n) if n else n for n in node.output]
+        for sub in _subgraphs(node):
+            rename_tensors(sub, rename)
+
+
+# -- splicing ------------------------------------------------------------------------------
+
+
+def splice(
+    host: onnx.ModelProto,
+    piece: onnx.ModelProto,
+    inputs: Mapping[str, str],
+    prefix: str,
+) -> dict[str, str]:
+    """Copy the nodes of ``piece`` into ``host`` (in place).
+
+    Each input of ``piece`` is wired to the host tensor ``inputs[name]``; every other name
+    of ``piece`` gets a ``prefix`` that no host name uses. The ``ai.onnx`` opset of
+    ``host`` is raised to ``piece``'s when lower (the caller converted ``host`` first).
+
+    Returns:
+        ``{output of piece: its name in host}``. Outputs are not added to ``host``'s
+        graph outputs: the caller decides which become outputs.
+    """
+    missing = [i.name for i in piece.graph.input if i.name not in inputs]
+    if missing:
+        raise ValueError(f"splice: inputs {missing} of the piece are not wired")
+    taken = graph_names(host.graph)
+    local = {}
+    for name in sorted(graph_names(piece.graph)):
+        if name in inputs:
+            local[name] = inputs[name]
+        else:
+            local[name] = fresh_name(f"{prefix}/{name}", taken)
+    copy = onnx.GraphProto()
+    copy.CopyFrom(piece.graph)
+    rename_tensors(copy, lambda n: local.get(n, n))
+    for node in copy.node:
+        node.name = local[node.name] if node.name else fresh_name(f"{prefix}/node", taken)
+    host.graph.node.extend(copy.node)
+    host.graph.initializer.extend(copy.initializer)
+    for entry in piece.opset_import:
+        current = opset_of(host, entry.domain)
+        if current is None or current < entry.version:
+            set_opset(host, entry.domain, entry.version)
+    return {o.name: local[o.name] for o in piece.graph.output}
+
+
+def value_info(name: str, dtype_or_elem: object, shape: Iterable[object] | None) -> onnx.ValueInfoProto:
+    elem = dtype_or_elem if isinstance(dtype_or_elem, int) else elem_type(dtype_or_elem)
+    return helper.make_tensor_value_info(name, elem, None if shape is None else list(shape))
+
+
+def static_shape(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+    """Dims of a tensor value (int, symbolic name or None), or None when the rank is unknown."""
+    ttype = value.type.tensor_type
+    if not ttype.HasField("shape"):
+        return None
+    dims: list[int | str | None] = []
+    for dim in ttype.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(dim.dim_value)
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return dims

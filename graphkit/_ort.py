@@ -1,0 +1,76 @@
+"""The one place graphkit touches onnxruntime(-training).
+
+onnxruntime is imported lazily: building graphs needs only ``onnx`` and ``onnxscript``.
+Only the C bindings (``onnxruntime.capi._pybind_state``) are used for training pieces;
+``onnxruntime.training`` would import torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+
+from graphkit.errors import IncompatibleModelError
+
+CPU = ("CPUExecutionProvider",)
+
+
+@functools.cache
+def onnxruntime() -> Any:
+    """Import onnxruntime once, quietly."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:  # pragma: no cover - the dependency is declared
+        raise ImportError(
+            "graphkit needs the training build of onnxruntime: "
+            "pip install onnxruntime-training-cpu==1.19.2 "
+            "(or onnxruntime-training==1.19.2 for CUDA)."
+        ) from exc
+    ort.set_default_logger_severity(3)  # the training build logs every graph transform
+    return ort
+
+
+def session_options() -> Any:
+    options = onnxruntime().SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
+def inference_session(model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU) -> Any:
+    """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``."""
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    ort = onnxruntime()
+    try:
+        return ort.InferenceSession(data, session_options(), providers=list(providers))
+    except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
+        raise IncompatibleModelError(
+            f"onnxruntime-training 1.19.2 cannot load this model: {_short(exc)}"
+        ) from exc
+
+
+class Runner:
+    """A model compiled once into an InferenceSession, called with numpy arrays."""
+
+    def __init__(self, model: onnx.ModelProto, providers: Sequence[str] = CPU) -> None:
+        self.session = inference_session(model, providers)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return self.session.run(None, dict(feeds))
+        except Exception as exc:
+            raise RuntimeError(f"onnxruntime failed to run the graph: {_short(exc)}") from exc
+
+
+def _short(exc: BaseException) -> str:
+    """The useful part of an onnxruntime message (drops the C++ source location)."""
+    text = str(exc).strip()
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    text = re.sub(r"/onnxruntime_src/\S+ [^\n]*? (?=\S+ was false\.)", "", text)
+    return text.splitlines()[0] if text else type(exc).__name__

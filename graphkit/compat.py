@@ -1,0 +1,153 @@
+"""The IR-version and opset policy: one place decides what onnxruntime-training loads.
+
+onnxruntime-training 1.19.2 (the last training release) loads ONNX IR version <= 10 and
+``ai.onnx`` opset <= 21, while onnx >= 1.18 writes newer IR versions by default. Every
+model graphkit produces goes through :func:`finalize`; every model a user hands in goes
+through :func:`make_compatible`, which converts what can be converted and refuses the
+rest with a message saying what to do.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto
+
+from graphkit.errors import IncompatibleModelError
+
+MAX_IR_VERSION = 10
+"""Highest ONNX IR version onnxruntime-training 1.19.2 loads."""
+
+MAX_OPSET = 21
+"""Highest ``ai.onnx`` opset onnxruntime-training 1.19.2 implements."""
+
+DSL_OPSET = 18
+"""The ``ai.onnx`` opset graphkit's onnxscript functions are written against."""
+
+# Element types that exist in IR version 10 (TensorProto.DataType values up to INT4).
+_MAX_IR10_ELEM_TYPE = TensorProto.INT4
+
+_REEXPORT_HINT = (
+    "Re-export the model with an older opset, e.g. torch.onnx.export(..., opset_version=18) "
+    "or skl2onnx.to_onnx(..., target_opset=18)."
+)
+
+
+def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
+    """The version of ``domain`` the model imports (``""`` is ``ai.onnx``), or None."""
+    for entry in model.opset_import:
+        if entry.domain in ((domain, "ai.onnx") if domain == "" else (domain,)):
+            return entry.version
+    return None
+
+
+def set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
+    for entry in model.opset_import:
+        if entry.domain == domain:
+            entry.version = version
+            return
+    model.opset_import.append(onnx.helper.make_opsetid(domain, version))
+
+
+def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onnx.ModelProto:
+    """Return a copy of ``model`` that onnxruntime-training 1.19.2 can load.
+
+    Args:
+        model: any ONNX model.
+        min_opset: raise the ``ai.onnx`` opset to at least this version (used when
+            graphkit pieces written for :data:`DSL_OPSET` are merged into the model).
+
+    Returns:
+        A converted copy with IR version <= 10 and ``min_opset <= opset <= 21``.
+
+    Raises:
+        IncompatibleModelError: the IR version or opset cannot be converted.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _lower_ir_version(out)
+    opset = opset_of(out)
+    if opset is None:
+        raise IncompatibleModelError(
+            "The model imports no ai.onnx opset; add one with "
+            "onnx.helper.make_opsetid('', 18) in opset_imports."
+        )
+    target = opset
+    if opset > MAX_OPSET:
+        target = MAX_OPSET
+    if min_opset is not None and target < min_opset:
+        target = min_opset
+    if target != opset:
+        out = _convert_opset(out, opset, target)
+    return out
+
+
+def finalize(
+    model: onnx.ModelProto, check: bool = True, full_check: bool = False
+) -> onnx.ModelProto:
+    """Stamp a model graphkit built so that onnxruntime-training 1.19.2 loads it.
+
+    Sets the IR version to at most 10, checks the ``ai.onnx`` opset is <= 21 and runs
+    ``onnx.checker`` (with type and shape inference when ``full_check``).
+    Modifies ``model`` in place and returns it.
+    """
+    model.ir_version = min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
+    opset = opset_of(model)
+    if opset is not None and opset > MAX_OPSET:
+        raise IncompatibleModelError(
+            f"graphkit produced a model with ai.onnx opset {opset} > {MAX_OPSET}; "
+            "this is a bug in graphkit, please report it."
+        )
+    if check:
+        onnx.checker.check_model(model, full_check=full_check)
+    return model
+
+
+def _lower_ir_version(model: onnx.ModelProto) -> None:
+    if model.ir_version <= MAX_IR_VERSION:
+        return
+    too_new = sorted(
+        {TensorProto.DataType.Name(t) for t in _elem_types(model.graph) if t > _MAX_IR10_ELEM_TYPE}
+    )
+    if too_new:
+        raise IncompatibleModelError(
+            f"The model has IR version {model.ir_version} and uses element types "
+            f"{', '.join(too_new)} that IR version {MAX_IR_VERSION} (the newest "
+            "onnxruntime-training 1.19.2 loads) does not have. Convert those tensors to "
+            "float32 or float16 before training."
+        )
+    model.ir_version = MAX_IR_VERSION
+
+
+def _elem_types(graph: onnx.GraphProto):
+    for init in graph.initializer:
+        yield init.data_type
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            yield value.type.tensor_type.elem_type
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t.data_type
+            if attr.HasField("g"):
+                yield from _elem_types(attr.g)
+            for sub in attr.graphs:
+                yield from _elem_types(sub)
+
+
+def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.ModelProto:
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+    except Exception as exc:
+        direction = "down" if target < source else "up"
+        raise IncompatibleModelError(
+            f"The model uses ai.onnx opset {source}; graphkit needs opset {target} "
+            f"(onnxruntime-training 1.19.2 supports {DSL_OPSET} to {MAX_OPSET} for "
+            f"training) and onnx.version_converter could not convert it {direction}: "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
+            + _REEXPORT_HINT
+        ) from exc
+    converted.ir_version = min(converted.ir_version, MAX_IR_VERSION)
+    return converted

@@ -1,0 +1,34 @@
+"""What a graphkit function is written with: ``script``, the opset ``op`` and the types.
+
+A user-written loss looks like the built-in ones::
+
+    from graphkit.dsl import FLOAT, op, script
+
+    @script()
+    def log_cosh(prediction: FLOAT, label: FLOAT) -> FLOAT:
+        d = prediction - label
+        return op.ReduceMean(op.Log(op.Cosh(d)), keepdims=0)
+
+Write constants with ``op.CastLike(value, x)`` so one body serves float32 and float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import onnxscript
+from onnxscript import BOOL, DOUBLE, FLOAT, INT64
+from onnxscript import opset18 as op
+
+__all__ = ["BOOL", "DOUBLE", "FLOAT", "INT64", "op", "script"]
+
+
+def script(**kwargs: Any) -> Callable[[Callable[..., Any]], onnxscript.OnnxFunction]:
+    """``onnxscript.script`` with ``ai.onnx`` opset 18 as the default opset.
+
+    The default opset lets a function use Python operators (``a * b``) without calling
+    any ``op.*`` itself.
+    """
+    kwargs.setdefault("default_opset", op)
+    return onnxscript.script(**kwargs)

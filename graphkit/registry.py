@@ -1,0 +1,70 @@
+"""Name -> factory tables for losses, penalties, optimizers and schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from graphkit.errors import UnknownNameError
+
+T = TypeVar("T")
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
+class Registry(Generic[T]):
+    """Factories registered under a canonical name and aliases.
+
+    >>> schedules = Registry("schedule")
+    >>> @schedules.register("constant", "fixed")
+    ... def constant(value=0.01): ...
+    >>> schedules.names()
+    ['constant']
+    """
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+        self._aliases: dict[str, str] = {}
+        self._spellings: dict[str, list[str]] = {}
+
+    def register(self, name: str, *aliases: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Register the decorated factory as ``name`` (and ``aliases``)."""
+
+        def decorate(factory: Callable[..., T]) -> Callable[..., T]:
+            if not name.isidentifier():
+                raise ValueError(f"{self.kind} name {name!r} must be a Python identifier")
+            for key in (name, *aliases):
+                if _key(key) in self._aliases:
+                    raise ValueError(f"{self.kind} {key!r} is already registered")
+                self._aliases[_key(key)] = name
+            self._factories[name] = factory
+            self._spellings[name] = list(aliases)
+            return factory
+
+        return decorate
+
+    def canonical(self, name: str) -> str:
+        """The registered name behind ``name`` or an alias; raise if unknown."""
+        try:
+            return self._aliases[_key(name)]
+        except (KeyError, AttributeError):
+            listed = "; ".join(
+                f"{n} ({', '.join(self._spellings[n])})" if self._spellings[n] else n
+                for n in self.names()
+            )
+            raise UnknownNameError(
+                f"Unknown {self.kind} {name!r}. Valid names (aliases): {listed}."
+            ) from None
+
+    def get(self, name: str, **kwargs: object) -> T:
+        """Build the registered object ``name`` with ``kwargs``."""
+        return self._factories[self.canonical(name)](**kwargs)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and _key(name) in self._aliases
