@@ -22,6 +22,7 @@ ELEM_TO_DTYPE = {v: k for k, v in FLOAT_TYPES.items()} | {
     TensorProto.INT32: np.dtype(np.int32),
 }
 
+
 def float_dtype(dtype: object) -> np.dtype:
     """Validate that ``dtype`` is float32 or float64 and return it as a numpy dtype."""
     try:
@@ -30,8 +31,7 @@ def float_dtype(dtype: object) -> np.dtype:
         raise DTypeError(f"{dtype!r} is not a dtype; use numpy.float32 or numpy.float64.") from exc
     if dt not in FLOAT_TYPES:
         raise DTypeError(
-            f"graphkit computes in float32 or float64, not {dt}; "
-            "cast with .astype(numpy.float32)."
+            f"graphkit computes in float32 or float64, not {dt}; cast with .astype(numpy.float32)."
         )
     return dt
 
@@ -107,9 +107,15 @@ def resolve_castlike(model: onnx.ModelProto) -> None:
         elif node.input[0] in constants:
             value = constants[node.input[0]].astype(helper.tensor_dtype_to_np_dtype(target))
             tensor = numpy_helper.from_array(value, node.output[0])
-            nodes.append(helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor))
+            nodes.append(
+                helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor)
+            )
         else:
-            nodes.append(helper.make_node("Cast", [node.input[0]], [node.output[0]], name=node.name, to=target))
+            nodes.append(
+                helper.make_node(
+                    "Cast", [node.input[0]], [node.output[0]], name=node.name, to=target
+                )
+            )
     del model.graph.node[:]
     model.graph.node.extend(nodes)
 
@@ -169,9 +175,7 @@ def compile_function(
     """
     key = tuple(sorted((name, tuple(shape)) for name, shape in shapes.items()))
     model = onnx.ModelProto()
-    model.ParseFromString(
-        _compiled(fn, float_dtype(dtype), key, frozenset(int64), tuple(outputs))
-    )
+    model.ParseFromString(_compiled(fn, float_dtype(dtype), key, frozenset(int64), tuple(outputs)))
     return model
 
 
@@ -274,7 +278,9 @@ def splice(
     return {o.name: local[o.name] for o in piece.graph.output}
 
 
-def value_info(name: str, dtype_or_elem: object, shape: Iterable[object] | None) -> onnx.ValueInfoProto:
+def value_info(
+    name: str, dtype_or_elem: object, shape: Iterable[object] | None
+) -> onnx.ValueInfoProto:
     elem = dtype_or_elem if isinstance(dtype_or_elem, int) else elem_type(dtype_or_elem)
     return helper.make_tensor_value_info(name, elem, None if shape is None else list(shape))
 

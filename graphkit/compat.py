@@ -146,8 +146,7 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
             f"The model uses ai.onnx opset {source}; graphkit needs opset {target} "
             f"(onnxruntime-training 1.19.2 supports {DSL_OPSET} to {MAX_OPSET} for "
             f"training) and onnx.version_converter could not convert it {direction}: "
-            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. "
-            + _REEXPORT_HINT
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. " + _REEXPORT_HINT
         ) from exc
     converted.ir_version = min(converted.ir_version, MAX_IR_VERSION)
     return converted

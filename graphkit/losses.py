@@ -135,7 +135,8 @@ def one_hot(label: INT64, prediction: FLOAT) -> FLOAT:
     (ONNX OneHot has no float64 kernel in onnxruntime: Equal against Range instead.)
     """
     classes = op.Range(
-        op.Constant(value_int=0), op.Squeeze(op.Shape(prediction, start=1, end=2)),
+        op.Constant(value_int=0),
+        op.Squeeze(op.Shape(prediction, start=1, end=2)),
         op.Constant(value_int=1),
     )
     column = op.Reshape(label, op.Constant(value_ints=[-1, 1]))
@@ -234,7 +235,9 @@ def _value_function(kernel: Any, reduce: Any, weighted: bool) -> onnxscript.Onnx
 
         @script()
         def loss(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> FLOAT:
-            return reduce(kernel(prediction, label), op.Reshape(weight, op.Constant(value_ints=[-1])))
+            return reduce(
+                kernel(prediction, label), op.Reshape(weight, op.Constant(value_ints=[-1]))
+            )
 
         return loss
 
@@ -329,7 +332,8 @@ class Loss:
             if weighted != _takes_weight(self.custom):
                 raise ValueError(
                     f"custom loss {self.name!r} {'has' if not weighted else 'has no'} weight "
-                    "argument; it cannot be used " + ("with" if weighted else "without")
+                    "argument; it cannot be used "
+                    + ("with" if weighted else "without")
                     + " sample weights."
                 )
             return self.custom
@@ -439,9 +443,7 @@ class Loss:
         """
         prediction = np.asarray(prediction)
         if prediction.dtype.kind != "f":
-            raise DTypeError(
-                f"The prediction must be float32 or float64, got {prediction.dtype}."
-            )
+            raise DTypeError(f"The prediction must be float32 or float64, got {prediction.dtype}.")
         dtype = float_dtype(prediction.dtype)
         label = np.asarray(label)
         n = prediction.shape[0] if prediction.ndim else 1
@@ -478,7 +480,9 @@ class Loss:
                     f"Loss {self.name!r} needs a (N, K) prediction with K >= 2 classes, "
                     f"got shape {prediction.shape}."
                 )
-            if label.size and (label.min() < 0 or (self.params.get("multiclass") and label.max() >= columns)):
+            if label.size and (
+                label.min() < 0 or (self.params.get("multiclass") and label.max() >= columns)
+            ):
                 raise ValueError(
                     f"Class labels must lie in [0, {columns - 1}], got values from "
                     f"{label.min()} to {label.max()}."
@@ -575,10 +579,15 @@ def log_loss(eps: float = 1e-15, binary: bool = False, reduction: str = "mean") 
 
 @LOSSES.register("cross_entropy", "softmax_cross_entropy", "SoftmaxCrossEntropyLearningLoss")
 def cross_entropy(reduction: str = "mean") -> Loss:
-    """Softmax cross-entropy from logits z (N, K): logsumexp(z) - z_y; gradient softmax(z) - onehot(y)."""
+    """Softmax cross-entropy from logits z (N, K): logsumexp(z) - z_y.
+
+    Gradient softmax(z) - onehot(y); computed with LogSoftmax, stable for any logits.
+    """
     kernels = (cross_entropy_loss, cross_entropy_grad)
     params = {"multiclass": True}
-    return Loss("cross_entropy", CLASSIFICATION, kernels=kernels, reduction=reduction, params=params)
+    return Loss(
+        "cross_entropy", CLASSIFICATION, kernels=kernels, reduction=reduction, params=params
+    )
 
 
 def get(name: str | Loss, **kwargs: Any) -> Loss:

@@ -185,8 +185,13 @@ def momentum(
     if convention not in ("torch", "sklearn"):
         raise ValueError(f"convention must be 'torch' or 'sklearn', got {convention!r}.")
     mu, damp, wd = _f64(momentum), _f64(1.0 - dampening), _f64(weight_decay)
-    params = dict(momentum=momentum, nesterov=nesterov, dampening=dampening,
-                  weight_decay=weight_decay, convention=convention)
+    params = dict(
+        momentum=momentum,
+        nesterov=nesterov,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        convention=convention,
+    )
 
     if convention == "sklearn":
         if dampening:
@@ -233,7 +238,9 @@ def momentum(
     return Optimizer("momentum", (("buffer", 0.0),), fn, params)
 
 
-def _adam_update(b1: float, b2: float, eps: float, wd: float, decoupled: bool, eps_mode: str) -> Any:
+def _adam_update(
+    b1: float, b2: float, eps: float, wd: float, decoupled: bool, eps_mode: str
+) -> Any:
     beta1, beta2, e = _f64(b1), _f64(b2), _f64(eps)
     one_minus_b1, one_minus_b2 = _f64(1.0 - b1), _f64(1.0 - b2)
     coupled, decay = _f64(0.0 if decoupled else wd), _f64(wd if decoupled else 0.0)
@@ -354,8 +361,12 @@ def adagrad(
         clr = lr / (op.CastLike(one, param) + op.CastLike(step, param) * op.CastLike(decay, param))
         return param - clr * g / (op.Sqrt(s) + op.CastLike(e, param)), s
 
-    params = dict(eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value,
-                  weight_decay=weight_decay)
+    params = dict(
+        eps=eps,
+        lr_decay=lr_decay,
+        initial_accumulator_value=initial_accumulator_value,
+        weight_decay=weight_decay,
+    )
     return Optimizer("adagrad", (("sum_sq", initial_accumulator_value),), adagrad_update, params)
 
 
@@ -390,4 +401,14 @@ def get(name: str | Optimizer, **kwargs: Any) -> Optimizer:
     return OPTIMIZERS.get(name, **kwargs)
 
 
-__all__ = ["OPTIMIZERS", "Optimizer", "adagrad", "adam", "adamw", "get", "momentum", "rmsprop", "sgd"]
+__all__ = [
+    "OPTIMIZERS",
+    "Optimizer",
+    "adagrad",
+    "adam",
+    "adamw",
+    "get",
+    "momentum",
+    "rmsprop",
+    "sgd",
+]

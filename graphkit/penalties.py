@@ -108,7 +108,9 @@ class Penalty:
 
     # -- onnxscript functions and models -------------------------------------------------
 
-    def functions(self, name: str) -> tuple[onnxscript.OnnxFunction, onnxscript.OnnxFunction | None]:
+    def functions(
+        self, name: str
+    ) -> tuple[onnxscript.OnnxFunction, onnxscript.OnnxFunction | None]:
         """``(value, gradient)`` scripted functions for weight ``name`` (gradient None for a
         custom penalty, derived by onnxruntime-training)."""
         if self.custom is not None:
@@ -118,7 +120,9 @@ class Penalty:
     def value_model(self, name: str, dtype: object, shape: Sequence[Dim]) -> onnx.ModelProto:
         """``weight -> penalty`` for the weight ``name`` of ``shape``."""
         fn, _ = self.functions(name)
-        return compile_function(fn, dtype, {"weight": tuple(shape), "penalty": ()}, outputs=["penalty"])
+        return compile_function(
+            fn, dtype, {"weight": tuple(shape), "penalty": ()}, outputs=["penalty"]
+        )
 
     def gradient_model(self, name: str, dtype: object, shape: Sequence[Dim]) -> onnx.ModelProto:
         """``weight -> (penalty, weight_grad)``."""
@@ -127,7 +131,10 @@ class Penalty:
             return gradient_model(self.value_model(name, dtype, shape), "penalty", ["weight"])
         value = self.value_model(name, dtype, shape)
         derivative = compile_function(
-            grad, dtype, {"weight": tuple(shape), "weight_grad": tuple(shape)}, outputs=["weight_grad"]
+            grad,
+            dtype,
+            {"weight": tuple(shape), "weight_grad": tuple(shape)},
+            outputs=["weight_grad"],
         )
         produced = splice(value, derivative, {"weight": "weight"}, prefix="grad")
         value.graph.node.append(

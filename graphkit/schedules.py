@@ -175,7 +175,9 @@ def cosine(eta0: float = 0.01, decay_steps: int = 1000, alpha: float = 0.0) -> S
     def cosine_schedule(step: INT64) -> DOUBLE:
         t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), T)
         # onnxruntime has no float64 Cos: the cosine itself is computed in float32.
-        cos = op.Cast(op.Cos(op.Cast(pi_over_T * t, to=onnx.TensorProto.FLOAT)), to=onnx.TensorProto.DOUBLE)
+        cos = op.Cast(
+            op.Cos(op.Cast(pi_over_T * t, to=onnx.TensorProto.FLOAT)), to=onnx.TensorProto.DOUBLE
+        )
         return e * (half_span * (ONE + cos) + a)
 
     return Schedule("cosine", cosine_schedule, eta0=eta0, decay_steps=decay_steps, alpha=alpha)
