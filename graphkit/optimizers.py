@@ -26,8 +26,9 @@ import numpy as np
 import onnx
 import onnxscript
 
-from graphkit._graph import Dim, compile_function, float_dtype
+from graphkit._graph import Dim, compile_function, elem_type, float_dtype, splice
 from graphkit._ort import Runner
+from graphkit.compat import finalize
 from graphkit.dsl import FLOAT, INT64, op, script
 from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.registry import Registry
@@ -410,5 +411,50 @@ __all__ = [
     "get",
     "momentum",
     "rmsprop",
+    "sgd",
+]
+
+
+def scheduled_update_model(
+    optimizer: Optimizer,
+    schedule: Any,
+    param: str,
+    dtype: object,
+    shape: Sequence[Dim],
+) -> onnx.ModelProto:
+    """One weight's update with the learning rate computed in the graph from ``step``.
+
+    Inputs ``param, grad, <state names>, step``; outputs ``param.new, <state>.new``:
+    ``lr = schedule(step)`` (float64, cast to the weight's dtype) feeds ``optimizer``.
+    """
+    update = optimizer.update_model(param, dtype, shape)
+    lr_model = schedule.model()
+    model = onnx.ModelProto()
+    model.CopyFrom(update)
+    lr_input = next(i for i in model.graph.input if i.name == "lr")
+    model.graph.input.remove(lr_input)
+    # "lr" stops being an input: the schedule's nodes, then a Cast, produce it
+    rate = splice(model, lr_model, {"step": "step"}, prefix="schedule")["learning_rate"]
+    model.graph.node.append(
+        onnx.helper.make_node("Cast", [rate], ["lr"], to=elem_type(dtype), name="cast_lr")
+    )
+    # keep the nodes topologically sorted: schedule first, then the update
+    schedule_nodes = list(model.graph.node)[len(update.graph.node) :]
+    update_nodes = list(model.graph.node)[: len(update.graph.node)]
+    del model.graph.node[:]
+    model.graph.node.extend(schedule_nodes + update_nodes)
+    return finalize(model)
+
+
+__all__ = [
+    "OPTIMIZERS",
+    "Optimizer",
+    "adagrad",
+    "adam",
+    "adamw",
+    "get",
+    "momentum",
+    "rmsprop",
+    "scheduled_update_model",
     "sgd",
 ]

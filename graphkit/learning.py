@@ -1,0 +1,389 @@
+"""The seed library's classes, rebuilt on the DSL.
+
+``learning_loss``, ``learning_rate`` and ``learning_penalty`` objects of the older
+library: each wraps a graphkit :class:`~graphkit.losses.Loss`,
+:class:`~graphkit.optimizers.Optimizer` + :class:`~graphkit.schedules.Schedule`, or
+:class:`~graphkit.penalties.Penalty`, and ``build_onnx_function()`` returns the ONNX
+graph it runs. ``select(x)`` takes an alias (``"square_error"``), a class name
+(``"SquareLearningLoss"``) or an instance::
+
+    loss = BaseLearningLoss.select("elastic", l1_weight=0.1, l2_weight=0.9)
+    rate = BaseLearningRate.select("SGDNesterov", eta0=0.01)
+    penalty = BaseLearningPenalty.select("ElasticLearningPenalty", l1=0.1, l2=0.9)
+
+Differences from the seed, on purpose: losses are means over the batch by default
+(``reduction="sum"`` gives the seed's sums); the absolute and elastic gradients are taken
+with respect to the prediction (the seed had the sign wrong); selection by class name
+works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+
+from graphkit import losses as _losses
+from graphkit import optimizers as _optimizers
+from graphkit import penalties as _penalties
+from graphkit import schedules as _schedules
+from graphkit._graph import Dim
+from graphkit.errors import UnknownNameError
+
+
+class BaseLearningOnnx:
+    """Common base: selection by alias, class name or instance."""
+
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def select(cls, x: Any = None, **kwargs: Any) -> Any:
+        """An instance of a subclass of ``cls`` from an alias, a class name or an instance."""
+        if isinstance(x, cls):
+            if kwargs:
+                raise ValueError(
+                    f"Cannot apply {sorted(kwargs)} to an existing {type(x).__name__}."
+                )
+            return x
+        if x is None:
+            x = cls.default
+        if not isinstance(x, str):
+            raise TypeError(f"Cannot select a {cls.__name__} from {type(x).__name__} {x!r}.")
+        key = x.lower().replace("-", "_")
+        choices = {}
+        for sub in _subclasses(cls):
+            for name in (sub.__name__, *sub.aliases):
+                choices[name.lower()] = sub
+        if key not in choices:
+            listed = ", ".join(
+                f"{s.__name__} ({', '.join(s.aliases)})" for s in _subclasses(cls) if s.aliases
+            )
+            raise UnknownNameError(f"Unknown {cls.__name__} {x!r}. Valid choices: {listed}.")
+        return choices[key](**kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe()})"
+
+    def _describe(self) -> str:
+        return ""
+
+
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_subclasses(sub))
+    return found
+
+
+# -- losses -----------------------------------------------------------------------------
+
+
+class BaseLearningLoss(BaseLearningOnnx):
+    """A loss and its gradient with respect to the prediction."""
+
+    default = "square_error"
+
+    def __init__(self, loss: _losses.Loss) -> None:
+        self.loss = loss
+
+    def _describe(self) -> str:
+        return repr(self.loss)
+
+    def build_onnx_function(
+        self,
+        dtype: object = np.float32,
+        weighted: bool = False,
+        prediction_shape: Sequence[Dim] = ("N", "K"),
+    ) -> onnx.ModelProto:
+        """``(prediction, label[, weight]) -> (loss, prediction_grad)``."""
+        return self.loss.gradient_model(dtype, weighted, prediction_shape)
+
+    def loss_gradient(
+        self, prediction: np.ndarray, label: np.ndarray, weight: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(loss, d loss / d prediction)`` on numpy arrays."""
+        return self.loss.value_and_grad(prediction, label, weight)
+
+
+class SquareLearningLoss(BaseLearningLoss):
+    """Squared error: mean over samples of sum_j (p_j - y_j)^2."""
+
+    aliases = ("square_error", "squared_error", "l2")
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(_losses.get("squared_error", reduction=reduction))
+
+
+class AbsoluteLearningLoss(BaseLearningLoss):
+    """Absolute error: mean over samples of sum_j |p_j - y_j|."""
+
+    aliases = ("absolute_error", "l1")
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(_losses.get("absolute_error", reduction=reduction))
+
+
+class ElasticLearningLoss(BaseLearningLoss):
+    """l1_weight |p - y| + l2_weight (p - y)^2."""
+
+    aliases = ("elastic", "elastic_error")
+
+    def __init__(self, l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str = "mean"):
+        super().__init__(
+            _losses.get("elastic", l1_weight=l1_weight, l2_weight=l2_weight, reduction=reduction)
+        )
+
+
+class HuberLearningLoss(BaseLearningLoss):
+    """Huber loss with threshold ``delta``."""
+
+    aliases = ("huber",)
+
+    def __init__(self, delta: float = 1.0, reduction: str = "mean") -> None:
+        super().__init__(_losses.get("huber", delta=delta, reduction=reduction))
+
+
+class NegLogLearningLoss(BaseLearningLoss):
+    """Binary log loss from a raw score s: gradient sigmoid(s) - y (the seed's formula)."""
+
+    aliases = ("log", "neg_log", "sigmoid_log_loss", "binary_log_loss")
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(_losses.get("sigmoid_log_loss", reduction=reduction))
+
+
+class SoftmaxCrossEntropyLearningLoss(BaseLearningLoss):
+    """Softmax cross-entropy from logits, int64 class labels."""
+
+    aliases = ("cross_entropy", "softmax_cross_entropy", "softmax")
+
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__(_losses.get("cross_entropy", reduction=reduction))
+
+
+# -- penalties --------------------------------------------------------------------------
+
+
+class BaseLearningPenalty(BaseLearningOnnx):
+    """A penalty on the weights and its gradient."""
+
+    default = "penalty"
+
+    def __init__(self, penalty: _penalties.Penalty) -> None:
+        self.penalty = penalty
+
+    def _describe(self) -> str:
+        return repr(self.penalty)
+
+    def build_onnx_function(
+        self, name: str = "weight", dtype: object = np.float32, shape: Sequence[Dim] = ("N",)
+    ) -> onnx.ModelProto:
+        """``weight -> (penalty, weight_grad)`` for the weight ``name``."""
+        return self.penalty.gradient_model(name, dtype, shape)
+
+
+class NoLearningPenalty(BaseLearningPenalty):
+    """No penalty."""
+
+    aliases = ("penalty", "none", "no")
+
+    def __init__(self) -> None:
+        super().__init__(_penalties.no_penalty())
+
+
+class ElasticLearningPenalty(BaseLearningPenalty):
+    """l1 sum|w| + l2 sum w^2, on ``weights`` (all trained weights when None)."""
+
+    aliases = ("elastic", "l1l2")
+
+    def __init__(self, l1: float = 0.5, l2: float = 0.5, weights: Sequence[str] | None = None):
+        super().__init__(_penalties.elastic(l1, l2, weights))
+
+
+# -- learning rates ---------------------------------------------------------------------
+
+
+class BaseLearningRate(BaseLearningOnnx):
+    """An optimizer with its learning-rate schedule."""
+
+    default = "SGD"
+
+    def __init__(self, optimizer: _optimizers.Optimizer, schedule: _schedules.Schedule) -> None:
+        self.optimizer = optimizer
+        self.schedule = schedule
+
+    def _describe(self) -> str:
+        return f"{self.optimizer!r}, {self.schedule!r}"
+
+    def value(self, step: int) -> float:
+        """The learning rate at ``step`` (0-based)."""
+        return self.schedule(step)
+
+    def init(self, params: Any) -> dict[str, np.ndarray]:
+        return self.optimizer.init(params)
+
+    def build_onnx_function(
+        self, name: str = "weight", dtype: object = np.float32, shape: Sequence[Dim] = ("N",)
+    ) -> onnx.ModelProto:
+        """``(param, grad, <state>, step) -> (param.new, <state>.new)`` for weight ``name``."""
+        return _optimizers.scheduled_update_model(self.optimizer, self.schedule, name, dtype, shape)
+
+
+def _sgd_schedule(learning_rate: str, eta0: float, alpha: float, power_t: float) -> Any:
+    if learning_rate == "invscaling":
+        return _schedules.invscaling(eta0, power_t)
+    if learning_rate == "constant":
+        return _schedules.constant(eta0)
+    if learning_rate == "optimal":
+        return _schedules.optimal(alpha)
+    raise ValueError(
+        f"learning_rate must be 'invscaling', 'constant' or 'optimal', got {learning_rate!r}."
+    )
+
+
+class LearningRateSGD(BaseLearningRate):
+    """Plain SGD with scikit-learn's schedules (``learning_rate``), as in the seed."""
+
+    aliases = ("sgd",)
+
+    def __init__(
+        self,
+        eta0: float = 0.01,
+        alpha: float = 0.0001,
+        power_t: float = 0.25,
+        learning_rate: str = "invscaling",
+    ) -> None:
+        self.eta0, self.alpha, self.power_t, self.learning_rate = (
+            eta0,
+            alpha,
+            power_t,
+            learning_rate,
+        )
+        super().__init__(_optimizers.sgd(), _sgd_schedule(learning_rate, eta0, alpha, power_t))
+
+
+class LearningRateSGDNesterov(BaseLearningRate):
+    """SGD with momentum (Nesterov by default), scikit-learn's convention as in the seed:
+    v <- momentum v - lr g; w <- w + momentum v - lr g (w + v without Nesterov)."""
+
+    aliases = ("sgdnesterov", "nesterov", "momentum")
+
+    def __init__(
+        self,
+        eta0: float = 0.01,
+        alpha: float = 0.0001,
+        power_t: float = 0.25,
+        learning_rate: str = "invscaling",
+        momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
+        self.eta0, self.alpha, self.power_t, self.learning_rate = (
+            eta0,
+            alpha,
+            power_t,
+            learning_rate,
+        )
+        self.momentum, self.nesterov = momentum, nesterov
+        optimizer = _optimizers.momentum(momentum, nesterov=nesterov, convention="sklearn")
+        super().__init__(optimizer, _sgd_schedule(learning_rate, eta0, alpha, power_t))
+
+
+def _schedule(learning_rate: Any, eta0: float) -> _schedules.Schedule:
+    if learning_rate == "constant":
+        return _schedules.constant(eta0)
+    return _schedules.get(learning_rate)
+
+
+class LearningRateAdam(BaseLearningRate):
+    """Adam; ``learning_rate`` is ``"constant"`` (at ``eta0``) or any schedule."""
+
+    aliases = ("adam",)
+
+    def __init__(
+        self,
+        eta0: float = 0.001,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        eps_mode: str = "corrected",
+        learning_rate: Any = "constant",
+    ) -> None:
+        optimizer = _optimizers.adam(b1, b2, eps, weight_decay, eps_mode)
+        super().__init__(optimizer, _schedule(learning_rate, eta0))
+
+
+class LearningRateAdamW(BaseLearningRate):
+    """AdamW (decoupled weight decay)."""
+
+    aliases = ("adamw",)
+
+    def __init__(
+        self,
+        eta0: float = 0.001,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        eps_mode: str = "corrected",
+        learning_rate: Any = "constant",
+    ) -> None:
+        optimizer = _optimizers.adamw(b1, b2, eps, weight_decay, eps_mode)
+        super().__init__(optimizer, _schedule(learning_rate, eta0))
+
+
+class LearningRateAdagrad(BaseLearningRate):
+    """Adagrad."""
+
+    aliases = ("adagrad",)
+
+    def __init__(
+        self,
+        eta0: float = 0.01,
+        eps: float = 1e-10,
+        lr_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        learning_rate: Any = "constant",
+    ) -> None:
+        optimizer = _optimizers.adagrad(eps, lr_decay, initial_accumulator_value)
+        super().__init__(optimizer, _schedule(learning_rate, eta0))
+
+
+class LearningRateRMSProp(BaseLearningRate):
+    """RMSProp."""
+
+    aliases = ("rmsprop",)
+
+    def __init__(
+        self,
+        eta0: float = 0.01,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        learning_rate: Any = "constant",
+    ) -> None:
+        super().__init__(_optimizers.rmsprop(alpha, eps), _schedule(learning_rate, eta0))
+
+
+__all__ = [
+    "AbsoluteLearningLoss",
+    "BaseLearningLoss",
+    "BaseLearningOnnx",
+    "BaseLearningPenalty",
+    "BaseLearningRate",
+    "ElasticLearningLoss",
+    "ElasticLearningPenalty",
+    "HuberLearningLoss",
+    "LearningRateAdagrad",
+    "LearningRateAdam",
+    "LearningRateAdamW",
+    "LearningRateRMSProp",
+    "LearningRateSGD",
+    "LearningRateSGDNesterov",
+    "NegLogLearningLoss",
+    "NoLearningPenalty",
+    "SoftmaxCrossEntropyLearningLoss",
+    "SquareLearningLoss",
+]

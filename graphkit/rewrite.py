@@ -1,0 +1,444 @@
+"""Graph rewriting: turn a prediction graph into a training graph, and back.
+
+* :func:`add_loss_output` appends a loss (and penalties) to a prediction graph:
+  ``Y = f(X; W)`` becomes ``loss, Y = L(f(X; W), label[, weight]) + P(W)``.
+* :func:`get_train_initializer` lists the weights that can be trained.
+* :func:`initializers_to_inputs` / :func:`inputs_to_initializers` move weights between
+  initializers and graph inputs; :func:`rename_weights` renames them;
+  :func:`set_weights` writes trained values back into the original graph.
+
+Every function returns a new model and leaves its argument unchanged. The names a
+training graph uses are recorded in its ``metadata_props`` (keys ``graphkit.*``) so a
+runtime never has to guess them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxscript
+from onnx import TensorProto, helper, numpy_helper
+
+from graphkit import losses as _losses
+from graphkit import penalties as _penalties
+from graphkit._graph import (
+    ELEM_TO_DTYPE,
+    FLOAT_TYPES,
+    fresh_name,
+    graph_names,
+    rename_tensors,
+    splice,
+    static_shape,
+    value_info,
+)
+from graphkit.compat import DSL_OPSET, finalize, make_compatible
+from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+
+# metadata keys of a training graph
+META_LOSS = "graphkit.loss_output"
+META_LABEL = "graphkit.label_input"
+META_WEIGHT = "graphkit.weight_input"
+META_PREDICTION = "graphkit.prediction_output"
+META_LOSS_FUNCTION = "graphkit.loss_function"
+
+_TRAINABLE_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
+
+
+def get_train_initializer(onx: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The float initializers of ``onx`` (the weights that can be trained), in graph order.
+
+    Integer initializers (skl2onnx's ``shape_tensor``, class labels...) are left out.
+    """
+    return {
+        init.name: numpy_helper.to_array(init)
+        for init in onx.graph.initializer
+        if init.data_type in _TRAINABLE_TYPES
+    }
+
+
+def check_weight_names(onx: onnx.ModelProto, names: Iterable[str]) -> list[str]:
+    """Return ``names`` as a list after checking each is a float initializer of ``onx``.
+
+    Raises:
+        UnknownNameError: listing the trainable weights when a name is not one.
+    """
+    names = list(names)
+    trainable = list(get_train_initializer(onx))
+    unknown = [n for n in names if n not in trainable]
+    if unknown:
+        others = {i.name for i in onx.graph.initializer} - set(trainable)
+        detail = (
+            f" ({sorted(others & set(unknown))} are not float)" if others & set(unknown) else ""
+        )
+        raise UnknownNameError(
+            f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a trainable weight of the "
+            f"model{detail}. Trainable weights (float initializers): {trainable}."
+        )
+    return names
+
+
+def add_loss_output(
+    onx: onnx.ModelProto,
+    score_name: str | _losses.Loss | onnxscript.OnnxFunction = "squared_error",
+    loss_name: str = "loss",
+    label_name: str = "label",
+    weight_name: str | None = None,
+    penalty: Mapping[str, Any] | _penalties.Penalty | None = None,
+    output_index: int | str | None = None,
+    **kwargs: Any,
+) -> onnx.ModelProto:
+    """Append a loss to a prediction graph.
+
+    The returned graph has a new input ``label_name`` (and ``weight_name`` for sample
+    weights when given) and outputs ``loss_name`` first, then the original outputs.
+
+    Args:
+        onx: the prediction graph (converted to a supported IR version / opset if needed).
+        score_name: ``"squared_error"``/``"l2"``, ``"absolute_error"``/``"l1"``,
+            ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
+            ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
+            on a single probability column), ``"cross_entropy"`` (softmax from logits),
+            ``"sigmoid_log_loss"`` (binary, from a raw score), a :class:`~graphkit.losses.Loss`
+            or a user onnxscript function of ``(prediction, label[, weight])``.
+        loss_name: name of the loss output.
+        label_name: name of the label input (float like the prediction for regression,
+            int64 class indices of shape (N,) for classification).
+        weight_name: name of a sample-weight input (N,), or None for no weights.
+        penalty: ``{"coef": {"l1": a, "l2": b}}`` or ``{"coef": b}`` (an l2
+            coefficient), or a :class:`~graphkit.penalties.Penalty`; penalized names must be
+            float initializers.
+        output_index: the output the loss applies to, by position or name; required when
+            the graph has several outputs.
+        kwargs: hyper-parameters of the loss (``l1_weight``, ``delta``, ``eps``,
+            ``reduction``: ``"mean"`` by default, ``"sum"`` as in the seed library).
+
+    Returns:
+        The training graph, a new model.
+
+    Example:
+        >>> onx_loss = add_loss_output(onx, "elastic", l1_weight=0.1, l2_weight=0.9,
+        ...                            penalty={"coef": {"l2": 0.01}})  # doctest: +SKIP
+    """
+    model = make_compatible(onx, min_opset=DSL_OPSET)
+    prediction = _select_output(model, output_index)
+    elem = prediction.type.tensor_type.elem_type
+    if elem not in FLOAT_TYPES.values():
+        raise DTypeError(
+            f"Output {prediction.name!r} is {TensorProto.DataType.Name(elem)}; a loss needs a "
+            "float32 or float64 prediction. Choose another output with output_index."
+        )
+    dtype = ELEM_TO_DTYPE[elem]
+    shape = _prediction_shape(prediction)
+    loss = _make_loss(score_name, shape, kwargs)
+    _check_prediction_shape(loss, shape, prediction.name)
+
+    weighted = weight_name is not None
+    piece = loss.value_model(dtype, weighted, shape)
+    taken = graph_names(model.graph)
+    label_name = _new_name(model, label_name, taken, "label_name")
+    wiring = {"prediction": prediction.name, "label": label_name}
+    model.graph.input.append(
+        value_info(label_name, _input_elem(piece, "label"), _dims(piece, "label"))
+    )
+    if weighted:
+        weight_name = _new_name(model, weight_name, taken, "weight_name")  # type: ignore[arg-type]
+        wiring["weight"] = weight_name
+        model.graph.input.append(value_info(weight_name, elem, _dims(piece, "weight")))
+    loss_name = _new_name(model, loss_name, taken, "loss_name")
+    data_loss = splice(model, piece, wiring, prefix="loss")["loss"]
+
+    terms = [data_loss] + _add_penalties(model, _penalties.from_spec(penalty), loss)
+    if len(terms) == 1:
+        model.graph.node.append(helper.make_node("Identity", terms, [loss_name], name=loss_name))
+    else:
+        model.graph.node.append(helper.make_node("Sum", terms, [loss_name], name=loss_name))
+    loss_value = value_info(loss_name, elem, _dims(piece, "loss"))
+    outputs = [loss_value, *model.graph.output]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+
+    description = {"name": loss.name, "reduction": loss.reduction, **_jsonable(loss.params)}
+    _set_metadata(
+        model,
+        {
+            META_LOSS: loss_name,
+            META_LABEL: label_name,
+            META_WEIGHT: weight_name or "",
+            META_PREDICTION: prediction.name,
+            META_LOSS_FUNCTION: json.dumps(description),
+        },
+    )
+    return finalize(model)
+
+
+def _select_output(model: onnx.ModelProto, output_index: int | str | None) -> onnx.ValueInfoProto:
+    outputs = list(model.graph.output)
+    names = [o.name for o in outputs]
+    if output_index is None:
+        if len(outputs) != 1:
+            raise ValueError(
+                f"The graph has {len(outputs)} outputs {names}: say which one the loss "
+                "applies to with output_index (a position or a name), e.g. "
+                f"output_index={names[-1]!r}."
+            )
+        chosen = outputs[0]
+    elif isinstance(output_index, str):
+        if output_index not in names:
+            raise UnknownNameError(
+                f"output_index={output_index!r} names no output; outputs are {names}."
+            )
+        chosen = outputs[names.index(output_index)]
+    else:
+        if not -len(outputs) <= int(output_index) < len(outputs):
+            raise UnknownNameError(
+                f"output_index={output_index} is out of range: the graph has "
+                f"{len(outputs)} outputs {names}."
+            )
+        chosen = outputs[int(output_index)]
+    if not chosen.type.HasField("tensor_type"):
+        raise DTypeError(
+            f"Output {chosen.name!r} is a {chosen.type.WhichOneof('value')}, not a tensor. "
+            "For a skl2onnx classifier convert with options={'zipmap': False}."
+        )
+    return chosen
+
+
+def _prediction_shape(value: onnx.ValueInfoProto) -> tuple[int | str, ...]:
+    dims = static_shape(value)
+    if dims is None:
+        return ("N", "K")  # rank unknown: assume a 2-D prediction
+    named: list[int | str] = []
+    for i, dim in enumerate(dims):
+        if isinstance(dim, int):
+            named.append(dim)
+        elif dim:
+            named.append(dim)
+        else:
+            named.append("N" if i == 0 else f"{value.name}_dim{i}")
+    return tuple(named)
+
+
+def _make_loss(score: Any, shape: tuple[int | str, ...], kwargs: dict[str, Any]) -> _losses.Loss:
+    if isinstance(score, onnxscript.OnnxFunction):
+        if kwargs:
+            raise ValueError(f"A custom loss takes no hyper-parameters, got {sorted(kwargs)}.")
+        return _losses.custom_loss(score)
+    if isinstance(score, _losses.Loss):
+        return _losses.get(score, **kwargs)
+    if not isinstance(score, str):
+        raise TypeError(
+            f"score_name must be a loss name, a graphkit Loss or an onnxscript function, "
+            f"not {type(score).__name__}."
+        )
+    if _losses.LOSSES.canonical(score) == "log_loss" and "binary" not in kwargs:
+        columns = shape[1] if len(shape) == 2 else 1
+        kwargs = {**kwargs, "binary": len(shape) == 1 or columns == 1}
+    try:
+        return _losses.get(score, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"Loss {score!r} does not take these arguments: {exc}") from exc
+
+
+def _check_prediction_shape(loss: _losses.Loss, shape: tuple[int | str, ...], name: str) -> None:
+    if loss.params.get("multiclass"):
+        if len(shape) != 2:
+            raise ShapeError(
+                f"Loss {loss.name!r} needs a (N, K) prediction; output {name!r} has rank "
+                f"{len(shape)}."
+            )
+        if isinstance(shape[1], int) and shape[1] < 2:
+            raise ShapeError(
+                f"Loss {loss.name!r} needs K >= 2 class columns; output {name!r} has "
+                f"{shape[1]}. For one probability column use score_name='log' with "
+                "binary=True, for a raw score 'sigmoid_log_loss'."
+            )
+    if loss.name == "sigmoid_log_loss" or loss.params.get("binary"):
+        if len(shape) > 2 or (len(shape) == 2 and isinstance(shape[1], int) and shape[1] != 1):
+            raise ShapeError(
+                f"Loss {loss.name!r} needs one score or probability per sample; output "
+                f"{name!r} has shape {shape}."
+            )
+
+
+def _new_name(model: onnx.ModelProto, wanted: str, taken: set[str], argument: str) -> str:
+    """``wanted`` if free; an internal tensor of that name is renamed; otherwise a fresh
+    name derived from it (with a warning naming it)."""
+    if wanted not in taken:
+        taken.add(wanted)
+        return wanted
+    interface = {v.name for v in [*model.graph.input, *model.graph.output]}
+    interface |= {i.name for i in model.graph.initializer}
+    if wanted not in interface:
+        replacement = fresh_name(f"{wanted}_internal", taken)
+        rename_tensors(model.graph, lambda n: replacement if n == wanted else n)
+        return wanted
+    name = fresh_name(wanted, taken)
+    warnings.warn(
+        f"{argument}={wanted!r} is already an input, output or initializer of the graph; "
+        f"using {name!r} instead (pass another {argument} to choose it).",
+        stacklevel=3,
+    )
+    return name
+
+
+def _input_elem(piece: onnx.ModelProto, name: str) -> int:
+    return next(i.type.tensor_type.elem_type for i in piece.graph.input if i.name == name)
+
+
+def _dims(piece: onnx.ModelProto, name: str) -> list[int | str | None]:
+    for value in [*piece.graph.input, *piece.graph.output]:
+        if value.name == name:
+            return static_shape(value) or []
+    raise KeyError(name)
+
+
+def _add_penalties(
+    model: onnx.ModelProto, penalty: _penalties.Penalty, loss: _losses.Loss
+) -> list[str]:
+    weights = get_train_initializer(model)
+    names = penalty.penalized(weights)
+    if not names or penalty.is_zero:
+        return []
+    if loss.reduction == "none":
+        raise ValueError("A penalty cannot be added to a per-sample loss (reduction='none').")
+    terms = []
+    for name in names:
+        value = weights[name]
+        piece = penalty.value_model(name, value.dtype, value.shape)
+        terms.append(splice(model, piece, {"weight": name}, prefix=f"penalty/{name}")["penalty"])
+    return terms
+
+
+def _jsonable(params: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}
+
+
+def _set_metadata(model: onnx.ModelProto, values: Mapping[str, str]) -> None:
+    kept = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in values.items():
+        model.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
+
+
+def metadata(model: onnx.ModelProto) -> dict[str, str]:
+    """The ``graphkit.*`` metadata of a training graph (empty for other graphs)."""
+    return {p.key: p.value for p in model.metadata_props if p.key.startswith("graphkit.")}
+
+
+# -- moving weights -------------------------------------------------------------------------
+
+
+def _copy(onx: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(onx)
+    return out
+
+
+def initializers_to_inputs(
+    onx: onnx.ModelProto, names: Iterable[str] | None = None
+) -> onnx.ModelProto:
+    """Turn initializers (all float ones when ``names`` is None) into graph inputs.
+
+    The new inputs come after the existing ones, in the order of ``names``.
+    """
+    names = list(get_train_initializer(onx)) if names is None else check_weight_names(onx, names)
+    model = _copy(onx)
+    chosen = {i.name: i for i in model.graph.initializer if i.name in set(names)}
+    kept = [i for i in model.graph.initializer if i.name not in chosen]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.graph.input.extend(
+        helper.make_tensor_value_info(n, chosen[n].data_type, list(chosen[n].dims)) for n in names
+    )
+    return model
+
+
+def inputs_to_initializers(onx: onnx.ModelProto, values: Mapping[str, Any]) -> onnx.ModelProto:
+    """Turn the graph inputs named in ``values`` into initializers holding those values."""
+    model = _copy(onx)
+    inputs = {i.name: i for i in model.graph.input}
+    unknown = [n for n in values if n not in inputs]
+    if unknown:
+        raise UnknownNameError(f"{unknown} are not inputs of the graph; inputs: {list(inputs)}.")
+    for name, value in values.items():
+        model.graph.initializer.append(_tensor_for(inputs[name], name, value))
+    kept = [i for i in model.graph.input if i.name not in values]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    return model
+
+
+def _tensor_for(value_info_: onnx.ValueInfoProto, name: str, value: Any) -> onnx.TensorProto:
+    elem = value_info_.type.tensor_type.elem_type
+    array = np.asarray(value)
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    if array.dtype != dtype:
+        if array.dtype.kind != np.dtype(dtype).kind:
+            raise DTypeError(f"{name!r} is {np.dtype(dtype)}, the value given is {array.dtype}.")
+        array = array.astype(dtype)
+    dims = static_shape(value_info_)
+    if dims is not None and (
+        len(dims) != array.ndim
+        or any(isinstance(d, int) and d != s for d, s in zip(dims, array.shape))
+    ):
+        raise ShapeError(f"{name!r} has shape {dims}, the value given {array.shape}.")
+    return numpy_helper.from_array(array, name)
+
+
+def rename_weights(onx: onnx.ModelProto, mapping: Mapping[str, str]) -> onnx.ModelProto:
+    """Rename initializers (and every use of them, subgraphs included)."""
+    initializers = [i.name for i in onx.graph.initializer]
+    unknown = [n for n in mapping if n not in initializers]
+    if unknown:
+        raise UnknownNameError(f"{unknown} are not initializers; initializers: {initializers}.")
+    taken = graph_names(onx.graph) - set(mapping)
+    clashes = [new for new in mapping.values() if new in taken]
+    if clashes or len(set(mapping.values())) != len(mapping):
+        raise ValueError(f"New names {clashes or list(mapping.values())} are already used.")
+    model = _copy(onx)
+    rename_tensors(model.graph, lambda n: mapping.get(n, n))
+    return model
+
+
+def set_weights(onx: onnx.ModelProto, weights: Mapping[str, Any]) -> onnx.ModelProto:
+    """A copy of ``onx`` whose initializers hold ``weights`` (trained values, say).
+
+    Names must be initializers; dtypes and shapes must match the original ones.
+    """
+    model = _copy(onx)
+    index = {init.name: i for i, init in enumerate(model.graph.initializer)}
+    unknown = [n for n in weights if n not in index]
+    if unknown:
+        raise UnknownNameError(
+            f"{unknown} are not initializers of the model; initializers: {list(index)}."
+        )
+    for name, value in weights.items():
+        old = model.graph.initializer[index[name]]
+        array = np.asarray(value)
+        expected = helper.tensor_dtype_to_np_dtype(old.data_type)
+        if tuple(old.dims) != array.shape:
+            raise ShapeError(f"{name!r} has shape {tuple(old.dims)}, the value {array.shape}.")
+        if array.dtype != expected:
+            if array.dtype.kind != np.dtype(expected).kind:
+                raise DTypeError(f"{name!r} is {np.dtype(expected)}, the value {array.dtype}.")
+            array = array.astype(expected)
+        model.graph.initializer[index[name]].CopyFrom(numpy_helper.from_array(array, name))
+    return model
+
+
+__all__ = [
+    "add_loss_output",
+    "check_weight_names",
+    "get_train_initializer",
+    "initializers_to_inputs",
+    "inputs_to_initializers",
+    "metadata",
+    "rename_weights",
+    "set_weights",
+]
