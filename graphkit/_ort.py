@@ -18,6 +18,9 @@ import onnx
 from graphkit.errors import IncompatibleModelError
 
 CPU = ("CPUExecutionProvider",)
+_NO_KERNEL = re.compile(
+    r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'"
+)
 
 
 @functools.cache
@@ -48,6 +51,14 @@ def inference_session(model: onnx.ModelProto | bytes, providers: Sequence[str] =
     try:
         return ort.InferenceSession(data, session_options(), providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
+        missing = _NO_KERNEL.search(str(exc))
+        if missing:
+            raise IncompatibleModelError(
+                f"onnxruntime-training 1.19.2 has no kernel for operator {missing.group(1)!r} "
+                f"(node {missing.group(2)!r}) with these element types. Several gradient "
+                "operators (LogSoftmaxGrad, SoftmaxGrad...) exist for float32 only: train in "
+                "float32, or avoid this operator."
+            ) from exc
         raise IncompatibleModelError(
             f"onnxruntime-training 1.19.2 cannot load this model: {_short(exc)}"
         ) from exc

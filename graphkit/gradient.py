@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import onnx
 
+from graphkit._graph import fresh_name, graph_names
 from graphkit._ort import _short, onnxruntime
 from graphkit.compat import finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
@@ -49,10 +50,12 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
             f"Cannot differentiate with respect to {unknown}: not an input or initializer. "
             f"Candidates: {known}."
         )
+    model = _isolate(model, wrt)
+    model, target = _float32_target(model, output)
     builder_cls = onnxruntime().capi._pybind_state.GradientGraphBuilder
     try:
         with _quiet_native_stderr(), tempfile.TemporaryDirectory() as folder:
-            builder = builder_cls(model.SerializeToString(), {output}, set(wrt), output)
+            builder = builder_cls(model.SerializeToString(), {target}, set(wrt), target)
             builder.build()
             path = os.path.join(folder, "gradient.onnx")
             builder.save(path)
@@ -68,7 +71,54 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
                 "keep it off the path between the weights and the loss."
             ) from exc
         raise MissingGradientError(f"Building the gradient graph failed: {_short(exc)}") from exc
+    if target != output:
+        extra = next(o for o in grad.graph.output if o.name == target)
+        grad.graph.output.remove(extra)
     return finalize(grad, check=False)
+
+
+def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
+    """Route each name of ``wrt`` through an Identity before its consumers.
+
+    onnxruntime-training 1.19.2 emits ``<name>_grad`` twice (an invalid graph) when one
+    node reads a differentiated input twice, as ``Mul(w, w)`` does.
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    taken = graph_names(copy.graph)
+    mapping = {name: fresh_name(f"{name}__read", taken) for name in wrt}
+    for node in copy.graph.node:
+        node.input[:] = [mapping.get(n, n) for n in node.input]
+    nodes = [onnx.helper.make_node("Identity", [n], [m]) for n, m in mapping.items()]
+    nodes.extend(copy.graph.node)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    return copy
+
+
+def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProto, str]:
+    """The model and the name of a float32 version of ``output`` to differentiate.
+
+    onnxruntime-training 1.19.2 seeds the gradient of the differentiated output with a
+    float32 tensor, so a float64 loss fails to build. Differentiating ``Cast(loss, float)``
+    instead is exact: the seed is 1 and Cast's gradient casts it back to float64.
+    """
+    value = next(o for o in model.graph.output if o.name == output)
+    if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+        return model, output
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    target = f"{output}__float32"
+    copy.graph.node.append(
+        onnx.helper.make_node("Cast", [output], [target], to=onnx.TensorProto.FLOAT)
+    )
+    shape = value.type.tensor_type.shape
+    copy.graph.output.append(
+        onnx.helper.make_tensor_value_info(
+            target, onnx.TensorProto.FLOAT, [d.dim_value or d.dim_param or None for d in shape.dim]
+        )
+    )
+    return copy, target
 
 
 @contextlib.contextmanager

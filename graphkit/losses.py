@@ -90,7 +90,7 @@ def absolute_error_derivative(d: FLOAT) -> FLOAT:
 def _elastic(l1_weight: float, l2_weight: float) -> tuple[Any, Any]:
     a = np.array(l1_weight, dtype=np.float64)
     b = np.array(l2_weight, dtype=np.float64)
-    two_b = 2.0 * b
+    two_b = np.array(2.0 * l2_weight, dtype=np.float64)  # a 0-d array: eager mode keeps float64
 
     @script()
     def elastic(d: FLOAT) -> FLOAT:

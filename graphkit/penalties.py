@@ -30,7 +30,7 @@ from graphkit.registry import Registry
 def _elastic_functions(l1: float, l2: float) -> tuple[Any, Any]:
     a = np.array(l1, dtype=np.float64)
     b = np.array(l2, dtype=np.float64)
-    two_b = 2.0 * b
+    two_b = np.array(2.0 * l2, dtype=np.float64)  # a 0-d array: eager mode keeps float64
 
     @script()
     def elastic_penalty(weight: FLOAT) -> FLOAT:

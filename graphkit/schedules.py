@@ -70,6 +70,8 @@ class Schedule:
 
 SCHEDULES: Registry[Schedule] = Registry("schedule")
 ONE = _f64(1.0)
+# a float64 tensor to CastLike constants against where no float64 tensor exists yet
+lr_type = np.array(0.0, dtype=np.float64)
 ZERO_STEP = np.array(0, dtype=np.int64)
 
 
@@ -87,7 +89,7 @@ def constant(eta0: float = 0.01) -> Schedule:
 
     @script()
     def constant_schedule(step: INT64) -> DOUBLE:
-        return op.Identity(value)
+        return op.CastLike(value, lr_type)
 
     return Schedule("constant", constant_schedule, eta0=eta0)
 
@@ -102,8 +104,8 @@ def invscaling(eta0: float = 0.01, power_t: float = 0.25) -> Schedule:
 
     @script()
     def invscaling_schedule(step: INT64) -> DOUBLE:
-        t = op.Cast(step, to=onnx.TensorProto.DOUBLE) + ONE
-        return e / op.Pow(t, p)
+        t = op.Cast(step, to=onnx.TensorProto.DOUBLE) + op.CastLike(ONE, lr_type)
+        return op.CastLike(e, t) / op.Pow(t, op.CastLike(p, t))
 
     return Schedule("invscaling", invscaling_schedule, eta0=eta0, power_t=power_t)
 
@@ -123,7 +125,7 @@ def optimal(alpha: float = 1e-4) -> Schedule:
     @script()
     def optimal_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
-        return op.Reciprocal(a * (t0_ + t))
+        return op.Reciprocal(op.CastLike(a, t) * (op.CastLike(t0_, t) + t))
 
     return Schedule("optimal", optimal_schedule, alpha=alpha)
 
@@ -137,8 +139,8 @@ def step_decay(eta0: float = 0.01, step_size: int = 100, gamma: float = 0.1) -> 
 
     @script()
     def step_schedule(step: INT64) -> DOUBLE:
-        k = op.Cast(op.Div(step, size), to=onnx.TensorProto.DOUBLE)  # integer division
-        return e * op.Pow(g, k)
+        k = op.Cast(op.Div(step, op.CastLike(size, step)), to=onnx.TensorProto.DOUBLE)
+        return op.CastLike(e, k) * op.Pow(op.CastLike(g, k), k)  # k: integer division
 
     return Schedule("step", step_schedule, eta0=eta0, step_size=step_size, gamma=gamma)
 
@@ -151,7 +153,8 @@ def exponential(eta0: float = 0.01, gamma: float = 0.99) -> Schedule:
 
     @script()
     def exponential_schedule(step: INT64) -> DOUBLE:
-        return e * op.Pow(g, op.Cast(step, to=onnx.TensorProto.DOUBLE))
+        t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
+        return op.CastLike(e, t) * op.Pow(op.CastLike(g, t), t)
 
     return Schedule("exponential", exponential_schedule, eta0=eta0, gamma=gamma)
 
@@ -173,12 +176,12 @@ def cosine(eta0: float = 0.01, decay_steps: int = 1000, alpha: float = 0.0) -> S
 
     @script()
     def cosine_schedule(step: INT64) -> DOUBLE:
-        t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), T)
+        t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), op.CastLike(T, lr_type))
         # onnxruntime has no float64 Cos: the cosine itself is computed in float32.
-        cos = op.Cast(
-            op.Cos(op.Cast(pi_over_T * t, to=onnx.TensorProto.FLOAT)), to=onnx.TensorProto.DOUBLE
-        )
-        return e * (half_span * (ONE + cos) + a)
+        angle = op.Cast(op.CastLike(pi_over_T, t) * t, to=onnx.TensorProto.FLOAT)
+        cos = op.Cast(op.Cos(angle), to=onnx.TensorProto.DOUBLE)
+        span = op.CastLike(half_span, t) * (op.CastLike(ONE, t) + cos)
+        return op.CastLike(e, t) * (span + op.CastLike(a, t))
 
     return Schedule("cosine", cosine_schedule, eta0=eta0, decay_steps=decay_steps, alpha=alpha)
 
@@ -205,10 +208,13 @@ def warmup(
     @script()
     def warmup_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
-        peak = inner(ZERO_STEP)
-        ramp = init + (peak - init) * t / w_f
-        after = inner(op.Max(step - W, ZERO_STEP))
-        return op.Where(step < W, ramp, after)
+        zero = op.CastLike(ZERO_STEP, step)
+        start = op.CastLike(init, t)
+        peak = inner(zero)
+        ramp = start + (peak - start) * t / op.CastLike(w_f, t)
+        end = op.CastLike(W, step)
+        after = inner(op.Max(step - end, zero))
+        return op.Where(step < end, ramp, after)
 
     return Schedule(
         "warmup", warmup_schedule, schedule=base, warmup_steps=warmup_steps, init_value=init_value

@@ -1,0 +1,91 @@
+"""Shared fixtures: small real models from scikit-learn (skl2onnx) and PyTorch."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def linear_regression_onnx(coef: np.ndarray, intercept: np.ndarray) -> onnx.ModelProto:
+    """Y = X coef + intercept, built by hand with onnx.helper (opset 18, IR 10)."""
+    dtype = TensorProto.FLOAT if coef.dtype == np.float32 else TensorProto.DOUBLE
+    n_features, n_targets = coef.shape
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["X", "coef"], ["XW"]),
+            helper.make_node("Add", ["XW", "intercept"], ["Y"]),
+        ],
+        "linear_regression",
+        [helper.make_tensor_value_info("X", dtype, ["N", n_features])],
+        [helper.make_tensor_value_info("Y", dtype, ["N", n_targets])],
+        [numpy_helper.from_array(coef, "coef"), numpy_helper.from_array(intercept, "intercept")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.fixture(scope="session")
+def regression_data() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import make_regression
+
+    X, y = make_regression(200, 4, noise=0.5, random_state=0)
+    return X.astype(np.float32), (y / 100).astype(np.float32)
+
+
+@pytest.fixture(scope="session")
+def classification_data() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(200, 4, n_classes=3, n_informative=3, n_redundant=0, random_state=0)
+    return X.astype(np.float32), y.astype(np.int64)
+
+
+@pytest.fixture(scope="session")
+def mlp_regressor(regression_data):
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPRegressor
+
+    X, y = regression_data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MLPRegressor(hidden_layer_sizes=(6,), max_iter=30, random_state=0).fit(X, y)
+    return model, to_onnx(model, X[:1])
+
+
+@pytest.fixture(scope="session")
+def mlp_classifier(classification_data):
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPClassifier
+
+    X, y = classification_data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MLPClassifier(hidden_layer_sizes=(6,), max_iter=30, random_state=0).fit(X, y)
+    return model, to_onnx(model, X[:1], options={"zipmap": False})
+
+
+@pytest.fixture(scope="session")
+def torch_mlp(tmp_path_factory):
+    """A torch MLP and its torch.onnx.export (dotted weight names, Gemm)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    path = tmp_path_factory.mktemp("torch") / "mlp.onnx"
+    torch.onnx.export(
+        net,
+        (torch.randn(2, 4),),
+        str(path),
+        input_names=["X"],
+        output_names=["Y"],
+        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+        dynamo=False,
+    )
+    return net, onnx.load(str(path))
