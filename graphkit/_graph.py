@@ -105,7 +105,7 @@ def resolve_castlike(model: onnx.ModelProto) -> None:
         if target is None:
             nodes.append(node)
         elif node.input[0] in constants:
-            value = constants[node.input[0]].astype(helper.tensor_dtype_to_np_dtype(target))
+            value = _widen(constants[node.input[0]], helper.tensor_dtype_to_np_dtype(target))
             tensor = numpy_helper.from_array(value, node.output[0])
             nodes.append(
                 helper.make_node("Constant", [], [node.output[0]], name=node.name, value=tensor)
@@ -118,6 +118,23 @@ def resolve_castlike(model: onnx.ModelProto) -> None:
             )
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    used = {name for node in nodes for name in node.input}
+    kept = [i for i in model.graph.initializer if i.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+
+
+def _widen(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Cast a constant; float32 -> float64 goes through the shortest decimal repr.
+
+    onnxscript stores a Python literal such as ``0.8`` as float32; cast naively it would
+    mean 0.800000011920929 in a float64 model. ``str(np.float32(0.8))`` is ``"0.8"``.
+    """
+    if value.dtype == np.float32 and np.dtype(dtype) == np.float64:
+        return np.array([float(str(v)) for v in value.ravel()], dtype=np.float64).reshape(
+            value.shape
+        )
+    return value.astype(dtype)
 
 
 def _set_type(value: onnx.ValueInfoProto, elem: int, shape: Iterable[Dim]) -> None:

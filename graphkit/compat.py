@@ -27,8 +27,8 @@ DSL_OPSET = 18
 _MAX_IR10_ELEM_TYPE = TensorProto.INT4
 
 _REEXPORT_HINT = (
-    "Re-export the model with an older opset, e.g. torch.onnx.export(..., opset_version=18) "
-    "or skl2onnx.to_onnx(..., target_opset=18)."
+    "Re-export the model with an opset from 18 to 21, e.g. "
+    "torch.onnx.export(..., opset_version=18) or skl2onnx.to_onnx(..., target_opset=18)."
 )
 
 
@@ -105,9 +105,7 @@ def finalize(
 def _lower_ir_version(model: onnx.ModelProto) -> None:
     if model.ir_version <= MAX_IR_VERSION:
         return
-    too_new = sorted(
-        {TensorProto.DataType.Name(t) for t in _elem_types(model.graph) if t > _MAX_IR10_ELEM_TYPE}
-    )
+    too_new = sorted({_type_name(t) for t in _elem_types(model.graph) if t > _MAX_IR10_ELEM_TYPE})
     if too_new:
         raise IncompatibleModelError(
             f"The model has IR version {model.ir_version} and uses element types "
@@ -116,6 +114,13 @@ def _lower_ir_version(model: onnx.ModelProto) -> None:
             "float32 or float16 before training."
         )
     model.ir_version = MAX_IR_VERSION
+
+
+def _type_name(elem: int) -> str:
+    try:
+        return TensorProto.DataType.Name(elem)
+    except ValueError:  # newer than this onnx release (FLOAT4E2M1 is 23, FLOAT8E8M0 24...)
+        return f"element type {elem}"
 
 
 def _elem_types(graph: onnx.GraphProto):
@@ -139,6 +144,13 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
 
     try:
         converted = version_converter.convert_version(model, target)
+        # value_info entries are hints; the converter leaves some untyped (skl2onnx graphs)
+        del converted.graph.value_info[:]
+        # and it drops the type of non-tensor inputs / outputs (sequences of maps)
+        original = {v.name: v for v in [*model.graph.input, *model.graph.output]}
+        for value in [*converted.graph.input, *converted.graph.output]:
+            if not value.HasField("type") and value.name in original:
+                value.type.CopyFrom(original[value.name].type)
         onnx.checker.check_model(converted)
     except Exception as exc:
         direction = "down" if target < source else "up"

@@ -152,11 +152,13 @@ def add_loss_output(
     loss_name = _new_name(model, loss_name, taken, "loss_name")
     data_loss = splice(model, piece, wiring, prefix="loss")["loss"]
 
-    terms = [data_loss] + _add_penalties(model, _penalties.from_spec(penalty), loss)
-    if len(terms) == 1:
-        model.graph.node.append(helper.make_node("Identity", terms, [loss_name], name=loss_name))
-    else:
-        model.graph.node.append(helper.make_node("Sum", terms, [loss_name], name=loss_name))
+    total = data_loss
+    for i, term in enumerate(_add_penalties(model, _penalties.from_spec(penalty), loss)):
+        # a chain of Add: onnxruntime-training has no gradient for Sum
+        partial = fresh_name(f"loss/total_{i}", taken)
+        model.graph.node.append(helper.make_node("Add", [total, term], [partial], name=partial))
+        total = partial
+    model.graph.node.append(helper.make_node("Identity", [total], [loss_name], name=loss_name))
     loss_value = value_info(loss_name, elem, _dims(piece, "loss"))
     outputs = [loss_value, *model.graph.output]
     del model.graph.output[:]
