@@ -7,6 +7,7 @@ training graph. The training runtime lives in ``graphkit_train``.
 """
 
 from graphkit import compat, dsl, losses, optimizers, penalties, schedules
+from graphkit._ort import run
 from graphkit.errors import (
     ConvergenceError,
     DTypeError,
@@ -95,6 +96,7 @@ __all__ = [
     "optimizers",
     "penalties",
     "rename_weights",
+    "run",
     "schedules",
     "set_weights",
 ]

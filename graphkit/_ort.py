@@ -85,3 +85,21 @@ def _short(exc: BaseException) -> str:
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
     text = re.sub(r"/onnxruntime_src/\S+ [^\n]*? (?=\S+ was false\.)", "", text)
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run(model: onnx.ModelProto, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Run ``model`` once on CPU with numpy ``feeds``; return ``{output name: array}``.
+
+    A convenience for notebooks and tests (it builds a session on every call): the
+    training runtime keeps its sessions bound instead.
+    """
+    runner = Runner(model)
+    unknown = sorted(set(feeds) - set(runner.input_names))
+    missing = sorted(set(runner.input_names) - set(feeds))
+    if unknown or missing:
+        raise ValueError(
+            f"Feeds do not match the graph inputs {runner.input_names}: "
+            f"missing {missing}, unknown {unknown}."
+        )
+    arrays = {k: np.asarray(v) for k, v in feeds.items()}
+    return dict(zip(runner.output_names, runner(arrays)))

@@ -1,0 +1,1 @@
+"""graphkit_train: the training runtime (full training and forward/backward training)."""
