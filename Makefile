@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m graphkit.demo
+	$(BIN)/graphkit-train --output out/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

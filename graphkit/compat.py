@@ -64,6 +64,7 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    _merge_opset_imports(out)
     _lower_ir_version(out)
     opset = opset_of(out)
     if opset is None:
@@ -100,6 +101,17 @@ def finalize(
     if check:
         onnx.checker.check_model(model, full_check=full_check)
     return model
+
+
+def _merge_opset_imports(model: onnx.ModelProto) -> None:
+    """One entry per domain, the highest version ("ai.onnx" is ""); skl2onnx sometimes
+    writes the default domain twice, and the version converter then updates only one."""
+    versions: dict[str, int] = {}
+    for entry in model.opset_import:
+        domain = "" if entry.domain == "ai.onnx" else entry.domain
+        versions[domain] = max(versions.get(domain, 0), entry.version)
+    del model.opset_import[:]
+    model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in versions.items())
 
 
 def _lower_ir_version(model: onnx.ModelProto) -> None:

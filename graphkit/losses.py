@@ -299,6 +299,7 @@ class Loss:
         reduction: str | None = "mean",
         function: onnxscript.OnnxFunction | None = None,
         params: dict[str, Any] | None = None,
+        multiclass: bool = False,
     ) -> None:
         if function is None and reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, not {reduction!r}.")
@@ -310,7 +311,17 @@ class Loss:
         self.kernels = kernels
         self.custom = function
         self.params = dict(params or {})
+        self.multiclass = multiclass
         self._runners: dict[tuple[Any, ...], Runner] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as "rebuild from the registry" (scripted closures do not pickle)."""
+        if self.custom is not None:
+            raise TypeError(
+                f"Custom loss {self.name!r} cannot be pickled: its onnxscript function is "
+                "code. Pickle the ONNX graph it produces instead."
+            )
+        return (_rebuild, (self.name, {**self.params, "reduction": self.reduction}))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -475,14 +486,12 @@ class Loss:
                     f"{prediction.shape}: a classification loss needs one class per row."
                 )
             columns = prediction.shape[1] if prediction.ndim == 2 else 1
-            if self.params.get("multiclass", False) and (prediction.ndim != 2 or columns < 2):
+            if self.multiclass and (prediction.ndim != 2 or columns < 2):
                 raise ShapeError(
                     f"Loss {self.name!r} needs a (N, K) prediction with K >= 2 classes, "
                     f"got shape {prediction.shape}."
                 )
-            if label.size and (
-                label.min() < 0 or (self.params.get("multiclass") and label.max() >= columns)
-            ):
+            if label.size and (label.min() < 0 or (self.multiclass and label.max() >= columns)):
                 raise ValueError(
                     f"Class labels must lie in [0, {columns - 1}], got values from "
                     f"{label.min()} to {label.max()}."
@@ -573,8 +582,15 @@ def log_loss(eps: float = 1e-15, binary: bool = False, reduction: str = "mean") 
     if not 0 < eps < 1:
         raise ValueError(f"eps must lie in (0, 1), got {eps}.")
     kernels = _binary_log_loss(eps) if binary else _log_loss(eps)
-    params = {"eps": eps, "binary": binary, "multiclass": not binary}
-    return Loss("log_loss", CLASSIFICATION, kernels=kernels, reduction=reduction, params=params)
+    params = {"eps": eps, "binary": binary}
+    return Loss(
+        "log_loss",
+        CLASSIFICATION,
+        kernels=kernels,
+        reduction=reduction,
+        params=params,
+        multiclass=not binary,
+    )
 
 
 @LOSSES.register("cross_entropy", "softmax_cross_entropy", "SoftmaxCrossEntropyLearningLoss")
@@ -584,10 +600,13 @@ def cross_entropy(reduction: str = "mean") -> Loss:
     Gradient softmax(z) - onehot(y); computed with LogSoftmax, stable for any logits.
     """
     kernels = (cross_entropy_loss, cross_entropy_grad)
-    params = {"multiclass": True}
     return Loss(
-        "cross_entropy", CLASSIFICATION, kernels=kernels, reduction=reduction, params=params
+        "cross_entropy", CLASSIFICATION, kernels=kernels, reduction=reduction, multiclass=True
     )
+
+
+def _rebuild(name: str, params: dict[str, Any]) -> Loss:
+    return LOSSES.get(name, **params)
 
 
 def get(name: str | Loss, **kwargs: Any) -> Loss:

@@ -59,6 +59,10 @@ class Optimizer:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"Optimizer({self.name!r}{', ' + args if args else ''})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as "rebuild from the registry" (scripted closures do not pickle)."""
+        return (_rebuild, (self.name, self.params))
+
     def state_names(self, param: str) -> list[str]:
         """Names of the state tensors of weight ``param``, in ``update_fn`` order."""
         return [f"{param}.{self.name}.{f}" for f, _ in self.fields]
@@ -139,6 +143,10 @@ class Optimizer:
 
 
 OPTIMIZERS: Registry[Optimizer] = Registry("optimizer")
+
+
+def _rebuild(name: str, params: dict[str, Any]) -> Optimizer:
+    return OPTIMIZERS.get(name, **params)
 
 
 @OPTIMIZERS.register("sgd")

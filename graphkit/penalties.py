@@ -74,6 +74,14 @@ class Penalty:
         self.name = name
         self._runners: dict[tuple[Any, ...], Runner] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        if self.custom is not None:
+            raise TypeError(f"Custom penalty {self.name!r} cannot be pickled: it is code.")
+        return {k: v for k, v in self.__dict__.items() if k != "_runners"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _runners={})
+
     def __repr__(self) -> str:
         return f"Penalty({self.name!r}, coefficients={self.coefficients}, default={self.default})"
 

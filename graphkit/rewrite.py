@@ -247,7 +247,7 @@ def _make_loss(score: Any, shape: tuple[int | str, ...], kwargs: dict[str, Any])
 
 
 def _check_prediction_shape(loss: _losses.Loss, shape: tuple[int | str, ...], name: str) -> None:
-    if loss.params.get("multiclass"):
+    if loss.multiclass:
         if len(shape) != 2:
             raise ShapeError(
                 f"Loss {loss.name!r} needs a (N, K) prediction; output {name!r} has rank "
@@ -441,6 +441,63 @@ __all__ = [
     "initializers_to_inputs",
     "inputs_to_initializers",
     "metadata",
+    "prune",
     "rename_weights",
     "set_weights",
+    "strip_loss_output",
 ]
+
+
+def prune(onx: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop nodes, initializers and inputs that no output depends on (a new model)."""
+    model = _copy(onx)
+    needed = {o.name for o in model.graph.output}
+    kept_nodes = []
+    for node in reversed(model.graph.node):
+        if any(o in needed for o in node.output):
+            kept_nodes.append(node)
+            needed.update(i for i in node.input if i)
+            for sub in _subgraph_inputs(node):
+                needed.add(sub)
+    kept_nodes.reverse()
+    del model.graph.node[:]
+    model.graph.node.extend(kept_nodes)
+    inits = [i for i in model.graph.initializer if i.name in needed]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(inits)
+    inputs = [i for i in model.graph.input if i.name in needed]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    return model
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs read from the outer scope (a superset is fine)."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+            for inner in sub.node:
+                names.update(inner.input)
+                names |= _subgraph_inputs(inner)
+    return names
+
+
+def strip_loss_output(onx: onnx.ModelProto) -> onnx.ModelProto:
+    """The prediction graph inside a training graph made by :func:`add_loss_output`.
+
+    Removes the loss output and what only it needed (label and weight inputs, loss and
+    penalty nodes) and the ``graphkit.*`` metadata.
+    """
+    meta = metadata(onx)
+    loss_name = meta.get(META_LOSS, "loss")
+    outputs = [o.name for o in onx.graph.output]
+    if loss_name not in outputs:
+        raise UnknownNameError(f"{loss_name!r} is not an output of the graph; outputs: {outputs}.")
+    model = _copy(onx)
+    kept = [o for o in model.graph.output if o.name != loss_name]
+    del model.graph.output[:]
+    model.graph.output.extend(kept)
+    kept_meta = [p for p in model.metadata_props if not p.key.startswith("graphkit.")]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept_meta)
+    return prune(model)

@@ -49,6 +49,10 @@ class Schedule:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"Schedule({self.name!r}, {args})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as "rebuild from the registry" (scripted closures do not pickle)."""
+        return (_rebuild, (self.name, self.params))
+
     def model(self) -> onnx.ModelProto:
         """``step (int64 scalar) -> learning_rate (float64 scalar)`` as an ONNX model."""
         return compile_function(
@@ -69,6 +73,12 @@ class Schedule:
 
 
 SCHEDULES: Registry[Schedule] = Registry("schedule")
+
+
+def _rebuild(name: str, params: dict[str, Any]) -> Schedule:
+    return SCHEDULES.get(name, **params)
+
+
 ONE = _f64(1.0)
 # a float64 tensor to CastLike constants against where no float64 tensor exists yet
 lr_type = np.array(0.0, dtype=np.float64)

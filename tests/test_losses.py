@@ -323,10 +323,26 @@ def test_custom_loss_gradient_matches_finite_differences(fn, kind, rng):
         assert value == pytest.approx(np.mean(np.log(np.cosh(p - y))), rel=1e-12)
 
 
-def test_float64_gradient_without_kernel_is_explained(rng):
+def test_float64_gradient_through_log_softmax(rng):
+    """LogSoftmaxGrad has no float64 kernel in onnxruntime: graphkit lowers it."""
     loss = losses.custom_loss(focal_like)
-    with pytest.raises(IncompatibleModelError, match="LogSoftmaxGrad.*float32"):
-        loss.value_and_grad(rng.normal(size=(4, 3)), rng.integers(0, 3, 4))
+    p, y = rng.normal(size=(4, 3)), rng.integers(0, 3, 4)
+    _, grad = loss.value_and_grad(p, y)
+    assert grad.dtype == np.float64
+    np.testing.assert_allclose(
+        grad, finite_difference(lambda q: float(loss(q, y)), p), rtol=1e-6, atol=1e-9
+    )
+
+
+@script()
+def erf_loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
+    return op.ReduceMean(op.Erf(prediction - label), keepdims=0)
+
+
+def test_float64_operator_without_kernel_is_explained(rng):
+    loss = losses.custom_loss(erf_loss)
+    with pytest.raises(IncompatibleModelError, match="no kernel for operator 'Erf'.*float32"):
+        loss(rng.normal(size=(4, 1)), rng.normal(size=(4, 1)))
 
 
 def test_custom_loss_works_in_float32(rng):

@@ -1,0 +1,211 @@
+"""What the two trainers share: the scikit-learn parameter protocol, devices, input
+checks and the choice of learning rate."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from graphkit import BaseLearningRate, LearningRateSGD, schedules
+from graphkit._graph import static_shape
+from graphkit._ort import onnxruntime
+from graphkit.errors import DTypeError, ShapeError
+from graphkit.optimizers import Optimizer
+
+CUDA_HINT = (
+    "device='cuda' needs the CUDA build of onnxruntime-training: "
+    "pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2 "
+    "(Linux x86_64, CPython <= 3.11)."
+)
+
+
+class ParamsMixin:
+    """``get_params`` / ``set_params`` from the ``__init__`` signature, as scikit-learn does."""
+
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        signature = inspect.signature(cls.__init__)
+        return [p for p in signature.parameters if p != "self"]
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    # parameters that only steer the loop: changing them keeps the built graphs and state
+    _loop_params: frozenset[str] = frozenset(
+        {
+            "max_iter",
+            "batch_size",
+            "warm_start",
+            "verbose",
+            "validation_every",
+            "shuffle",
+            "random_state",
+            "exc",
+        }
+    )
+
+    def set_params(self, **params: Any) -> ParamsMixin:
+        valid = self._param_names()
+        for key, value in params.items():
+            if key not in valid:
+                raise ValueError(
+                    f"Invalid parameter {key!r} for {type(self).__name__}; valid: {valid}."
+                )
+            setattr(self, key, value)
+        if set(params) - self._loop_params:
+            self._invalidate()
+        return self
+
+    def _invalidate(self) -> None:
+        """Forget what was built from the parameters (subclasses override)."""
+
+    def __repr__(self) -> str:
+        defaults = inspect.signature(type(self).__init__).parameters
+        shown = []
+        for name in self._param_names():
+            value = getattr(self, name)
+            if isinstance(value, onnx.ModelProto):
+                shown.append(f"{name}=<ModelProto {value.graph.name!r}>")
+            elif (
+                defaults[name].default is inspect.Parameter.empty
+                or value is not defaults[name].default
+            ):
+                if not (isinstance(value, (int, float, str)) and value == defaults[name].default):
+                    shown.append(f"{name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+def providers_for(device: str) -> tuple[list[str], str, int]:
+    """``(providers, ort device name, device id)`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}.")
+    if device == "cpu":
+        return ["CPUExecutionProvider"], "cpu", 0
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if "CUDAExecutionProvider" not in onnxruntime().get_available_providers():
+            raise RuntimeError(CUDA_HINT)
+        index = int(device[5:]) if ":" in device else 0
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda", index
+    raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.")
+
+
+def select_learning_rate(learning_rate: Any) -> BaseLearningRate:
+    """A learning rate from a float, a name, a ``LearningRate*`` object, an optimizer, or a
+    ``(optimizer, schedule or float)`` pair.
+
+    A float is plain SGD at that constant rate; a bare optimizer runs at a constant 0.01.
+    """
+    if isinstance(learning_rate, BaseLearningRate):
+        return learning_rate
+    if isinstance(learning_rate, bool):
+        raise TypeError("learning_rate cannot be a bool.")
+    if isinstance(learning_rate, (int, float)):
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        return LearningRateSGD(eta0=float(learning_rate), learning_rate="constant")
+    if isinstance(learning_rate, str):
+        return BaseLearningRate.select(learning_rate)
+    if isinstance(learning_rate, Optimizer):
+        return BaseLearningRate(learning_rate, schedules.constant(0.01))
+    if isinstance(learning_rate, tuple) and len(learning_rate) == 2:
+        optimizer, schedule = learning_rate
+        if isinstance(optimizer, Optimizer):
+            return BaseLearningRate(optimizer, schedules.get(schedule))
+    raise TypeError(
+        "learning_rate must be a float, a name ('SGD', 'adam'...), a LearningRate* object, "
+        f"a graphkit optimizer or an (optimizer, schedule) pair, not {learning_rate!r}."
+    )
+
+
+def input_value(model: onnx.ModelProto, name: str) -> onnx.ValueInfoProto:
+    return next(i for i in model.graph.input if i.name == name)
+
+
+def check_features(X: Any, value: onnx.ValueInfoProto, what: str = "X") -> np.ndarray:
+    """X as a C-contiguous array of the graph input's dtype; clear errors otherwise.
+
+    Integer or other-precision float features are cast to the input's dtype (documented).
+    """
+    X = np.asarray(X)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+    if X.dtype.kind not in "iuf":
+        raise DTypeError(f"{what} must be numeric, got dtype {X.dtype}.")
+    dims = static_shape(value) or []
+    if X.ndim != len(dims) or X.ndim == 0:
+        raise ShapeError(
+            f"{what} must have {len(dims)} dimensions (input {value.name!r} is {dims}), got shape {X.shape}."
+        )
+    for axis, (expected, got) in enumerate(zip(dims, X.shape)):
+        if axis and isinstance(expected, int) and expected != got:
+            raise ShapeError(
+                f"{what} has {got} columns on axis {axis}; the model expects {expected} "
+                f"(input {value.name!r} is {dims})."
+            )
+    X = np.ascontiguousarray(X, dtype=dtype)
+    bad = ~np.isfinite(X)
+    if bad.any():
+        row = int(np.argwhere(bad)[0][0])
+        raise ValueError(
+            f"{what} contains NaN or infinity (first at row {row}); clean or impute it."
+        )
+    return X
+
+
+def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") -> np.ndarray:
+    """y shaped and typed as the label input; clear errors otherwise."""
+    y = np.asarray(y)
+    elem = value.type.tensor_type.elem_type
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    if len(y) != n:
+        raise ShapeError(f"X has {n} rows but {what} has {len(y)}; they must match.")
+    if dtype.kind == "i":
+        if y.dtype.kind not in "iu":
+            raise DTypeError(
+                f"The loss is a classification loss and needs integer class labels; {what} is "
+                f"{y.dtype}. Pass {what}.astype(numpy.int64)."
+            )
+    else:
+        if y.dtype.kind != "f":
+            raise DTypeError(
+                f"The loss is a regression loss and needs float targets; {what} is {y.dtype}. "
+                f"Pass {what}.astype(numpy.{dtype}) (or train with a classification loss)."
+            )
+        if not np.isfinite(y).all():
+            raise ValueError(f"{what} contains NaN or infinity; clean it before training.")
+    dims = static_shape(value) or []
+    target = [n if i == 0 else d for i, d in enumerate(dims)]
+    if all(isinstance(d, int) for d in target):
+        if int(np.prod(target)) != y.size:
+            raise ShapeError(
+                f"{what} has shape {y.shape}; the label input {value.name!r} is {dims}."
+            )
+        y = y.reshape(target)
+    elif len(dims) == 2 and y.ndim == 1:
+        y = y.reshape(-1, 1)
+    return np.ascontiguousarray(y, dtype=dtype)
+
+
+def check_sample_weight(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray:
+    w = np.asarray(sample_weight, dtype=dtype).reshape(-1)
+    if len(w) != n:
+        raise ShapeError(f"X has {n} rows but sample_weight has {len(w)}.")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError("sample_weight must be finite and non-negative.")
+    return w
+
+
+def validation_period(validation_every: float | int | None, max_iter: int) -> int:
+    """Epochs between validations: a fraction of ``max_iter`` or a count; 0 means never."""
+    if not validation_every:
+        return 0
+    if isinstance(validation_every, float) and validation_every < 1:
+        return max(1, round(validation_every * max_iter))  # never 0: no division by zero
+    return max(1, int(validation_every))
+
+
+def as_state(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in state.items()}
