@@ -137,7 +137,8 @@ def check_features(X: Any, value: onnx.ValueInfoProto, what: str = "X") -> np.nd
     dims = static_shape(value) or []
     if X.ndim != len(dims) or X.ndim == 0:
         raise ShapeError(
-            f"{what} must have {len(dims)} dimensions (input {value.name!r} is {dims}), got shape {X.shape}."
+            f"{what} must have {len(dims)} dimensions (input {value.name!r} is {dims}), "
+            f"got shape {X.shape}."
         )
     for axis, (expected, got) in enumerate(zip(dims, X.shape)):
         if axis and isinstance(expected, int) and expected != got:
