@@ -116,9 +116,11 @@ def resolve_castlike(model: onnx.ModelProto) -> None:
                     "Cast", [node.input[0]], [node.output[0]], name=node.name, to=target
                 )
             )
+    # drop the constants only the replaced CastLike nodes read
+    used = {name for node in nodes for name in node.input} | {o.name for o in model.graph.output}
+    nodes = [n for n in nodes if n.op_type != "Constant" or n.output[0] in used]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    used = {name for node in nodes for name in node.input}
     kept = [i for i in model.graph.initializer if i.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)

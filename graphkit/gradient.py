@@ -235,12 +235,11 @@ def _quiet_native_stderr() -> Iterator[None]:
     Failures still surface: the builder raises a Python exception, and the message is
     rewritten above.
     """
+    fd = 2  # the C++ side writes to fd 2 even where sys.stderr is no file (notebooks)
     try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a notebook's stderr has no fd
-        yield
-        return
-    sys.stderr.flush()
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
     saved = os.dup(fd)
     try:
         with open(os.devnull, "w") as devnull:
