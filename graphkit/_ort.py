@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,17 @@ _NO_KERNEL = re.compile(
 
 @functools.cache
 def onnxruntime() -> Any:
-    """Import onnxruntime once, quietly."""
+    """Import onnxruntime once, quietly, and without importing torch.
+
+    The training wheel's ``import onnxruntime`` probes for ORTModule, which imports torch
+    (about 2 s and 200 MB) whenever torch is installed. The probe treats an ImportError as
+    "no ORTModule", so while torch is not loaded yet, ``onnxruntime.training`` is masked
+    for the duration of the import; it imports normally afterwards. graphkit uses only
+    the C bindings, which do not need torch.
+    """
+    masked = "torch" not in sys.modules and "onnxruntime" not in sys.modules
+    if masked:
+        sys.modules["onnxruntime.training"] = None  # type: ignore[assignment]
     try:
         import onnxruntime as ort
     except ImportError as exc:  # pragma: no cover - the dependency is declared
@@ -34,6 +45,9 @@ def onnxruntime() -> Any:
             "pip install onnxruntime-training-cpu==1.19.2 "
             "(or onnxruntime-training==1.19.2 for CUDA)."
         ) from exc
+    finally:
+        if masked and sys.modules.get("onnxruntime.training", 0) is None:
+            del sys.modules["onnxruntime.training"]
     ort.set_default_logger_severity(3)  # the training build logs every graph transform
     return ort
 

@@ -74,11 +74,11 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
     if target != output:
         extra = next(o for o in grad.graph.output if o.name == target)
         grad.graph.output.remove(extra)
-        _lower_float32_only_ops(grad)
+        lower_float32_only_ops(grad)
     return finalize(grad, check=False)
 
 
-def _lower_float32_only_ops(model: onnx.ModelProto) -> None:
+def lower_float32_only_ops(model: onnx.ModelProto) -> None:
     """Rewrite gradient operators onnxruntime implements for float32 only (in place).
 
     Used on float64 gradient graphs, each with its closed form in standard operators:

@@ -2,9 +2,24 @@
 
 * :class:`OrtGradientOptimizer`: full training; the loss is part of the graph and one
   fused ONNX graph per step does forward, gradient and update.
+* :class:`OrtGradientForwardBackward`: forward and backward passes of an ONNX graph
+  (onnxruntime-training's TrainingAgent), for any training framework.
+* :class:`OrtGradientForwardBackwardOptimizer`: forward/backward training with the
+  seed's ``learning_loss``, ``learning_rate`` and ``learning_penalty``.
+* :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
 """
 
+from graphkit_train.forward_backward import OrtGradientForwardBackward
 from graphkit_train.full import OrtGradientOptimizer
-from graphkit_train.step import TrainingStep, build_training_step
+from graphkit_train.partial import OrtGradientForwardBackwardOptimizer
+from graphkit_train.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 
-__all__ = ["OrtGradientOptimizer", "TrainingStep", "build_training_step"]
+__all__ = [
+    "OrtGradientForwardBackward",
+    "OrtGradientForwardBackwardOptimizer",
+    "OrtGradientOptimizer",
+    "TrainingStep",
+    "UpdateStep",
+    "build_training_step",
+    "build_update_step",
+]

@@ -23,8 +23,18 @@ CUDA_HINT = (
 )
 
 
-class ParamsMixin:
-    """``get_params`` / ``set_params`` from the ``__init__`` signature, as scikit-learn does."""
+try:  # scikit-learn's tags and clone() need BaseEstimator; graphkit does not need sklearn
+    from sklearn.base import BaseEstimator as _EstimatorBase
+except ImportError:  # pragma: no cover - sklearn is in the dev extras
+    _EstimatorBase = object  # type: ignore[assignment,misc]
+
+
+class ParamsMixin(_EstimatorBase):  # type: ignore[misc,valid-type]
+    """``get_params`` / ``set_params`` from the ``__init__`` signature, as scikit-learn does.
+
+    With scikit-learn installed the trainers are ``BaseEstimator``s, so ``clone``,
+    ``GridSearchCV`` and ``cross_val_score`` accept them.
+    """
 
     @classmethod
     def _param_names(cls) -> list[str]:

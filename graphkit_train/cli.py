@@ -27,7 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import losses, optimizers, schedules
 from graphkit.rewrite import META_LOSS, metadata
-from graphkit_train.full import OrtGradientOptimizer, load_model
+from graphkit_train._trainer import load_model
+from graphkit_train.full import OrtGradientOptimizer
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,27 +1,27 @@
-"""The fused training step: one ONNX graph does forward, gradient and update.
+"""The graphs a training loop runs, each built once.
 
-Given a training graph (a prediction graph with a loss output, see
-:func:`graphkit.add_loss_output`), :func:`build_training_step` composes
+* :func:`build_update_step`: penalty, learning-rate schedule and optimizer for every
+  weight, as one graph::
 
-* the gradient graph onnxruntime-training builds for the loss with respect to the
-  trained weights,
-* the learning-rate schedule, evaluated at ``step``,
-* the optimizer's update of every weight and of its state,
+      inputs : <weights>, <weight>_grad..., <optimizer state>, step, loss_sum, loss
+      outputs: loss_sum.next, step.next, <weight>.next..., <state>.next...
 
-into one model::
+  Forward/backward training runs it after the backward pass.
+* :func:`build_training_step`: full training. The gradient graph onnxruntime-training
+  builds for the loss, followed by the update step, as one graph::
 
-    inputs : X, label[, weight], <weights>, <optimizer state>, step, loss_sum
-    outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
+      inputs : X, label[, weight], <weights>, <optimizer state>, step, loss_sum
+      outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
-``step`` and ``loss_sum`` are resident like the weights, so a training loop binds every
-``.next`` output to the buffer the next run reads, and reads ``loss_sum`` once per epoch.
-The result is a plain ONNX model (with ``com.microsoft`` gradient operators): save it,
-open it in Netron, or run it by hand with onnxruntime-training.
+``step`` and ``loss_sum`` are resident like the weights: a loop binds every ``.next``
+output to the buffer the next run reads, and reads ``loss_sum`` once per epoch. Both
+results are plain ONNX models (the second with ``com.microsoft`` gradient operators):
+save them, open them in Netron, or run them by hand with onnxruntime-training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,9 +30,10 @@ from onnx import TensorProto, helper
 
 from graphkit import BaseLearningRate
 from graphkit._graph import ELEM_TO_DTYPE, elem_type, fresh_name, graph_names, splice
-from graphkit.compat import finalize
+from graphkit.compat import DSL_OPSET, finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
 from graphkit.gradient import gradient_model
+from graphkit.penalties import Penalty
 from graphkit.rewrite import (
     META_LABEL,
     META_WEIGHT,
@@ -44,6 +45,7 @@ from graphkit.rewrite import (
 
 STEP = "step"
 LOSS_SUM = "loss_sum"
+LOSS = "loss"
 
 
 def next_name(name: str) -> str:
@@ -51,15 +53,15 @@ def next_name(name: str) -> str:
     return f"{name}.next"
 
 
+def grad_name(weight: str) -> str:
+    return f"{weight}_grad"
+
+
 @dataclass
-class TrainingStep:
-    """A fused training-step model and the roles of its inputs and outputs."""
+class UpdateStep:
+    """An update-step (or training-step) model and the roles of its inputs."""
 
     model: onnx.ModelProto
-    features: str
-    label: str
-    sample_weight: str | None
-    loss: str
     weights: list[str]
     state: list[str]
     initial: dict[str, np.ndarray] = field(repr=False)
@@ -69,6 +71,110 @@ class TrainingStep:
     def resident(self) -> list[str]:
         """Inputs carried from one run to the next: weights, state, step, loss_sum."""
         return [*self.weights, *self.state, STEP, LOSS_SUM]
+
+
+@dataclass
+class TrainingStep(UpdateStep):
+    """A fused full-training step; ``features``, ``label``, ``sample_weight`` name its
+    data inputs and ``loss`` its loss output."""
+
+    features: str = ""
+    label: str = ""
+    sample_weight: str | None = None
+    loss: str = LOSS
+
+
+def build_update_step(
+    weights: Mapping[str, np.ndarray],
+    learning_rate: BaseLearningRate,
+    penalty: Penalty | None = None,
+    loss_dtype: object = np.float32,
+) -> UpdateStep:
+    """Penalty + schedule + optimizer for every weight, as one ONNX graph.
+
+    For each weight w with gradient g: g' = g + dP/dw (P the penalty on w, if any), then
+    the optimizer's update with the learning rate schedule(step). ``loss_sum.next`` adds
+    the batch ``loss`` and the penalty values to ``loss_sum``.
+    """
+    names = list(weights)
+    optimizer, schedule = learning_rate.optimizer, learning_rate.schedule
+    loss_elem = elem_type(loss_dtype)
+    state = [s for w in names for s in optimizer.state_names(w)]
+    owner = {s: w for w in names for s in optimizer.state_names(w)}
+
+    def info(name: str, elem: int, shape: Sequence[int]) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, elem, list(shape))
+
+    inputs = [info(w, elem_type(weights[w].dtype), weights[w].shape) for w in names]
+    inputs += [info(grad_name(w), elem_type(weights[w].dtype), weights[w].shape) for w in names]
+    inputs += [info(s, elem_type(weights[owner[s]].dtype), weights[owner[s]].shape) for s in state]
+    inputs += [
+        info(STEP, TensorProto.INT64, []),
+        info(LOSS_SUM, loss_elem, []),
+        info(LOSS, loss_elem, []),
+    ]
+    graph = helper.make_graph([], "update_step", inputs, [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DSL_OPSET)])
+    taken = graph_names(model.graph) | {next_name(n) for n in [*names, *state, STEP, LOSS_SUM]}
+    add = model.graph.node.append
+
+    # the learning rate, once per step, cast to each weight dtype
+    rate = splice(model, schedule.model(), {"step": STEP}, prefix="schedule")["learning_rate"]
+    rates: dict[int, str] = {}
+    for w in names:
+        elem = elem_type(weights[w].dtype)
+        if elem not in rates:
+            rates[elem] = fresh_name(
+                f"learning_rate/{TensorProto.DataType.Name(elem).lower()}", taken
+            )
+            add(helper.make_node("Cast", [rate], [rates[elem]], to=elem))
+
+    total = LOSS
+    penalized = (
+        set(penalty.penalized(names, strict=True)) if penalty and not penalty.is_zero else set()
+    )
+    produced: dict[str, str] = {}
+    for w in names:
+        value, gradient = weights[w], grad_name(w)
+        if w in penalized:
+            piece = penalty.gradient_model(w, value.dtype, value.shape)  # type: ignore[union-attr]
+            out = splice(model, piece, {"weight": w}, prefix=f"penalty/{w}")
+            gradient = fresh_name(f"penalty/{w}/total_grad", taken)
+            add(helper.make_node("Add", [grad_name(w), out["weight_grad"]], [gradient]))
+            term = fresh_name(f"penalty/{w}/value", taken)
+            add(helper.make_node("CastLike", [out["penalty"], LOSS], [term]))
+            summed = fresh_name("loss/with_penalty", taken)
+            add(helper.make_node("Add", [total, term], [summed]))
+            total = summed
+        update = optimizer.update_model(w, value.dtype, value.shape)
+        wiring = {"param": w, "grad": gradient, "lr": rates[elem_type(value.dtype)], "step": STEP}
+        wiring.update({s: s for s in optimizer.state_names(w)})
+        out = splice(model, update, wiring, prefix=f"update/{w}")
+        produced[w] = out["param.new"]
+        produced.update({s: out[f"{s}.new"] for s in optimizer.state_names(w)})
+
+    one = fresh_name("step/one", taken)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, dtype=np.int64), one))
+    add(helper.make_node("Add", [STEP, one], [next_name(STEP)]))
+    add(helper.make_node("Add", [LOSS_SUM, total], [next_name(LOSS_SUM)]))
+    outputs = [
+        info(next_name(LOSS_SUM), loss_elem, []),
+        info(next_name(STEP), TensorProto.INT64, []),
+    ]
+    for name in [*names, *state]:
+        add(helper.make_node("Identity", [produced[name]], [next_name(name)]))
+        source = weights[owner.get(name, name)]
+        outputs.append(info(next_name(name), elem_type(source.dtype), source.shape))
+    model.graph.output.extend(outputs)
+    model.doc_string = (
+        f"graphkit update step: {optimizer!r} with {schedule!r}, penalty {penalty!r}."
+    )
+
+    initial: dict[str, np.ndarray] = {w: np.array(weights[w]) for w in names}
+    initial.update(optimizer.init(weights))
+    initial[STEP] = np.array(0, dtype=np.int64)
+    initial[LOSS_SUM] = np.array(0, dtype=ELEM_TO_DTYPE[loss_elem])
+    return UpdateStep(finalize(model, full_check=True), names, state, initial)
 
 
 def data_inputs(
@@ -99,14 +205,25 @@ def data_inputs(
     return others[0], label, weight
 
 
+def trainable_weights(onx: onnx.ModelProto, weights_to_train: Sequence[str] | None) -> list[str]:
+    """``weights_to_train`` checked against the float initializers (all when None)."""
+    if weights_to_train is None:
+        weights = list(get_train_initializer(onx))
+    else:
+        weights = check_weight_names(onx, weights_to_train)
+    if not weights:
+        _no_weights(onx)
+    return weights
+
+
 def build_training_step(
     train_onx: onnx.ModelProto,
-    weights_to_train: Sequence[str],
+    weights_to_train: Sequence[str] | None,
     learning_rate: BaseLearningRate,
-    loss_output_name: str = "loss",
+    loss_output_name: str = LOSS,
     sample_weight_name: str | None = "weight",
 ) -> TrainingStep:
-    """Compose gradient, schedule and optimizer into one training-step model.
+    """Compose the gradient graph of the loss and the update step into one model.
 
     Raises:
         UnknownNameError: a weight is not a float initializer (the message lists them),
@@ -120,99 +237,54 @@ def build_training_step(
             f"The graph has no output {loss_output_name!r} (outputs: {outputs}). Add a loss "
             "with graphkit.add_loss_output(model, ...) or pass loss_output_name."
         )
-    weights = check_weight_names(train_onx, weights_to_train)
-    if not weights:
-        _no_weights(train_onx)
+    weights = trainable_weights(train_onx, weights_to_train)
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
     values = get_train_initializer(train_onx)
 
     model = gradient_model(initializers_to_inputs(train_onx, weights), loss_output_name, weights)
-    taken = graph_names(model.graph)
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
-    loss_elem = loss_value.type.tensor_type.elem_type
-
-    optimizer, schedule = learning_rate.optimizer, learning_rate.schedule
-    state: list[str] = []
-    initial: dict[str, np.ndarray] = {w: values[w] for w in weights}
-    initial.update(optimizer.init({w: values[w] for w in weights}))
-    for w in weights:
-        state.extend(optimizer.state_names(w))
-    for name in state:
-        if name in taken:
-            raise ValueError(f"Optimizer state name {name!r} is already used in the graph.")
-    initial[STEP] = np.array(0, dtype=np.int64)
-    initial[LOSS_SUM] = np.array(0, dtype=ELEM_TO_DTYPE[loss_elem])
-
-    new_inputs = [
-        helper.make_tensor_value_info(
-            s, _elem_of(values[_owner(s, weights)]), values[_owner(s, weights)].shape
-        )
-        for s in state
-    ]
-    new_inputs.append(helper.make_tensor_value_info(STEP, TensorProto.INT64, []))
-    new_inputs.append(helper.make_tensor_value_info(LOSS_SUM, loss_elem, []))
-    model.graph.input.extend(new_inputs)
-
-    # the learning rate, once per step, cast to each weight dtype
-    rate = splice(model, schedule.model(), {"step": STEP}, prefix="schedule")["learning_rate"]
-    rates: dict[int, str] = {}
-    for w in weights:
-        elem = _elem_of(values[w])
-        if elem not in rates:
-            rates[elem] = fresh_name(
-                f"learning_rate_{TensorProto.DataType.Name(elem).lower()}", taken
-            )
-            model.graph.node.append(helper.make_node("Cast", [rate], [rates[elem]], to=elem))
-
-    results: list[onnx.ValueInfoProto] = [loss_value]
-    produced: dict[str, str] = {}
-    for w in weights:
-        value = values[w]
-        update = optimizer.update_model(w, value.dtype, value.shape)
-        wiring = {"param": w, "grad": f"{w}_grad", "lr": rates[_elem_of(value)], "step": STEP}
-        wiring.update({s: s for s in optimizer.state_names(w)})
-        out = splice(model, update, wiring, prefix=f"update/{w}")
-        produced[w] = out["param.new"]
-        produced.update({s: out[f"{s}.new"] for s in optimizer.state_names(w)})
-
-    one = fresh_name("step/one", taken)
-    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, dtype=np.int64), one))
-    model.graph.node.append(helper.make_node("Add", [STEP, one], [next_name(STEP)]))
-    model.graph.node.append(
-        helper.make_node("Add", [LOSS_SUM, loss_output_name], [next_name(LOSS_SUM)])
+    loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
+    update = build_update_step({w: values[w] for w in weights}, learning_rate, None, loss_dtype)
+    taken = graph_names(model.graph)
+    clash = sorted(set(update.state + [STEP, LOSS_SUM]) & taken)
+    if clash:
+        raise ValueError(f"Names {clash} of the training step are already used in the graph.")
+    model.graph.input.extend(
+        i for i in update.model.graph.input if i.name in {*update.state, STEP, LOSS_SUM}
     )
-    results.append(helper.make_tensor_value_info(next_name(LOSS_SUM), loss_elem, []))
-    results.append(helper.make_tensor_value_info(next_name(STEP), TensorProto.INT64, []))
-    for name in [*weights, *state]:
-        model.graph.node.append(helper.make_node("Identity", [produced[name]], [next_name(name)]))
-        owner = values[_owner(name, weights)]
-        results.append(helper.make_tensor_value_info(next_name(name), _elem_of(owner), owner.shape))
+    wiring = {name: name for name in [*weights, *update.state, STEP, LOSS_SUM]}
+    wiring.update({grad_name(w): grad_name(w) for w in weights})
+    wiring[LOSS] = loss_output_name
+    produced = splice(model, update.model, wiring, prefix="update_step")
+    for output in update.model.graph.output:
+        model.graph.node.append(
+            helper.make_node("Identity", [produced[output.name]], [output.name])
+        )
     del model.graph.output[:]
-    model.graph.output.extend(results)
-    model.doc_string = (
-        "graphkit training step: forward, gradient (onnxruntime-training), "
-        f"{optimizer!r} update with {schedule!r}."
+    model.graph.output.extend([loss_value, *update.model.graph.output])
+    model.doc_string = "graphkit training step: forward, gradient (onnxruntime-training), " + (
+        update.model.doc_string.removeprefix("graphkit update step: ")
     )
     return TrainingStep(
         model=finalize(model, check=False),
+        weights=weights,
+        state=update.state,
+        initial=update.initial,
         features=features,
         label=label,
         sample_weight=sample_weight,
         loss=loss_output_name,
-        weights=weights,
-        state=state,
-        initial=initial,
     )
 
 
-def _no_weights(train_onx: onnx.ModelProto) -> None:
+def _no_weights(onx: onnx.ModelProto) -> None:
     """Explain why there is nothing to train."""
-    if get_train_initializer(train_onx):
+    if get_train_initializer(onx):
         raise ValueError("weights_to_train is empty: name at least one weight to train.")
     holders = sorted(
         {
             f"{n.op_type} ({n.domain})"
-            for n in train_onx.graph.node
+            for n in onx.graph.node
             if n.domain not in ("", "ai.onnx")
             and any(a.floats or a.HasField("t") for a in n.attribute)
         }
@@ -225,14 +297,3 @@ def _no_weights(train_onx: onnx.ModelProto) -> None:
             "(MatMul, Gemm, Add...) whose weights are initializers."
         )
     raise ValueError("The model has no float initializer: there is nothing to train.")
-
-
-def _owner(name: str, weights: Sequence[str]) -> str:
-    """The weight a state tensor ``"{weight}.{optimizer}.{field}"`` belongs to."""
-    if name in weights:
-        return name
-    return max((w for w in weights if name.startswith(f"{w}.")), key=len)
-
-
-def _elem_of(value: np.ndarray) -> int:
-    return elem_type(value.dtype)

@@ -1,0 +1,442 @@
+"""Forward/backward through an ONNX graph with onnxruntime-training's TrainingAgent.
+
+:class:`OrtGradientForwardBackward` is the low-level piece of forward/backward (partial)
+training: the ONNX graph is one layer of a larger model. ``forward`` computes the
+outputs and keeps what ``backward`` needs; ``backward`` takes the gradient of the loss
+with respect to the outputs and returns the gradients with respect to the weights (and
+to the inputs that asked for one)::
+
+    fb = OrtGradientForwardBackward(onx, ["coef", "intercept"])
+    (y,) = fb.forward([X])                      # OrtValues
+    grads = fb.backward([dloss_dy])             # {"coef": OrtValue, "intercept": ...}
+
+The graphs come from ``OrtModuleGraphBuilder``, which wants the trained initializers
+named in alphabetical order of their position: graphkit renames them internally, the
+user never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from graphkit._graph import fresh_name, graph_names, rename_tensors, static_shape
+from graphkit._ort import _short, inference_session, onnxruntime
+from graphkit.compat import make_compatible
+from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.gradient import _quiet_native_stderr, lower_float32_only_ops
+from graphkit.rewrite import get_train_initializer, prune
+from graphkit_train._base import providers_for
+from graphkit_train._trainer import load_model
+from graphkit_train.step import trainable_weights
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+
+
+@dataclass
+class _Variant:
+    """The graphs built for one set of inputs requiring gradients."""
+
+    gradient_model: onnx.ModelProto
+    forward_model: onnx.ModelProto
+    agent: Any
+    session: Any
+    feed_names: list[str]
+    fetch_names: list[str]
+    grad_of: dict[str, str]  # fetch name -> original input or weight name
+
+
+@dataclass
+class PendingForward:
+    """What one training forward left for its backward."""
+
+    variant: _Variant
+    state: Any
+    outputs: list[Any]
+    keep_alive: list[Any] = field(repr=False)
+
+
+class OrtGradientForwardBackward:
+    """Forward and backward passes of an ONNX graph, for any training framework.
+
+    Args:
+        onnx_model: the graph (ModelProto, bytes or path).
+        weights_to_train: float initializers to differentiate (None: all of them).
+        input_names: the graph inputs fed to ``forward``, in order (None: all
+            non-initializer inputs in graph order).
+        output_names: the outputs ``forward`` returns, in order (None: the float outputs).
+        providers: onnxruntime providers (None: from ``device``).
+        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
+
+    Attributes:
+        weights: ``{name: OrtValue}``, the current weight values ``forward`` uses when it
+            is given none.
+    """
+
+    def __init__(
+        self,
+        onnx_model: Any,
+        weights_to_train: Sequence[str] | None = None,
+        input_names: Sequence[str] | None = None,
+        output_names: Sequence[str] | None = None,
+        providers: Sequence[str] | None = None,
+        device: str = "cpu",
+        inputs_requiring_grad: Iterable[str] = (),
+    ) -> None:
+        model = make_compatible(load_model(onnx_model))
+        self.weight_names = trainable_weights(model, weights_to_train)
+        initializers = {i.name for i in model.graph.initializer}
+        graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
+        self.input_names = list(graph_inputs if input_names is None else input_names)
+        if sorted(self.input_names) != sorted(graph_inputs):
+            raise UnknownNameError(
+                f"input_names must list the graph inputs {graph_inputs} (in any order), "
+                f"got {self.input_names}."
+            )
+        float_outputs = [
+            o.name for o in model.graph.output if o.type.tensor_type.elem_type in _FLOATS
+        ]
+        self.output_names = list(float_outputs if output_names is None else output_names)
+        unknown = [o for o in self.output_names if o not in [v.name for v in model.graph.output]]
+        if unknown or not self.output_names:
+            raise UnknownNameError(
+                f"output_names {unknown or '[]'} are not outputs; outputs: "
+                f"{[o.name for o in model.graph.output]}."
+            )
+        device_providers, self._ort_device, self._device_id = providers_for(device)
+        self.device = device
+        self.providers = list(providers or device_providers)
+        self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
+        self._check_requiring(self.inputs_requiring_grad)
+        self._model = self._prepare(model)
+        self._input_values = {i.name: i for i in model.graph.input}
+        self._variants: dict[frozenset[str], _Variant] = {}
+        self._pending: list[PendingForward] = []
+        values = get_train_initializer(model)
+        self.weights = {w: self.to_ortvalue(values[w]) for w in self.weight_names}
+
+    # -- building ----------------------------------------------------------------------
+
+    def _prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """Outputs restricted to ``output_names``; trained weights renamed ``gkw00000``...
+        and placed first, so that alphabetical order is initializer order."""
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        kept = {o.name: o for o in copy.graph.output}
+        del copy.graph.output[:]
+        copy.graph.output.extend(kept[n] for n in self.output_names)
+        copy = prune(copy)
+        taken = graph_names(copy.graph)
+        self._internal = {
+            w: fresh_name(f"gkw{i:05d}", taken) for i, w in enumerate(self.weight_names)
+        }
+        rename_tensors(copy.graph, lambda n: self._internal.get(n, n))
+        trained = {i.name: i for i in copy.graph.initializer if i.name in self._internal.values()}
+        others = [i for i in copy.graph.initializer if i.name not in trained]
+        del copy.graph.initializer[:]
+        copy.graph.initializer.extend(
+            [trained[self._internal[w]] for w in self.weight_names] + others
+        )
+        return copy
+
+    def _check_requiring(self, names: Iterable[str]) -> None:
+        unknown = sorted(set(names) - set(self.input_names))
+        if unknown:
+            raise UnknownNameError(f"Inputs {unknown} do not exist; inputs: {self.input_names}.")
+
+    def _variant(self, requiring: frozenset[str]) -> _Variant:
+        if requiring not in self._variants:
+            self._check_requiring(requiring)
+            self._variants[requiring] = self._build_variant(requiring)
+        return self._variants[requiring]
+
+    def _build_variant(self, requiring: frozenset[str]) -> _Variant:
+        C = onnxruntime().capi._pybind_state
+        config = C.OrtModuleGraphBuilderConfiguration()
+        internal = [self._internal[w] for w in self.weight_names]
+        config.initializer_names = internal
+        config.initializer_names_to_train = internal
+        config.input_names_require_grad = [n for n in self.input_names if n in requiring]
+        config.build_gradient_graph = True
+        builder = C.OrtModuleGraphBuilder()
+        try:
+            with _quiet_native_stderr():
+                builder.initialize(self._model.SerializeToString(), config)
+                builder.build(C.TrainingGraphTransformerConfiguration())
+        except RuntimeError as exc:
+            from graphkit.errors import MissingGradientError
+            from graphkit.gradient import _NO_BUILDER
+
+            found = _NO_BUILDER.search(str(exc))
+            if found:
+                raise MissingGradientError(
+                    f"onnxruntime-training 1.19.2 has no gradient for operator "
+                    f"{found.group(1)!r} (node {found.group(2)!r})."
+                ) from exc
+            raise MissingGradientError(
+                f"Building the gradient graph failed: {_short(exc)}"
+            ) from exc
+        gradient = onnx.load_from_string(builder.get_gradient_model())
+        forward = onnx.load_from_string(builder.get_forward_model())
+        info = builder.get_graph_info()
+        if any(
+            i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
+        ):
+            lower_float32_only_ops(gradient)
+        session = inference_session(gradient, self.providers)
+        device = self._ort_device_info()
+        feed_names = [i.name for i in gradient.graph.input]
+        fetch_names = [o.name for o in gradient.graph.output]
+        agent = C.TrainingAgent(
+            session._sess,
+            feed_names,
+            [device] * len(info.user_output_names),
+            fetch_names,
+            [device] * len(fetch_names),
+            0,
+        )
+        original = {v: k for k, v in self._internal.items()}
+        grad_of = {g: n for n, g in info.user_input_grad_names.items()}
+        grad_of.update(
+            zip(
+                info.initializer_grad_names_to_train,
+                (original[n] for n in info.initializer_names_to_train),
+            )
+        )
+        forward_session = inference_session(forward, self.providers)
+        variant = _Variant(gradient, forward, agent, session, feed_names, fetch_names, grad_of)
+        variant.forward_session = forward_session  # type: ignore[attr-defined]
+        return variant
+
+    def _ort_device_info(self) -> Any:
+        C = onnxruntime().capi._pybind_state
+        kind = C.OrtDevice.cuda() if self._ort_device == "cuda" else C.OrtDevice.cpu()
+        return C.OrtDevice(kind, C.OrtDevice.default_memory(), self._device_id)
+
+    # -- values ------------------------------------------------------------------------
+
+    def to_ortvalue(self, value: Any) -> Any:
+        """An ``onnxruntime.OrtValue`` on this device from a numpy array (or itself)."""
+        ort = onnxruntime()
+        if isinstance(value, ort.OrtValue):
+            return value
+        return ort.OrtValue.ortvalue_from_numpy(
+            np.ascontiguousarray(value), self._ort_device, self._device_id
+        )
+
+    def _check_value(self, name: str, value: Any, expected: onnx.ValueInfoProto) -> None:
+        elem = expected.type.tensor_type.elem_type
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+        got = np.dtype(value.dtype) if hasattr(value, "dtype") else None
+        shape = (
+            tuple(value.shape()) if callable(getattr(value, "shape", None)) else tuple(value.shape)
+        )
+        if got is None:  # an OrtValue: its element type is a string like 'tensor(float)'
+            got_type = value.data_type()
+            if got_type != f"tensor({_ORT_TYPE[dtype]})":
+                raise DTypeError(f"{name!r} must be {dtype}, got {got_type}.")
+        elif got != dtype:
+            raise DTypeError(
+                f"{name!r} must be {dtype}, got {got}; cast it with .astype(numpy.{dtype})."
+            )
+        dims = static_shape(expected)
+        if dims is not None and (
+            len(dims) != len(shape)
+            or any(isinstance(d, int) and d != s for d, s in zip(dims, shape))
+        ):
+            raise ShapeError(f"{name!r} has shape {shape}; the graph expects {dims}.")
+
+    def _feeds(self, inputs: Any, weights: Mapping[str, Any] | None) -> dict[str, Any]:
+        if isinstance(inputs, Mapping):
+            missing = sorted(set(self.input_names) - set(inputs))
+            extra = sorted(set(inputs) - set(self.input_names))
+            if missing or extra:
+                raise ValueError(
+                    f"forward needs inputs {self.input_names}; missing {missing}, unknown {extra}."
+                )
+            named = dict(inputs)
+        else:
+            inputs = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+            if len(inputs) != len(self.input_names):
+                raise ValueError(
+                    f"forward got {len(inputs)} inputs; the graph takes {len(self.input_names)}: "
+                    f"{self.input_names}."
+                )
+            named = dict(zip(self.input_names, inputs))
+        feeds = {}
+        for name, value in named.items():
+            self._check_value(name, value, self._input_values[name])
+            feeds[name] = self.to_ortvalue(value)
+        given = dict(self.weights)
+        if weights is not None:
+            unknown = sorted(set(weights) - set(self.weight_names))
+            if unknown:
+                raise UnknownNameError(
+                    f"Weights {unknown} are not trained weights of the graph; they are "
+                    f"{self.weight_names}."
+                )
+            given.update({k: self.to_ortvalue(v) for k, v in weights.items()})
+        for name, value in given.items():
+            feeds[self._internal[name]] = value
+        return feeds
+
+    # -- forward and backward ------------------------------------------------------------
+
+    def forward(
+        self,
+        inputs: Any,
+        training: bool = True,
+        weights: Mapping[str, Any] | None = None,
+        inputs_requiring_grad: Iterable[str] | None = None,
+    ) -> list[Any]:
+        """The outputs (OrtValues, in ``output_names`` order).
+
+        Args:
+            inputs: arrays or OrtValues, a list in ``input_names`` order or a dict.
+            training: keep what ``backward`` needs (pushed on a stack, so several
+                forwards may come before their backwards); False runs inference only.
+            weights: values to use instead of :attr:`weights` for some weights.
+            inputs_requiring_grad: override the constructor's choice for this call.
+        """
+        feeds = self._feeds(inputs, weights)
+        requiring = (
+            self.inputs_requiring_grad
+            if inputs_requiring_grad is None
+            else frozenset(inputs_requiring_grad)
+        )
+        variant = self._variant(requiring)
+        if not training:
+            session = variant.forward_session  # type: ignore[attr-defined]
+            names = [o.name for o in session.get_outputs()]
+            return session.run_with_ort_values(names, feeds)
+        pending = self.run_forward(variant, [feeds[n]._ortvalue for n in variant.feed_names])
+        pending.keep_alive.append(feeds)
+        self._pending.append(pending)
+        # backward reuses the memory of the forward outputs: hand out copies
+        return [self.to_ortvalue(np.array(o.numpy(), copy=True)) for o in pending.outputs]
+
+    def run_forward(self, variant: _Variant, feeds: list[Any]) -> PendingForward:
+        """Forward on C OrtValues in ``variant.feed_names`` order, returning the state
+        explicitly (the trainer and the PyTorch bridge keep it themselves).
+
+        The outputs live in memory the matching backward reuses: read or copy them first.
+        """
+        C = onnxruntime().capi._pybind_state
+        vector = C.OrtValueVector()
+        vector.reserve(len(feeds))
+        for value in feeds:
+            vector.push_back(value)
+        fetches, state = C.OrtValueVector(), C.PartialGraphExecutionState()
+        try:
+            variant.agent.run_forward(vector, fetches, state, C.OrtValueCache())
+        except Exception as exc:
+            raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
+        outputs = _wrap(fetches)
+        return PendingForward(variant, state, outputs, keep_alive=[feeds, vector])
+
+    def backward(self, grad_outputs: Sequence[Any]) -> dict[str, Any]:
+        """Gradients of the weights (and of the inputs requiring one) given the gradient
+        of the loss with respect to each output; for the most recent pending forward.
+
+        Returns:
+            ``{input or weight name: OrtValue}``.
+        """
+        if not self._pending:
+            raise RuntimeError(
+                "backward() without a pending forward(): call forward(inputs, training=True) first."
+            )
+        pending = self._pending[-1]
+        grads = self._check_grad_outputs(pending, grad_outputs)
+        self._pending.pop()
+        return self.run_backward(pending, [g._ortvalue for g in grads])
+
+    def _check_grad_outputs(
+        self, pending: PendingForward, grad_outputs: Sequence[Any]
+    ) -> list[Any]:
+        grad_outputs = (
+            list(grad_outputs) if isinstance(grad_outputs, (list, tuple)) else [grad_outputs]
+        )
+        if len(grad_outputs) != len(pending.outputs):
+            raise ValueError(
+                f"backward got {len(grad_outputs)} gradients for {len(pending.outputs)} outputs "
+                f"{self.output_names}."
+            )
+        values = []
+        for name, grad, output in zip(self.output_names, grad_outputs, pending.outputs):
+            value = self.to_ortvalue(grad)
+            if tuple(value.shape()) != tuple(output.shape()):
+                raise ShapeError(
+                    f"The gradient of output {name!r} has shape {tuple(value.shape())}; the "
+                    f"output has shape {tuple(output.shape())}."
+                )
+            if value.data_type() != output.data_type():
+                raise DTypeError(
+                    f"The gradient of output {name!r} is {value.data_type()}, the output "
+                    f"{output.data_type()}."
+                )
+            values.append(value)
+        return values
+
+    def run_backward(self, pending: PendingForward, grad_outputs: list[Any]) -> dict[str, Any]:
+        """Backward on C OrtValues for an explicit pending forward."""
+        C = onnxruntime().capi._pybind_state
+        vector = C.OrtValueVector()
+        for value in grad_outputs:
+            vector.push_back(value)
+        fetches = C.OrtValueVector()
+        try:
+            pending.variant.agent.run_backward(vector, fetches, pending.state)
+        except Exception as exc:
+            raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
+        names = pending.variant.fetch_names
+        return {pending.variant.grad_of[n]: value for n, value in zip(names, _wrap(fetches))}
+
+    @property
+    def pending(self) -> int:
+        """Number of training forwards waiting for their backward."""
+        return len(self._pending)
+
+    def trained_model(self) -> onnx.ModelProto:
+        """The original graph (restricted to ``output_names``) with the current weights."""
+        copy = onnx.ModelProto()
+        copy.CopyFrom(self._model)
+        original = {v: k for k, v in self._internal.items()}
+        for init in copy.graph.initializer:
+            if init.name in original:
+                name = original[init.name]
+                init.CopyFrom(numpy_helper.from_array(self.weights[name].numpy(), name))
+        rename_tensors(copy.graph, lambda n: original.get(n, n))
+        return copy
+
+
+def _wrap(vector: Any) -> list[Any]:
+    """Python OrtValues for the elements of an OrtValueVector.
+
+    Indexing the vector returns references into it: each wrapper keeps the vector alive,
+    or the values would point to freed memory once the vector is collected.
+    """
+    ort = onnxruntime()
+    values = []
+    for i in range(len(vector)):
+        value = ort.OrtValue(vector[i])
+        value._graphkit_owner = vector
+        values.append(value)
+    return values
+
+
+_ORT_TYPE = {
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.bool_): "bool",
+}
+
+__all__ = ["OrtGradientForwardBackward", "PendingForward"]

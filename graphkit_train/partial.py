@@ -1,0 +1,234 @@
+"""Forward/backward (partial) training: the ONNX graph predicts, graphkit does the rest.
+
+:class:`OrtGradientForwardBackwardOptimizer` trains a *prediction* graph with the seed's
+three attributes:
+
+* ``learning_loss``: the loss and its gradient with respect to the prediction;
+* ``learning_penalty``: a penalty on the weights and its gradient;
+* ``learning_rate``: the optimizer and its schedule.
+
+Each batch takes four onnxruntime runs: forward (TrainingAgent), loss and its gradient,
+backward (TrainingAgent), and one fused update of every weight (penalty + schedule +
+optimizer, see :func:`graphkit_train.step.build_update_step`). The seed's design ran one
+session for forward, one for the loss, one for backward, and one update per weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+
+from graphkit import BaseLearningLoss, BaseLearningPenalty, losses
+from graphkit._graph import ELEM_TO_DTYPE, static_shape
+from graphkit._ort import inference_session
+from graphkit_train._base import input_value, providers_for, select_learning_rate
+from graphkit_train._trainer import BaseTrainer, load_model
+from graphkit_train.forward_backward import OrtGradientForwardBackward
+from graphkit_train.step import LOSS, build_update_step, grad_name
+
+
+class BindingCache:
+    """Binds an OrtValue input only when its data pointer or shape changed (the seed's
+    cache): an IOBinding holds its own reference to what it binds, so an unchanged
+    pointer is the same live buffer."""
+
+    def __init__(self, binding: Any) -> None:
+        self.binding = binding
+        self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.hits = 0
+        self.binds = 0
+
+    def bind(self, name: str, value: Any) -> None:
+        key = (value.data_ptr(), tuple(value.shape()))
+        if self._bound.get(name) == key:
+            self.hits += 1
+            return
+        self.binding.bind_ortvalue_input(name, value)
+        self._bound[name] = key
+        self.binds += 1
+
+
+class OrtGradientForwardBackwardOptimizer(BaseTrainer):
+    """Train a prediction graph with forward/backward passes and graphkit's DSL pieces.
+
+    Args:
+        model_onnx: the prediction graph (ModelProto, bytes or path); its first float
+            output is the prediction the loss compares with the labels.
+        weights_to_train: float initializers to train (None: all of them).
+        loss_output_name: name given to the loss in the exported graphs.
+        max_iter, batch_size, device, warm_start, verbose, validation_every, shuffle,
+            random_state: as in :class:`~graphkit_train.OrtGradientOptimizer`.
+        learning_rate: a float, a name (``"SGD"``, ``"SGDNesterov"``, ``"adam"``...), a
+            ``LearningRate*`` object, a graphkit optimizer or ``(optimizer, schedule)``.
+        learning_loss: an alias (``"square_error"``, ``"elastic"``, ``"log"``,
+            ``"cross_entropy"``...), a class name or a ``*LearningLoss`` object.
+        weight_name: when set, ``fit`` takes sample weights (``sample_weight``).
+        learning_penalty: None, an alias, a class name or a ``*LearningPenalty`` object.
+            Its gradient is added to the loss gradient (so the learning rate scales it;
+            the seed decayed the weights without it).
+        exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
+
+    Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
+    ``learning_loss_``, ``learning_rate_``, ``learning_penalty_``, ``forward_backward_``.
+    """
+
+    def __init__(
+        self,
+        model_onnx: Any,
+        weights_to_train: list[str] | None = None,
+        loss_output_name: str = "loss",
+        max_iter: int = 100,
+        batch_size: int = 10,
+        learning_rate: Any = "SGD",
+        device: str = "cpu",
+        warm_start: bool = False,
+        verbose: int = 0,
+        validation_every: float | int = 0.1,
+        learning_loss: Any = "square_error",
+        weight_name: str | None = None,
+        learning_penalty: Any = None,
+        exc: bool = True,
+        shuffle: bool = True,
+        random_state: int | None = None,
+    ) -> None:
+        self.model_onnx = model_onnx
+        self.weights_to_train = weights_to_train
+        self.loss_output_name = loss_output_name
+        self.max_iter = max_iter
+        self.batch_size = batch_size
+        self.learning_rate = learning_rate
+        self.device = device
+        self.warm_start = warm_start
+        self.verbose = verbose
+        self.validation_every = validation_every
+        self.learning_loss = learning_loss
+        self.weight_name = weight_name
+        self.learning_penalty = learning_penalty
+        self.exc = exc
+        self.shuffle = shuffle
+        self.random_state = random_state
+        self._invalidate()
+
+    # -- building --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        if self._built:
+            return
+        self._check_loop_params()
+        self._providers, self._ort_device, self._device_id = providers_for(self.device)
+        model = load_model(self.model_onnx)
+        self.learning_loss_ = BaseLearningLoss.select(self.learning_loss)
+        self.learning_rate_ = select_learning_rate(self.learning_rate)
+        self.learning_penalty_ = BaseLearningPenalty.select(self.learning_penalty)
+        fb = self.forward_backward_ = OrtGradientForwardBackward(
+            model, self.weights_to_train, device=self.device
+        )
+        if len(fb.input_names) != 1:
+            raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
+        prediction = next(o for o in fb._model.graph.output if o.name == fb.output_names[0])
+        dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
+        shape = [
+            d if d else ("N" if i == 0 else f"K{i}")
+            for i, d in enumerate(static_shape(prediction) or ["N", "K"])
+        ]
+        weighted = self.weight_name is not None
+        self.loss_onnx_ = self.learning_loss_.build_onnx_function(dtype, weighted, shape)
+        self._loss_session = inference_session(self.loss_onnx_, self._providers)
+        self._loss_cache = BindingCache(self._loss_session.io_binding())
+        values = {w: fb.weights[w].numpy() for w in fb.weight_names}
+        self.update_step_ = build_update_step(
+            values, self.learning_rate_, self.learning_penalty_.penalty, dtype
+        )
+        self._resident_session = inference_session(self.update_step_.model, self._providers)
+        self._features_value = input_value(model, fb.input_names[0])
+        self._label_value = input_value(self.loss_onnx_, "label")
+        self._has_sample_weight = weighted
+        self._variant = fb._variant(frozenset())
+        self._feed_slots = [fb.input_names[0]] + [
+            next(w for w, i in fb._internal.items() if i == n) for n in self._variant.feed_names[1:]
+        ]
+        self._per_sample: Any = None
+        self._built = True
+
+    def _allocate(self, values: Any) -> None:
+        super()._allocate(values)
+        self._update_caches = [BindingCache(b) for b in self._bindings]
+
+    def _bind_scratch(self, binding: Any) -> None:
+        """The update step has no output besides the resident ones."""
+
+    # -- one batch -------------------------------------------------------------------------
+
+    def _forward(self, X: Any, training: bool) -> tuple[Any, Any]:
+        """Prediction OrtValue (and the pending state when training) with the current weights."""
+        fb, current = self.forward_backward_, self._resident
+        features = fb.to_ortvalue(X)
+        feeds = [features] + [current[w] for w in self._feed_slots[1:]]
+        if not training:
+            session = self._variant.forward_session  # type: ignore[attr-defined]
+            names = dict(zip(self._variant.feed_names, feeds))
+            return session.run_with_ort_values([fb.output_names[0]], names)[0], None
+        pending = fb.run_forward(self._variant, [v._ortvalue for v in feeds])
+        pending.keep_alive.append(features)
+        return pending.outputs[0], pending
+
+    def _loss_and_grad(self, prediction: Any, y: np.ndarray, w: np.ndarray | None) -> list[Any]:
+        cache, fb = self._loss_cache, self.forward_backward_
+        cache.bind("prediction", prediction)
+        cache.bind("label", fb.to_ortvalue(y))
+        if w is not None:
+            cache.bind("weight", fb.to_ortvalue(w))
+        # outputs are rebound every run: a binding keeps the first run's output shapes
+        cache.binding.clear_binding_outputs()
+        for name in ("loss", "prediction_grad"):
+            cache.binding.bind_output(name, self._ort_device, self._device_id)
+        self._loss_session.run_with_iobinding(cache.binding)
+        return cache.binding.get_outputs()
+
+    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+        prediction, pending = self._forward(X, training=True)
+        loss, prediction_grad = self._loss_and_grad(prediction, y, w)
+        grads = self.forward_backward_.run_backward(pending, [prediction_grad._ortvalue])
+        cache = self._update_caches[self._current]
+        for name in self.update_step_.weights:
+            cache.bind(grad_name(name), grads[name])
+        cache.bind(LOSS, loss)
+        self._resident_session.run_with_iobinding(binding)
+
+    # -- using the trained weights ---------------------------------------------------------
+
+    def _loss(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> float:
+        prediction, _ = self._forward(X, training=False)
+        return float(self._loss_and_grad(prediction, y, w)[0].numpy())
+
+    def _predict_outputs(self, X: np.ndarray) -> np.ndarray:
+        return self._forward(X, training=False)[0].numpy()
+
+    def losses(self, X: Any, y: Any, sample_weight: Any = None) -> np.ndarray:
+        """The loss of every sample (weighted when sample weights are given)."""
+        self._build()
+        X, y, w = self._check(X, y, sample_weight)
+        if self._per_sample is None:
+            loss = self.learning_loss_.loss
+            per_sample = losses.get(loss.name, **{**loss.params, "reduction": "none"})
+            self._per_sample = per_sample
+        prediction = self._forward(X, training=False)[0].numpy()
+        return self._per_sample(prediction, y, w)
+
+    def _prediction_model(self) -> onnx.ModelProto:
+        return load_model(self.model_onnx)
+
+    def _graphs(self) -> dict[str, onnx.ModelProto]:
+        """``forward`` and ``gradient`` (from onnxruntime-training), ``loss`` (loss and its
+        gradient) and ``update`` (penalty + schedule + optimizer for every weight)."""
+        return {
+            "forward": self._variant.forward_model,
+            "gradient": self._variant.gradient_model,
+            self.loss_output_name: self.loss_onnx_,
+            "update": self.update_step_.model,
+        }
+
+
+__all__ = ["BindingCache", "OrtGradientForwardBackwardOptimizer"]

@@ -1,0 +1,171 @@
+"""An ONNX graph as a ``torch.nn.Module`` (needs the ``torch`` extra).
+
+Forward and backward run through onnxruntime-training's TrainingAgent inside a
+``torch.autograd.Function``; tensors cross through DLPack, without copies on CPU. The
+graph's weights are ``torch.nn.Parameter``s, so ``torch.optim`` updates them::
+
+    layer = OnnxModule(onx)                       # any ONNX graph with float weights
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), layer)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = torch.nn.functional.mse_loss(model(X), y)
+    loss.backward()
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
+
+from graphkit._ort import onnxruntime
+from graphkit.errors import DTypeError, ShapeError
+from graphkit.rewrite import set_weights
+from graphkit_train.forward_backward import OrtGradientForwardBackward
+
+_TORCH_TO_NUMPY = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+
+
+def _to_ortvalue(tensor: torch.Tensor) -> Any:
+    """A C OrtValue sharing ``tensor``'s memory (DLPack, no copy)."""
+    C = onnxruntime().capi._pybind_state
+    return C.OrtValue.from_dlpack(
+        to_dlpack(tensor.detach().contiguous()), tensor.dtype == torch.bool
+    )
+
+
+def _to_tensor(value: Any) -> torch.Tensor:
+    return from_dlpack(
+        value._ortvalue.to_dlpack() if hasattr(value, "_ortvalue") else value.to_dlpack()
+    )
+
+
+class OnnxModule(torch.nn.Module):
+    """An ONNX graph as a differentiable PyTorch layer.
+
+    Args:
+        onnx_model: the graph (ModelProto, bytes or path).
+        weights_to_train: float initializers exposed as parameters (None: all).
+        device: ``"cpu"`` or ``"cuda[:N]"`` (the CUDA build of onnxruntime-training).
+        output_names: the outputs returned (None: the float outputs).
+
+    Parameter names are the weight names with characters PyTorch does not accept in
+    attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
+    :attr:`parameter_names` maps them back.
+    """
+
+    def __init__(
+        self,
+        onnx_model: Any,
+        weights_to_train: Sequence[str] | None = None,
+        device: str = "cpu",
+        output_names: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.forward_backward = OrtGradientForwardBackward(
+            onnx_model, weights_to_train, output_names=output_names, device=device
+        )
+        fb = self.forward_backward
+        self._torch_device = torch.device(device)
+        self.parameter_names: dict[str, str] = {}
+        for name in fb.weight_names:
+            attribute = re.sub(r"\W", "_", name)
+            while attribute in self.parameter_names or hasattr(self, attribute):
+                attribute = f"w_{attribute}"
+            self.parameter_names[attribute] = name
+            value = torch.from_numpy(fb.weights[name].numpy().copy()).to(self._torch_device)
+            self.register_parameter(attribute, torch.nn.Parameter(value))
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        fb = self.forward_backward
+        if len(inputs) != len(fb.input_names):
+            raise ValueError(
+                f"The ONNX layer takes {len(fb.input_names)} inputs {fb.input_names}, "
+                f"got {len(inputs)}."
+            )
+        for name, tensor in zip(fb.input_names, inputs):
+            self._check(name, tensor, fb._input_values[name])
+        params = [getattr(self, a) for a in self.parameter_names]
+        outputs = _OnnxFunction.apply(self, len(inputs), *inputs, *params)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _check(self, name: str, tensor: torch.Tensor, expected: onnx.ValueInfoProto) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Input {name!r} must be a torch.Tensor, got {type(tensor).__name__}.")
+        if tensor.device != self._torch_device:
+            raise ValueError(
+                f"Input {name!r} is on {tensor.device}, the ONNX layer runs on "
+                f"{self._torch_device}: move it with .to({str(self._torch_device)!r})."
+            )
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(expected.type.tensor_type.elem_type))
+        if np.dtype(_TORCH_TO_NUMPY.get(tensor.dtype, object)) != dtype:
+            raise DTypeError(f"Input {name!r} must be {dtype}, got {tensor.dtype}.")
+        dims = [
+            d.dim_value if d.HasField("dim_value") else None
+            for d in expected.type.tensor_type.shape.dim
+        ]
+        if len(dims) != tensor.dim() or any(
+            d is not None and d != s for d, s in zip(dims, tensor.shape)
+        ):
+            raise ShapeError(
+                f"Input {name!r} has shape {tuple(tensor.shape)}; the graph expects {dims}."
+            )
+
+    def trained_model(self) -> onnx.ModelProto:
+        """The ONNX graph with the current parameter values."""
+        weights = {
+            w: getattr(self, a).detach().cpu().numpy() for a, w in self.parameter_names.items()
+        }
+        return set_weights(self.forward_backward.trained_model(), weights)
+
+
+class _OnnxFunction(torch.autograd.Function):
+    """Forward and backward of an :class:`OnnxModule` through the TrainingAgent."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, module: OnnxModule, n_inputs: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        fb = module.forward_backward
+        inputs, weights = tensors[:n_inputs], tensors[n_inputs:]
+        requiring = frozenset(
+            name for i, name in enumerate(fb.input_names) if ctx.needs_input_grad[2 + i]
+        )
+        variant = fb._variant(requiring)
+        by_name = dict(zip(fb.input_names, inputs))
+        original = {v: k for k, v in fb._internal.items()}
+        weight_of = dict(zip(module.parameter_names.values(), weights))
+        ordered = [
+            by_name[n] if n in by_name else weight_of[original[n]] for n in variant.feed_names
+        ]
+        feeds = [_to_ortvalue(t) for t in ordered]
+        pending = fb.run_forward(variant, feeds)
+        pending.keep_alive.append(ordered)
+        ctx.pending, ctx.module, ctx.n_inputs = pending, module, n_inputs
+        # backward reuses the memory of the forward outputs: clone them (on their device)
+        return tuple(_to_tensor(o).clone() for o in pending.outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        fb = ctx.module.forward_backward
+        grads = fb.run_backward(ctx.pending, [_to_ortvalue(g) for g in grad_outputs])
+        ctx.pending = None  # release the execution state
+        result: list[Any] = [None, None]
+        result += [_to_tensor(grads[n]) if n in grads else None for n in fb.input_names]
+        result += [_to_tensor(grads[w]) for w in ctx.module.parameter_names.values()]
+        return tuple(result)
+
+
+__all__ = ["OnnxModule"]

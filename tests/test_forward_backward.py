@@ -1,0 +1,392 @@
+"""Forward/backward training against independent references: finite differences, torch
+autograd, full training on the same batches, numpy loops written from the formulas,
+scikit-learn."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import onnx
+import pytest
+from conftest import linear_regression_onnx
+
+import graphkit as gk
+from graphkit_train import (
+    OrtGradientForwardBackward,
+    OrtGradientForwardBackwardOptimizer,
+    OrtGradientOptimizer,
+)
+from graphkit_train.partial import BindingCache
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def torch_net(tmp_path_factory):
+    """A float64 torch MLP and its ONNX export."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
+    ).double()
+    path = str(tmp_path_factory.mktemp("fb") / "net.onnx")
+    torch.onnx.export(
+        net,
+        (torch.zeros(2, 3, dtype=torch.float64),),
+        path,
+        input_names=["X"],
+        output_names=["Y"],
+        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+        dynamo=False,
+    )
+    return net, onnx.load(path)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(90, 3))
+    return X, X @ np.array([1.5, -2.0, 0.5]) + 0.3 + rng.normal(scale=0.1, size=90)
+
+
+def zero_linear():
+    return linear_regression_onnx(np.zeros((3, 1)), np.zeros(1))
+
+
+# -- OrtGradientForwardBackward ------------------------------------------------------------
+
+
+def test_gradients_match_torch_autograd(torch_net, rng):
+    net, onx = torch_net
+    fb = OrtGradientForwardBackward(onx, inputs_requiring_grad=["X"])
+    X = rng.normal(size=(7, 3))
+    dY = rng.normal(size=(7, 2))
+    (Y,) = fb.forward([X])
+    grads = fb.backward([dY])
+    Xt = torch.tensor(X, requires_grad=True)
+    net.zero_grad()
+    out = net(Xt)
+    out.backward(torch.tensor(dY))
+    np.testing.assert_allclose(Y.numpy(), out.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(grads["X"].numpy(), Xt.grad.numpy(), rtol=1e-5, atol=1e-12)
+    for name, parameter in net.named_parameters():
+        np.testing.assert_allclose(
+            grads[name].numpy(), parameter.grad.numpy(), rtol=1e-5, atol=1e-12
+        )
+
+
+def test_gradients_match_finite_differences(torch_net, rng):
+    _, onx = torch_net
+    fb = OrtGradientForwardBackward(onx, ["2.weight", "0.bias"])  # any order, any names
+    X, dY = rng.normal(size=(5, 3)), rng.normal(size=(5, 2))
+    fb.forward([X])
+    grads = fb.backward([dY])
+    assert "X" not in grads  # input gradients only when asked for
+    base = {w: fb.weights[w].numpy() for w in fb.weight_names}
+    eps = 1e-6
+    for name in ("2.weight", "0.bias"):
+        expected = np.zeros_like(base[name])
+        for index in np.ndindex(base[name].shape):
+            values = []
+            for sign in (1, -1):
+                shifted = base[name].copy()
+                shifted[index] += sign * eps
+                (Y,) = fb.forward([X], training=False, weights={name: shifted})
+                values.append(float((Y.numpy() * dY).sum()))
+            expected[index] = (values[0] - values[1]) / (2 * eps)
+        np.testing.assert_allclose(grads[name].numpy(), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_several_forwards_before_backwards(torch_net, rng):
+    _, onx = torch_net
+    fb = OrtGradientForwardBackward(onx)
+    X1, X2, dY = rng.normal(size=(4, 3)), rng.normal(size=(6, 3)), rng.normal(size=(4, 2))
+    fb.forward([X1])
+    alone = {k: v.numpy() for k, v in fb.backward([dY]).items()}
+    fb.forward([X1])
+    fb.forward([X2])
+    assert fb.pending == 2
+    fb.backward([rng.normal(size=(6, 2))])  # the most recent forward first
+    first = fb.backward([dY])
+    assert fb.pending == 0
+    for name, value in alone.items():
+        np.testing.assert_allclose(first[name].numpy(), value, rtol=1e-12)
+    fb.forward([X1], training=False)
+    assert fb.pending == 0  # inference keeps nothing
+
+
+def test_forward_backward_bad_input(torch_net, rng):
+    _, onx = torch_net
+    fb = OrtGradientForwardBackward(onx)
+    with pytest.raises(ValueError, match="forward got 2 inputs; the graph takes 1"):
+        fb.forward([np.zeros((2, 3)), np.zeros((2, 3))])
+    with pytest.raises(gk.ShapeError, match="'X' has shape \\(2, 4\\)"):
+        fb.forward([np.zeros((2, 4))])
+    with pytest.raises(gk.DTypeError, match="float64"):
+        fb.forward([np.zeros((2, 3), np.float32)])
+    with pytest.raises(RuntimeError, match="without a pending forward"):
+        fb.backward([np.zeros((2, 2))])
+    fb.forward([np.zeros((2, 3))])
+    with pytest.raises(gk.ShapeError, match="gradient of output 'Y' has shape \\(3, 2\\)"):
+        fb.backward([np.zeros((3, 2))])
+    with pytest.raises(gk.UnknownNameError, match="not trained weights"):
+        fb.forward([np.zeros((2, 3))], weights={"W": np.zeros(2)})
+    with pytest.raises(gk.UnknownNameError, match="Trainable weights"):
+        OrtGradientForwardBackward(onx, ["1.weight"])
+    with pytest.raises(ValueError, match="Unknown device 'gpu'"):
+        OrtGradientForwardBackward(onx, device="gpu")
+
+
+def test_binding_cache_skips_unchanged_pointers():
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(zero_linear().SerializeToString())
+    cache = BindingCache(session.io_binding())
+    value = onnxruntime.OrtValue.ortvalue_from_numpy(np.zeros((2, 3)))
+    cache.bind("X", value)
+    cache.bind("X", value)
+    assert (cache.binds, cache.hits) == (1, 1)
+    cache.bind("X", onnxruntime.OrtValue.ortvalue_from_numpy(np.ones((2, 3))))
+    assert cache.binds == 2
+
+
+# -- OrtGradientForwardBackwardOptimizer -----------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", ["sgd", "adam"])
+def test_same_weights_as_full_training(rate, data):
+    X, y = data
+    make = {
+        "sgd": lambda: gk.LearningRateSGD(eta0=0.05, learning_rate="constant"),
+        "adam": lambda: gk.LearningRateAdam(eta0=0.05),
+    }[rate]
+    partial = OrtGradientForwardBackwardOptimizer(
+        zero_linear(), max_iter=4, batch_size=8, learning_rate=make(), random_state=1
+    ).fit(X, y)
+    full = OrtGradientOptimizer(
+        gk.add_loss_output(zero_linear()),
+        max_iter=4,
+        batch_size=8,
+        learning_rate=make(),
+        random_state=1,
+    ).fit(X, y)
+    for name, value in full.get_state().items():
+        np.testing.assert_allclose(partial.get_state()[name], value, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(partial.train_losses_, full.train_losses_, rtol=1e-12)
+
+
+def test_nesterov_with_elastic_penalty_matches_numpy(data):
+    """v <- mu v - lr (g + l1 sign(w) + 2 l2 w); w <- w + mu v - lr (...), g the gradient of
+    the mean squared error, lr = eta0 / (t + 1)^power_t."""
+    X, y = data
+    trainer = OrtGradientForwardBackwardOptimizer(
+        zero_linear(),
+        max_iter=3,
+        batch_size=10,
+        shuffle=False,
+        learning_rate=gk.LearningRateSGDNesterov(eta0=0.02, power_t=0.5, momentum=0.8),
+        learning_loss=gk.ElasticLearningLoss(l1_weight=0.2, l2_weight=0.8),
+        learning_penalty=gk.ElasticLearningPenalty(l1=0.01, l2=0.05),
+    ).fit(X, y)
+    w, b = np.zeros((3, 1)), np.zeros(1)
+    vw, vb = np.zeros_like(w), np.zeros_like(b)
+    t = 0
+    for _ in range(3):
+        for start in range(0, len(X), 10):
+            x, target = X[start : start + 10], y[start : start + 10, None]
+            d = x @ w + b - target
+            dloss = (0.2 * np.sign(d) + 1.6 * d) / len(x)  # elastic loss, mean
+            gw = x.T @ dloss + 0.01 * np.sign(w) + 0.1 * w
+            gb = dloss.sum(axis=0) + 0.01 * np.sign(b) + 0.1 * b
+            lr = 0.02 / (t + 1) ** 0.5
+            vw, vb = 0.8 * vw - lr * gw, 0.8 * vb - lr * gb
+            w, b = w + 0.8 * vw - lr * gw, b + 0.8 * vb - lr * gb
+            t += 1
+    state = trainer.get_state()
+    np.testing.assert_allclose(state["coef"], w, rtol=1e-10)
+    np.testing.assert_allclose(state["intercept"], b, rtol=1e-10)
+    np.testing.assert_allclose(state["coef.momentum.velocity"], vw, rtol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "rate",
+    [
+        "SGD",
+        "SGDNesterov",
+        gk.LearningRateAdam(eta0=0.05),
+        gk.LearningRateAdamW(eta0=0.05),
+        gk.LearningRateAdagrad(eta0=0.5),
+        gk.LearningRateRMSProp(eta0=0.02),
+        (gk.optimizers.adam(), gk.schedules.warmup(gk.schedules.cosine(0.05, 100), 10)),
+    ],
+    ids=["sgd", "nesterov", "adam", "adamw", "adagrad", "rmsprop", "adam-warmup-cosine"],
+)
+def test_every_optimizer_trains(rate, data):
+    X, y = data
+    trainer = OrtGradientForwardBackwardOptimizer(
+        zero_linear(), max_iter=15, learning_rate=rate, random_state=0
+    )
+    trainer.fit(X, y)
+    assert trainer.train_losses_[-1] < 0.5 * trainer.train_losses_[0]
+
+
+def test_binary_classification_on_raw_scores():
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    trainer = OrtGradientForwardBackwardOptimizer(
+        linear_regression_onnx(np.zeros((30, 1)), np.zeros(1)),
+        max_iter=30,
+        batch_size=32,
+        learning_rate=gk.LearningRateAdam(eta0=0.05),
+        learning_loss="NegLogLearningLoss",
+        random_state=0,
+    ).fit(X, y)
+    accuracy = ((trainer.predict(X) > 0) == y).mean()
+    assert accuracy >= LogisticRegression().fit(X, y).score(X, y) - 0.02
+    p = 1 / (1 + np.exp(-trainer.predict(X)))
+    np.testing.assert_allclose(
+        trainer.losses(X, y), -(y * np.log(p) + (1 - y) * np.log(1 - p)), rtol=1e-6, atol=1e-9
+    )
+
+
+def test_multiclass_softmax_cross_entropy():
+    from sklearn.datasets import load_iris
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = load_iris(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    trainer = OrtGradientForwardBackwardOptimizer(
+        linear_regression_onnx(np.zeros((4, 3)), np.zeros(3)),
+        max_iter=100,
+        batch_size=16,
+        learning_rate=gk.LearningRateAdam(eta0=0.05),
+        learning_loss="cross_entropy",
+        random_state=0,
+    ).fit(X, y)
+    assert (trainer.predict(X).argmax(axis=1) == y).mean() >= LogisticRegression().fit(X, y).score(
+        X, y
+    ) - 0.03
+
+
+def test_grid_search_and_cross_val_score(data):
+    from sklearn.model_selection import GridSearchCV, cross_val_score
+
+    X, y = data
+    estimator = OrtGradientForwardBackwardOptimizer(zero_linear(), max_iter=5, random_state=0)
+    search = GridSearchCV(estimator, {"learning_rate": [1e-4, 0.05]}, cv=3).fit(X, y)
+    assert search.best_params_ == {"learning_rate": 0.05}
+    assert search.best_estimator_.get_state()["coef"].shape == (3, 1)
+    scores = cross_val_score(estimator, X, y, cv=3)
+    assert scores.shape == (3,) and np.all(scores < 0)  # minus the loss
+
+
+def test_state_pickle_warm_start_and_exports(data, tmp_path):
+    X, y = data
+    kwargs = dict(batch_size=8, learning_rate="adam", random_state=2, weight_name="w")
+    five = OrtGradientForwardBackwardOptimizer(zero_linear(), max_iter=5, **kwargs).fit(X, y)
+    split = OrtGradientForwardBackwardOptimizer(
+        zero_linear(), max_iter=2, warm_start=True, **kwargs
+    ).fit(X, y)
+    split = pickle.loads(pickle.dumps(split))
+    split.set_params(max_iter=3)
+    split.fit(X, y)
+    for name, value in five.get_state().items():
+        np.testing.assert_array_equal(split.get_state()[name], value)
+    paths = five.save_onnx_graph(str(tmp_path))
+    assert set(paths) == {"forward", "gradient", "loss", "update", "trained"}
+    trained = onnx.load(paths["trained"])
+    np.testing.assert_allclose(gk.run(trained, {"X": X})["Y"][:, 0], five.predict(X), rtol=1e-12)
+    assert set(five.save_onnx_graph(bytes)) == set(paths)
+    w = np.linspace(0, 1, len(X))
+    d = five.predict(X) - y
+    np.testing.assert_allclose(five.losses(X, y, w), w * d**2, rtol=1e-10)
+    assert five.score(X, y, w) == pytest.approx(-(w * d**2).sum() / w.sum())
+
+
+def test_nan_loss_with_and_without_exc(data):
+    X, y = data
+    X = X * 1e4
+    kwargs = dict(max_iter=20, batch_size=90, learning_rate=10.0, shuffle=False)
+    with pytest.raises(gk.ConvergenceError, match="epoch"):
+        OrtGradientForwardBackwardOptimizer(zero_linear(), **kwargs).fit(X, y)
+    trainer = OrtGradientForwardBackwardOptimizer(zero_linear(), exc=False, **kwargs)
+    with pytest.warns(RuntimeWarning, match="The loss became"):
+        trainer.fit(X, y)
+    assert np.isfinite(trainer.get_state()["coef"]).all()
+    assert len(trainer.train_losses_) < 20
+
+
+# -- PyTorch integration ---------------------------------------------------------------------
+
+
+def hybrid_and_twin(tmp_path):
+    from graphkit_train.torch_module import OnnxModule
+
+    torch.manual_seed(0)
+    tail = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    path = str(tmp_path / "tail.onnx")
+    torch.onnx.export(
+        tail,
+        (torch.randn(2, 4),),
+        path,
+        input_names=["X"],
+        output_names=["Y"],
+        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+        dynamo=False,
+    )
+    head = torch.nn.Linear(3, 4)
+    layer = OnnxModule(onnx.load(path))
+    hybrid = torch.nn.Sequential(head, torch.nn.ReLU(), layer)
+    twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), tail)
+    twin[0].load_state_dict(head.state_dict())
+    return hybrid, twin, layer
+
+
+def test_hybrid_gradients_match_pure_torch(tmp_path):
+    hybrid, twin, _ = hybrid_and_twin(tmp_path)
+    X, y = torch.randn(16, 3), torch.randn(16, 1)
+    for model in (hybrid, twin):
+        torch.nn.functional.mse_loss(model(X), y).backward()
+    for (name, a), b in zip(hybrid.named_parameters(), twin.parameters()):
+        np.testing.assert_allclose(
+            a.grad.numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=name
+        )
+
+
+def test_hybrid_trains_with_torch_optim(tmp_path):
+    hybrid, _, layer = hybrid_and_twin(tmp_path)
+    X = torch.randn(64, 3)
+    y = (X[:, :1] * 2 - X[:, 1:2]).detach()
+    optimizer = torch.optim.Adam(hybrid.parameters(), lr=0.02)
+    losses = []
+    for _ in range(150):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(hybrid(X), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.1 * losses[0]
+    trained = layer.trained_model()  # the ONNX layer with the parameters torch trained
+    np.testing.assert_allclose(
+        gk.run(trained, {"X": hybrid[1](hybrid[0](X)).detach().numpy()})["Y"],
+        hybrid(X).detach().numpy(),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_hybrid_bad_input(tmp_path):
+    hybrid, _, layer = hybrid_and_twin(tmp_path)
+    with pytest.raises(ValueError, match="on meta.*runs on cpu"):
+        layer(torch.empty(2, 4, device="meta"))
+    with pytest.raises(gk.ShapeError, match="shape \\(2, 5\\)"):
+        layer(torch.zeros(2, 5))
+    with pytest.raises(gk.DTypeError, match="float32"):
+        layer(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="takes 1 inputs"):
+        layer(torch.zeros(2, 4), torch.zeros(2, 4))

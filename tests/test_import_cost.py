@@ -1,0 +1,24 @@
+"""graphkit does not pay for torch when torch is not used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CODE = """
+import sys
+import numpy as np
+import graphkit as gk
+loss = gk.losses.get("squared_error")
+assert abs(loss(np.ones((2, 1)), np.zeros(2)) - 1.0) < 1e-12
+from graphkit._ort import onnxruntime
+onnxruntime().capi._pybind_state.TrainingAgent  # the training bindings are there
+print("torch" in sys.modules)
+import onnxruntime.training  # still importable afterwards (it imports torch itself)
+print("torch" in sys.modules)
+"""
+
+
+def test_onnxruntime_is_imported_without_torch():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
