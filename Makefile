@@ -27,6 +27,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
+	$(BIN)/python benchmarks/forward_backward.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -301,6 +301,7 @@ class LearningRateAdam(BaseLearningRate):
     """Adam; ``learning_rate`` is ``"constant"`` (at ``eta0``) or any schedule."""
 
     aliases = ("adam",)
+    _factory = staticmethod(_optimizers.adam)
 
     def __init__(
         self,
@@ -312,27 +313,18 @@ class LearningRateAdam(BaseLearningRate):
         eps_mode: str = "corrected",
         learning_rate: Any = "constant",
     ) -> None:
-        optimizer = _optimizers.adam(b1, b2, eps, weight_decay, eps_mode)
+        optimizer = self._factory(b1, b2, eps, weight_decay, eps_mode)
         super().__init__(optimizer, _schedule(learning_rate, eta0))
 
 
-class LearningRateAdamW(BaseLearningRate):
-    """AdamW (decoupled weight decay)."""
+class LearningRateAdamW(LearningRateAdam):
+    """AdamW (decoupled weight decay, 0.01 by default)."""
 
     aliases = ("adamw",)
+    _factory = staticmethod(_optimizers.adamw)
 
-    def __init__(
-        self,
-        eta0: float = 0.001,
-        b1: float = 0.9,
-        b2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        eps_mode: str = "corrected",
-        learning_rate: Any = "constant",
-    ) -> None:
-        optimizer = _optimizers.adamw(b1, b2, eps, weight_decay, eps_mode)
-        super().__init__(optimizer, _schedule(learning_rate, eta0))
+    def __init__(self, eta0: float = 0.001, weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(eta0=eta0, weight_decay=weight_decay, **kwargs)
 
 
 class LearningRateAdagrad(BaseLearningRate):

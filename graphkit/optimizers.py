@@ -255,20 +255,28 @@ def _adam_update(
     coupled, decay = _f64(0.0 if decoupled else wd), _f64(wd if decoupled else 0.0)
     one = _f64(1.0)
 
+    @script()
+    def adam_moments(
+        param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT, FLOAT, FLOAT]:
+        """p = param (1 - lr decay); m, v the new moments; c1, c2 = 1 - b1^t, 1 - b2^t"""
+        p = param * (op.CastLike(one, param) - lr * op.CastLike(decay, param))
+        g = grad + op.CastLike(coupled, param) * param
+        m_new = op.CastLike(beta1, param) * m + op.CastLike(one_minus_b1, param) * g
+        v_new = op.CastLike(beta2, param) * v + op.CastLike(one_minus_b2, param) * g * g
+        t = op.CastLike(step + 1, param)
+        c1 = op.CastLike(one, param) - op.Pow(op.CastLike(beta1, param), t)
+        c2 = op.CastLike(one, param) - op.Pow(op.CastLike(beta2, param), t)
+        return p, m_new, v_new, c1, c2
+
     if eps_mode == "corrected":
 
         @script()
         def adam_update(
             param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
         ) -> tuple[FLOAT, FLOAT, FLOAT]:
-            # p <- p (1 - lr decay); m, v moments; p <- p - lr m_hat / (sqrt(v_hat) + eps)
-            p = param * (op.CastLike(one, param) - lr * op.CastLike(decay, param))
-            g = grad + op.CastLike(coupled, param) * param
-            m_new = op.CastLike(beta1, param) * m + op.CastLike(one_minus_b1, param) * g
-            v_new = op.CastLike(beta2, param) * v + op.CastLike(one_minus_b2, param) * g * g
-            t = op.CastLike(step + 1, param)
-            c1 = op.CastLike(one, param) - op.Pow(op.CastLike(beta1, param), t)
-            c2 = op.CastLike(one, param) - op.Pow(op.CastLike(beta2, param), t)
+            # p <- p - lr m_hat / (sqrt(v_hat) + eps), m_hat = m / c1, v_hat = v / c2
+            p, m_new, v_new, c1, c2 = adam_moments(param, grad, m, v, lr, step)
             denom = op.Sqrt(v_new / c2) + op.CastLike(e, param)
             return p - lr * (m_new / c1) / denom, m_new, v_new
 
@@ -278,14 +286,8 @@ def _adam_update(
     def adam_update_uncorrected_eps(
         param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
-        # lr_t = lr sqrt(1 - b2^t) / (1 - b1^t); p <- p - lr_t m / (sqrt(v) + eps)
-        p = param * (op.CastLike(one, param) - lr * op.CastLike(decay, param))
-        g = grad + op.CastLike(coupled, param) * param
-        m_new = op.CastLike(beta1, param) * m + op.CastLike(one_minus_b1, param) * g
-        v_new = op.CastLike(beta2, param) * v + op.CastLike(one_minus_b2, param) * g * g
-        t = op.CastLike(step + 1, param)
-        c1 = op.CastLike(one, param) - op.Pow(op.CastLike(beta1, param), t)
-        c2 = op.CastLike(one, param) - op.Pow(op.CastLike(beta2, param), t)
+        # lr_t = lr sqrt(c2) / c1; p <- p - lr_t m / (sqrt(v) + eps)
+        p, m_new, v_new, c1, c2 = adam_moments(param, grad, m, v, lr, step)
         lr_t = lr * op.Sqrt(c2) / c1
         return p - lr_t * m_new / (op.Sqrt(v_new) + op.CastLike(e, param)), m_new, v_new
 
@@ -408,19 +410,6 @@ def get(name: str | Optimizer, **kwargs: Any) -> Optimizer:
     if isinstance(name, str) and name.lower() == "nesterov":
         kwargs.setdefault("nesterov", True)
     return OPTIMIZERS.get(name, **kwargs)
-
-
-__all__ = [
-    "OPTIMIZERS",
-    "Optimizer",
-    "adagrad",
-    "adam",
-    "adamw",
-    "get",
-    "momentum",
-    "rmsprop",
-    "sgd",
-]
 
 
 def scheduled_update_model(

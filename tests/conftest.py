@@ -72,20 +72,27 @@ def mlp_classifier(classification_data):
     return model, to_onnx(model, X[:1], options={"zipmap": False})
 
 
-@pytest.fixture(scope="session")
-def torch_mlp(tmp_path_factory):
-    """A torch MLP and its torch.onnx.export (dotted weight names, Gemm)."""
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
-    path = tmp_path_factory.mktemp("torch") / "mlp.onnx"
+def export_torch(net, path, n_features: int, dtype=None) -> onnx.ModelProto:
+    """torch.onnx.export (TorchScript exporter) with input X and output Y, batch dim N."""
+    import torch
+
+    example = torch.zeros(2, n_features, dtype=dtype or torch.float32)
     torch.onnx.export(
         net,
-        (torch.randn(2, 4),),
+        (example,),
         str(path),
         input_names=["X"],
         output_names=["Y"],
         dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
         dynamo=False,
     )
-    return net, onnx.load(str(path))
+    return onnx.load(str(path))
+
+
+@pytest.fixture(scope="session")
+def torch_mlp(tmp_path_factory):
+    """A torch MLP and its torch.onnx.export (dotted weight names, Gemm)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    return net, export_torch(net, tmp_path_factory.mktemp("torch") / "mlp.onnx", 4)

@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx
+from conftest import export_torch, linear_regression_onnx
 
 import graphkit as gk
 from graphkit_train import (
@@ -29,17 +29,7 @@ def torch_net(tmp_path_factory):
     net = torch.nn.Sequential(
         torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)
     ).double()
-    path = str(tmp_path_factory.mktemp("fb") / "net.onnx")
-    torch.onnx.export(
-        net,
-        (torch.zeros(2, 3, dtype=torch.float64),),
-        path,
-        input_names=["X"],
-        output_names=["Y"],
-        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
-        dynamo=False,
-    )
-    return net, onnx.load(path)
+    return net, export_torch(net, tmp_path_factory.mktemp("fb") / "net.onnx", 3, torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -329,18 +319,8 @@ def hybrid_and_twin(tmp_path):
 
     torch.manual_seed(0)
     tail = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
-    path = str(tmp_path / "tail.onnx")
-    torch.onnx.export(
-        tail,
-        (torch.randn(2, 4),),
-        path,
-        input_names=["X"],
-        output_names=["Y"],
-        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
-        dynamo=False,
-    )
     head = torch.nn.Linear(3, 4)
-    layer = OnnxModule(onnx.load(path))
+    layer = OnnxModule(export_torch(tail, tmp_path / "tail.onnx", 4))
     hybrid = torch.nn.Sequential(head, torch.nn.ReLU(), layer)
     twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), tail)
     twin[0].load_state_dict(head.state_dict())

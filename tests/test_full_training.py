@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx
+from conftest import export_torch, linear_regression_onnx
 
 import graphkit as gk
 from graphkit import optimizers
@@ -116,16 +116,6 @@ def test_same_loss_as_torch_at_every_step(name, data, tmp_path):
     net = torch.nn.Sequential(
         torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     ).double()
-    path = str(tmp_path / "net.onnx")
-    torch.onnx.export(
-        net,
-        (torch.zeros(2, 3, dtype=torch.float64),),
-        path,
-        input_names=["X"],
-        output_names=["Y"],
-        dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
-        dynamo=False,
-    )
     if name == "momentum":
         ours = (optimizers.momentum(0.9), 0.05)
         theirs = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -134,7 +124,7 @@ def test_same_loss_as_torch_at_every_step(name, data, tmp_path):
         theirs = torch.optim.Adam(net.parameters(), lr=0.05)
     # full batch: one step per epoch, so train_losses_ holds the loss of every step
     trainer = OrtGradientOptimizer(
-        gk.add_loss_output(onnx.load(path)),
+        gk.add_loss_output(export_torch(net, tmp_path / "net.onnx", 3, torch.float64)),
         max_iter=15,
         batch_size=len(X),
         shuffle=False,
