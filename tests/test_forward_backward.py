@@ -370,3 +370,9 @@ def test_hybrid_bad_input(tmp_path):
         layer(torch.zeros(2, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="takes 1 inputs"):
         layer(torch.zeros(2, 4), torch.zeros(2, 4))
+
+
+def test_verbose_progress_bar(data, capsys):
+    X, y = data
+    OrtGradientForwardBackwardOptimizer(zero_linear(), max_iter=2, verbose=1).fit(X, y)
+    assert "2/2" in capsys.readouterr().err

@@ -491,3 +491,10 @@ def test_bad_learning_rate():
         OrtGradientOptimizer(gk.add_loss_output(zero_linear()), learning_rate=[0.1]).fit(
             np.zeros((1, 3)), np.zeros(1)
         )
+
+
+def test_verbose_shows_a_progress_bar(data, capsys):
+    X, y = data
+    OrtGradientOptimizer(gk.add_loss_output(zero_linear()), max_iter=3, verbose=1).fit(X, y)
+    err = capsys.readouterr().err
+    assert "epochs" in err and "3/3" in err and "loss=" in err and "lr=" in err
