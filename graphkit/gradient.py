@@ -61,16 +61,7 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
             builder.save(path)
             grad = onnx.load(path)
     except RuntimeError as exc:
-        found = _NO_BUILDER.search(str(exc))
-        if found:
-            op_type, node = found.groups()
-            raise MissingGradientError(
-                f"onnxruntime-training 1.19.2 has no gradient for operator {op_type!r} "
-                f"(node {node!r}). Rewrite that part with differentiable operators "
-                "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
-                "keep it off the path between the weights and the loss."
-            ) from exc
-        raise MissingGradientError(f"Building the gradient graph failed: {_short(exc)}") from exc
+        raise explain_builder_failure(exc) from exc
     if target != output:
         extra = next(o for o in grad.graph.output if o.name == target)
         grad.graph.output.remove(extra)
@@ -201,6 +192,20 @@ def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
     del copy.graph.node[:]
     copy.graph.node.extend(nodes)
     return copy
+
+
+def explain_builder_failure(exc: BaseException) -> MissingGradientError:
+    """The error to raise when onnxruntime-training's gradient builders fail."""
+    found = _NO_BUILDER.search(str(exc))
+    if found:
+        op_type, node = found.groups()
+        return MissingGradientError(
+            f"onnxruntime-training 1.19.2 has no gradient for operator {op_type!r} "
+            f"(node {node!r}). Rewrite that part with differentiable operators "
+            "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
+            "keep it off the path between the weights and the loss."
+        )
+    return MissingGradientError(f"Building the gradient graph failed: {_short(exc)}")
 
 
 def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProto, str]:

@@ -29,7 +29,11 @@ from graphkit._graph import fresh_name, graph_names, rename_tensors, static_shap
 from graphkit._ort import _short, inference_session, onnxruntime
 from graphkit.compat import make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.gradient import _quiet_native_stderr, lower_float32_only_ops
+from graphkit.gradient import (
+    _quiet_native_stderr,
+    explain_builder_failure,
+    lower_float32_only_ops,
+)
 from graphkit.rewrite import get_train_initializer, prune
 from graphkit_train._base import providers_for
 from graphkit_train._trainer import load_model
@@ -46,6 +50,7 @@ class _Variant:
     forward_model: onnx.ModelProto
     agent: Any
     session: Any
+    forward_session: Any  # inference only: the forward graph with weights as inputs
     feed_names: list[str]
     fetch_names: list[str]
     grad_of: dict[str, str]  # fetch name -> original input or weight name
@@ -170,18 +175,7 @@ class OrtGradientForwardBackward:
                 builder.initialize(self._model.SerializeToString(), config)
                 builder.build(C.TrainingGraphTransformerConfiguration())
         except RuntimeError as exc:
-            from graphkit.errors import MissingGradientError
-            from graphkit.gradient import _NO_BUILDER
-
-            found = _NO_BUILDER.search(str(exc))
-            if found:
-                raise MissingGradientError(
-                    f"onnxruntime-training 1.19.2 has no gradient for operator "
-                    f"{found.group(1)!r} (node {found.group(2)!r})."
-                ) from exc
-            raise MissingGradientError(
-                f"Building the gradient graph failed: {_short(exc)}"
-            ) from exc
+            raise explain_builder_failure(exc) from exc
         gradient = onnx.load_from_string(builder.get_gradient_model())
         forward = onnx.load_from_string(builder.get_forward_model())
         info = builder.get_graph_info()
@@ -210,9 +204,9 @@ class OrtGradientForwardBackward:
             )
         )
         forward_session = inference_session(forward, self.providers)
-        variant = _Variant(gradient, forward, agent, session, feed_names, fetch_names, grad_of)
-        variant.forward_session = forward_session  # type: ignore[attr-defined]
-        return variant
+        return _Variant(
+            gradient, forward, agent, session, forward_session, feed_names, fetch_names, grad_of
+        )
 
     def _ort_device_info(self) -> Any:
         C = onnxruntime().capi._pybind_state
@@ -312,7 +306,7 @@ class OrtGradientForwardBackward:
         )
         variant = self._variant(requiring)
         if not training:
-            session = variant.forward_session  # type: ignore[attr-defined]
+            session = variant.forward_session
             names = [o.name for o in session.get_outputs()]
             return session.run_with_ort_values(names, feeds)
         pending = self.run_forward(variant, [feeds[n]._ortvalue for n in variant.feed_names])

@@ -167,7 +167,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         features = fb.to_ortvalue(X)
         feeds = [features] + [current[w] for w in self._feed_slots[1:]]
         if not training:
-            session = self._variant.forward_session  # type: ignore[attr-defined]
+            session = self._variant.forward_session
             names = dict(zip(self._variant.feed_names, feeds))
             return session.run_with_ort_values([fb.output_names[0]], names)[0], None
         pending = fb.run_forward(self._variant, [v._ortvalue for v in feeds])

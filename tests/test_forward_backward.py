@@ -376,3 +376,20 @@ def test_verbose_progress_bar(data, capsys):
     X, y = data
     OrtGradientForwardBackwardOptimizer(zero_linear(), max_iter=2, verbose=1).fit(X, y)
     assert "2/2" in capsys.readouterr().err
+
+
+def test_op_without_gradient_in_forward_backward(rng):
+    """The builder's failure is named, as in full training."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Softplus", ["h"], ["Y"])],
+        "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+        [numpy_helper.from_array(rng.normal(size=(2, 1)).astype(np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    fb = OrtGradientForwardBackward(model)
+    with pytest.raises(gk.MissingGradientError, match="'Softplus'"):
+        fb.forward([np.zeros((3, 2), np.float32)])
