@@ -41,6 +41,12 @@ class ParamsMixin(_EstimatorBase):  # type: ignore[misc,valid-type]
         signature = inspect.signature(cls.__init__)
         return [p for p in signature.parameters if p != "self"]
 
+    def _store_params(self, values: Mapping[str, Any]) -> None:
+        """Store the constructor's arguments unchanged (scikit-learn's convention: all
+        validation happens in ``fit``, so ``clone`` and ``set_params`` work)."""
+        for name in self._param_names():
+            setattr(self, name, values[name])
+
     def get_params(self, deep: bool = True) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._param_names()}
 

@@ -93,22 +93,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         shuffle: bool = True,
         random_state: int | None = None,
     ) -> None:
-        self.model_onnx = model_onnx
-        self.weights_to_train = weights_to_train
-        self.loss_output_name = loss_output_name
-        self.max_iter = max_iter
-        self.batch_size = batch_size
-        self.learning_rate = learning_rate
-        self.device = device
-        self.warm_start = warm_start
-        self.verbose = verbose
-        self.validation_every = validation_every
-        self.learning_loss = learning_loss
-        self.weight_name = weight_name
-        self.learning_penalty = learning_penalty
-        self.exc = exc
-        self.shuffle = shuffle
-        self.random_state = random_state
+        self._store_params(locals())
         self._invalidate()
 
     # -- building --------------------------------------------------------------------------
