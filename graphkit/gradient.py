@@ -66,7 +66,7 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
         extra = next(o for o in grad.graph.output if o.name == target)
         grad.graph.output.remove(extra)
         lower_float32_only_ops(grad)
-    return finalize(grad, check=False)
+    return finalize(grad)
 
 
 def lower_float32_only_ops(model: onnx.ModelProto) -> None:

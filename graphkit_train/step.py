@@ -266,7 +266,7 @@ def build_training_step(
         update.model.doc_string.removeprefix("graphkit update step: ")
     )
     return TrainingStep(
-        model=finalize(model, check=False),
+        model=finalize(model),
         weights=weights,
         state=update.state,
         initial=update.initial,

@@ -393,3 +393,19 @@ def test_op_without_gradient_in_forward_backward(rng):
     fb = OrtGradientForwardBackward(model)
     with pytest.raises(gk.MissingGradientError, match="'Softplus'"):
         fb.forward([np.zeros((3, 2), np.float32)])
+
+
+def test_every_exported_graph_passes_the_checker(torch_net, data):
+    """Both trainers, on an MLP in float64 (with the lowered gradient operators)."""
+    from graphkit.compat import MAX_IR_VERSION, MAX_OPSET, opset_of
+
+    _, onx = torch_net
+    X, y = data
+    Y = np.column_stack([y, -y])
+    partial = OrtGradientForwardBackwardOptimizer(onx, max_iter=1).fit(X, Y)
+    full = OrtGradientOptimizer(gk.add_loss_output(onx), max_iter=1).fit(X, Y)
+    for trainer in (partial, full):
+        for name, data_ in trainer.save_onnx_graph(bytes).items():
+            model = onnx.load_from_string(data_)
+            onnx.checker.check_model(model)
+            assert model.ir_version <= MAX_IR_VERSION and opset_of(model) <= MAX_OPSET, name
