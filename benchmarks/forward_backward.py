@@ -42,17 +42,14 @@ class SeedDesign:
             )
             for w, v in self.weights.items()
         }
-        self.order = [self.fb.input_names[0]] + [
-            next(w for w, i in self.fb._internal.items() if i == n)
-            for n in self.variant.feed_names[1:]
-        ]
+        self.order = self.fb.feed_sources(self.variant)
         self.step = 0
 
     def epoch(self, X: np.ndarray, y: np.ndarray) -> None:
         ort = gk._ort.onnxruntime()
         for start in range(0, len(X), BATCH):
             x = ort.OrtValue.ortvalue_from_numpy(X[start : start + BATCH])
-            feeds = [x] + [self.weights[w] for w in self.order[1:]]
+            feeds = [x if n == self.fb.input_names[0] else self.weights[n] for n in self.order]
             pending = self.fb.run_forward(self.variant, [v._ortvalue for v in feeds])
             label = ort.OrtValue.ortvalue_from_numpy(y[start : start + BATCH])
             _, grad = self.loss.run_with_ort_values(

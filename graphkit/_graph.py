@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -302,6 +302,29 @@ def value_info(
 ) -> onnx.ValueInfoProto:
     elem = dtype_or_elem if isinstance(dtype_or_elem, int) else elem_type(dtype_or_elem)
     return helper.make_tensor_value_info(name, elem, None if shape is None else list(shape))
+
+
+def shape_matches(dims: Sequence[Dim] | None, shape: Sequence[int]) -> bool:
+    """Whether an array of ``shape`` fits the declared ``dims``.
+
+    An unknown rank (None) or an unknown dim matches anything."""
+    if dims is None:
+        return True
+    return len(dims) == len(shape) and all(
+        not isinstance(d, int) or d == s for d, s in zip(dims, shape)
+    )
+
+
+def named_shape(value: onnx.ValueInfoProto) -> tuple[int | str, ...]:
+    """Declared dims with every unknown one named (``N`` for the batch): the shape a
+    graphkit piece fed by ``value`` is compiled with. Unknown rank means 2-D."""
+    dims = static_shape(value)
+    if dims is None:
+        return ("N", "K")
+    return tuple(
+        d if isinstance(d, int) or d else ("N" if i == 0 else f"{value.name}_dim{i}")
+        for i, d in enumerate(dims)
+    )
 
 
 def static_shape(value: onnx.ValueInfoProto) -> list[int | str | None] | None:

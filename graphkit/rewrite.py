@@ -31,7 +31,9 @@ from graphkit._graph import (
     FLOAT_TYPES,
     fresh_name,
     graph_names,
+    named_shape,
     rename_tensors,
+    shape_matches,
     splice,
     static_shape,
     value_info,
@@ -133,7 +135,7 @@ def add_loss_output(
             "float32 or float64 prediction. Choose another output with output_index."
         )
     dtype = ELEM_TO_DTYPE[elem]
-    shape = _prediction_shape(prediction)
+    shape = named_shape(prediction)
     loss = _make_loss(score_name, shape, kwargs)
     _check_prediction_shape(loss, shape, prediction.name)
 
@@ -208,21 +210,6 @@ def _select_output(model: onnx.ModelProto, output_index: int | str | None) -> on
             "For a skl2onnx classifier convert with options={'zipmap': False}."
         )
     return chosen
-
-
-def _prediction_shape(value: onnx.ValueInfoProto) -> tuple[int | str, ...]:
-    dims = static_shape(value)
-    if dims is None:
-        return ("N", "K")  # rank unknown: assume a 2-D prediction
-    named: list[int | str] = []
-    for i, dim in enumerate(dims):
-        if isinstance(dim, int):
-            named.append(dim)
-        elif dim:
-            named.append(dim)
-        else:
-            named.append("N" if i == 0 else f"{value.name}_dim{i}")
-    return tuple(named)
 
 
 def _make_loss(score: Any, shape: tuple[int | str, ...], kwargs: dict[str, Any]) -> _losses.Loss:
@@ -385,10 +372,7 @@ def _tensor_for(value_info_: onnx.ValueInfoProto, name: str, value: Any) -> onnx
             raise DTypeError(f"{name!r} is {np.dtype(dtype)}, the value given is {array.dtype}.")
         array = array.astype(dtype)
     dims = static_shape(value_info_)
-    if dims is not None and (
-        len(dims) != array.ndim
-        or any(isinstance(d, int) and d != s for d, s in zip(dims, array.shape))
-    ):
+    if not shape_matches(dims, array.shape):
         raise ShapeError(f"{name!r} has shape {dims}, the value given {array.shape}.")
     return numpy_helper.from_array(array, name)
 

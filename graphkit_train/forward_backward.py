@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import fresh_name, graph_names, rename_tensors, static_shape
+from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
 from graphkit._ort import _short, inference_session, onnxruntime
 from graphkit.compat import make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
@@ -141,6 +141,7 @@ class OrtGradientForwardBackward:
         self._internal = {
             w: fresh_name(f"gkw{i:05d}", taken) for i, w in enumerate(self.weight_names)
         }
+        self._original = {v: k for k, v in self._internal.items()}
         rename_tensors(copy.graph, lambda n: self._internal.get(n, n))
         trained = {i.name: i for i in copy.graph.initializer if i.name in self._internal.values()}
         others = [i for i in copy.graph.initializer if i.name not in trained]
@@ -195,7 +196,7 @@ class OrtGradientForwardBackward:
             [device] * len(fetch_names),
             0,
         )
-        original = {v: k for k, v in self._internal.items()}
+        original = self._original
         grad_of = {g: n for n, g in info.user_input_grad_names.items()}
         grad_of.update(
             zip(
@@ -240,10 +241,7 @@ class OrtGradientForwardBackward:
                 f"{name!r} must be {dtype}, got {got}; cast it with .astype(numpy.{dtype})."
             )
         dims = static_shape(expected)
-        if dims is not None and (
-            len(dims) != len(shape)
-            or any(isinstance(d, int) and d != s for d, s in zip(dims, shape))
-        ):
+        if not shape_matches(dims, shape):
             raise ShapeError(f"{name!r} has shape {shape}; the graph expects {dims}.")
 
     def _feeds(self, inputs: Any, weights: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -391,6 +389,10 @@ class OrtGradientForwardBackward:
         names = pending.variant.fetch_names
         return {pending.variant.grad_of[n]: value for n, value in zip(names, _wrap(fetches))}
 
+    def feed_sources(self, variant: _Variant) -> list[str]:
+        """The input or weight name each feed of ``variant`` takes, in feed order."""
+        return [self._original.get(n, n) for n in variant.feed_names]
+
     @property
     def pending(self) -> int:
         """Number of training forwards waiting for their backward."""
@@ -400,7 +402,7 @@ class OrtGradientForwardBackward:
         """The original graph (restricted to ``output_names``) with the current weights."""
         copy = onnx.ModelProto()
         copy.CopyFrom(self._model)
-        original = {v: k for k, v in self._internal.items()}
+        original = self._original
         for init in copy.graph.initializer:
             if init.name in original:
                 name = original[init.name]

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 
 from graphkit import BaseLearningLoss, BaseLearningPenalty, losses
-from graphkit._graph import ELEM_TO_DTYPE, static_shape
+from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import inference_session
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, load_model
@@ -114,10 +114,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
         prediction = next(o for o in fb._model.graph.output if o.name == fb.output_names[0])
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
-        shape = [
-            d if d else ("N" if i == 0 else f"K{i}")
-            for i, d in enumerate(static_shape(prediction) or ["N", "K"])
-        ]
+        shape = named_shape(prediction)
         weighted = self.weight_name is not None
         self.loss_onnx_ = self.learning_loss_.build_onnx_function(dtype, weighted, shape)
         self._loss_session = inference_session(self.loss_onnx_, self._providers)
@@ -131,9 +128,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._label_value = input_value(self.loss_onnx_, "label")
         self._has_sample_weight = weighted
         self._variant = fb._variant(frozenset())
-        self._feed_slots = [fb.input_names[0]] + [
-            next(w for w, i in fb._internal.items() if i == n) for n in self._variant.feed_names[1:]
-        ]
+        self._feed_sources = fb.feed_sources(self._variant)
         self._per_sample: Any = None
         self._built = True
 
@@ -150,7 +145,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         """Prediction OrtValue (and the pending state when training) with the current weights."""
         fb, current = self.forward_backward_, self._resident
         features = fb.to_ortvalue(X)
-        feeds = [features] + [current[w] for w in self._feed_slots[1:]]
+        feeds = [features if n == fb.input_names[0] else current[n] for n in self._feed_sources]
         if not training:
             session = self._variant.forward_session
             names = dict(zip(self._variant.feed_names, feeds))

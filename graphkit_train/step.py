@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from graphkit import BaseLearningRate
-from graphkit._graph import ELEM_TO_DTYPE, elem_type, fresh_name, graph_names, splice
+from graphkit._graph import ELEM_TO_DTYPE, elem_type, fresh_name, graph_names, splice, value_info
 from graphkit.compat import DSL_OPSET, finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
 from graphkit.gradient import gradient_model
@@ -102,16 +102,17 @@ def build_update_step(
     state = [s for w in names for s in optimizer.state_names(w)]
     owner = {s: w for w in names for s in optimizer.state_names(w)}
 
-    def info(name: str, elem: int, shape: Sequence[int]) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, elem, list(shape))
-
-    inputs = [info(w, elem_type(weights[w].dtype), weights[w].shape) for w in names]
-    inputs += [info(grad_name(w), elem_type(weights[w].dtype), weights[w].shape) for w in names]
-    inputs += [info(s, elem_type(weights[owner[s]].dtype), weights[owner[s]].shape) for s in state]
+    inputs = [value_info(w, elem_type(weights[w].dtype), weights[w].shape) for w in names]
     inputs += [
-        info(STEP, TensorProto.INT64, []),
-        info(LOSS_SUM, loss_elem, []),
-        info(LOSS, loss_elem, []),
+        value_info(grad_name(w), elem_type(weights[w].dtype), weights[w].shape) for w in names
+    ]
+    inputs += [
+        value_info(s, elem_type(weights[owner[s]].dtype), weights[owner[s]].shape) for s in state
+    ]
+    inputs += [
+        value_info(STEP, TensorProto.INT64, []),
+        value_info(LOSS_SUM, loss_elem, []),
+        value_info(LOSS, loss_elem, []),
     ]
     graph = helper.make_graph([], "update_step", inputs, [])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DSL_OPSET)])
@@ -158,13 +159,13 @@ def build_update_step(
     add(helper.make_node("Add", [STEP, one], [next_name(STEP)]))
     add(helper.make_node("Add", [LOSS_SUM, total], [next_name(LOSS_SUM)]))
     outputs = [
-        info(next_name(LOSS_SUM), loss_elem, []),
-        info(next_name(STEP), TensorProto.INT64, []),
+        value_info(next_name(LOSS_SUM), loss_elem, []),
+        value_info(next_name(STEP), TensorProto.INT64, []),
     ]
     for name in [*names, *state]:
         add(helper.make_node("Identity", [produced[name]], [next_name(name)]))
         source = weights[owner.get(name, name)]
-        outputs.append(info(next_name(name), elem_type(source.dtype), source.shape))
+        outputs.append(value_info(next_name(name), elem_type(source.dtype), source.shape))
     model.graph.output.extend(outputs)
     model.doc_string = (
         f"graphkit update step: {optimizer!r} with {schedule!r}, penalty {penalty!r}."

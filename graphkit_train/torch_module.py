@@ -23,6 +23,7 @@ import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from graphkit._graph import shape_matches, static_shape
 from graphkit._ort import onnxruntime
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
@@ -112,13 +113,8 @@ class OnnxModule(torch.nn.Module):
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(expected.type.tensor_type.elem_type))
         if np.dtype(_TORCH_TO_NUMPY.get(tensor.dtype, object)) != dtype:
             raise DTypeError(f"Input {name!r} must be {dtype}, got {tensor.dtype}.")
-        dims = [
-            d.dim_value if d.HasField("dim_value") else None
-            for d in expected.type.tensor_type.shape.dim
-        ]
-        if len(dims) != tensor.dim() or any(
-            d is not None and d != s for d, s in zip(dims, tensor.shape)
-        ):
+        dims = static_shape(expected)
+        if not shape_matches(dims, tuple(tensor.shape)):
             raise ShapeError(
                 f"Input {name!r} has shape {tuple(tensor.shape)}; the graph expects {dims}."
             )
@@ -145,11 +141,8 @@ class _OnnxFunction(torch.autograd.Function):
         )
         variant = fb._variant(requiring)
         by_name = dict(zip(fb.input_names, inputs))
-        original = {v: k for k, v in fb._internal.items()}
-        weight_of = dict(zip(module.parameter_names.values(), weights))
-        ordered = [
-            by_name[n] if n in by_name else weight_of[original[n]] for n in variant.feed_names
-        ]
+        by_name.update(zip(module.parameter_names.values(), weights))
+        ordered = [by_name[n] for n in fb.feed_sources(variant)]
         feeds = [_to_ortvalue(t) for t in ordered]
         pending = fb.run_forward(variant, feeds)
         pending.keep_alive.append(ordered)
