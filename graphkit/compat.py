@@ -99,8 +99,38 @@ def finalize(
             "this is a bug in graphkit, please report it."
         )
     if check:
-        onnx.checker.check_model(model, full_check=full_check)
+        onnx.checker.check_model(_checkable(model), full_check=full_check)
     return model
+
+
+_RUNTIME_DOMAIN = "graphkit.onnxruntime_internal"
+
+
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model``, or a copy the checker can read when it holds onnxruntime's internal
+    gradient operators.
+
+    onnxruntime-training registers a few gradient kernels (``MaxPoolGrad``,
+    ``AveragePoolGrad``...) in the default ONNX domain, where ``onnx.checker`` knows no
+    schema for them ("No Op registered for MaxPoolGrad"). The copy moves exactly those
+    nodes to a private domain so that the rest of the graph is still fully checked.
+    """
+    unknown = {
+        node.op_type
+        for node in model.graph.node
+        if node.domain in ("", "ai.onnx")
+        and not onnx.defs.has(node.op_type)
+        and node.op_type.endswith("Grad")
+    }
+    if not unknown:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in unknown:
+            node.domain = _RUNTIME_DOMAIN
+    set_opset(copy, _RUNTIME_DOMAIN, 1)
+    return copy
 
 
 def _merge_opset_imports(model: onnx.ModelProto) -> None:

@@ -40,6 +40,7 @@ from graphkit._graph import (
 )
 from graphkit.compat import DSL_OPSET, finalize, make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
 
 # metadata keys of a training graph
 META_LOSS = "graphkit.loss_output"
@@ -48,38 +49,56 @@ META_WEIGHT = "graphkit.weight_input"
 META_PREDICTION = "graphkit.prediction_output"
 META_LOSS_FUNCTION = "graphkit.loss_function"
 
-_TRAINABLE_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
-
 
 def get_train_initializer(onx: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """The float initializers of ``onx`` (the weights that can be trained), in graph order.
+    """The parameters of ``onx`` (the weights trained by default), in graph order.
 
-    Integer initializers (skl2onnx's ``shape_tensor``, class labels...) are left out.
+    Parameters are the float initializers read as weights, biases, normalization scales
+    or embedding tables; constants (skl2onnx's ``unity``, an exported GELU's ``0.5``,
+    running statistics, scaling constants) and integer initializers are left out. The
+    rule is :mod:`graphkit.parameters`; :func:`graphkit.parameters.explain` shows the
+    role of each initializer.
     """
+    names = set(parameter_names(onx))
     return {
         init.name: numpy_helper.to_array(init)
         for init in onx.graph.initializer
-        if init.data_type in _TRAINABLE_TYPES
+        if init.name in names
     }
 
 
-def check_weight_names(onx: onnx.ModelProto, names: Iterable[str]) -> list[str]:
+def weight_values(onx: onnx.ModelProto, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """``{name: value}`` of the named initializers, in the order of ``names``."""
+    found = {i.name: i for i in onx.graph.initializer}
+    return {name: numpy_helper.to_array(found[name]) for name in names}
+
+
+def float_initializers(onx: onnx.ModelProto) -> list[str]:
+    """Every float initializer: what ``weights_to_train`` may name explicitly."""
+    return [i.name for i in onx.graph.initializer if i.data_type in FLOAT_ELEM_TYPES]
+
+
+def check_weight_names(onx: onnx.ModelProto, names: Iterable[str] | str) -> list[str]:
     """Return ``names`` as a list after checking each is a float initializer of ``onx``.
 
+    A single string is one name. Constants may be named on purpose: the default rule
+    (:func:`get_train_initializer`) only decides what is trained when nothing is named.
+
     Raises:
-        UnknownNameError: listing the trainable weights when a name is not one.
+        UnknownNameError: listing the float initializers when a name is not one.
     """
-    names = list(names)
-    trainable = list(get_train_initializer(onx))
-    unknown = [n for n in names if n not in trainable]
+    names = [names] if isinstance(names, str) else list(names)
+    candidates = float_initializers(onx)
+    unknown = [n for n in names if n not in candidates]
     if unknown:
-        others = {i.name for i in onx.graph.initializer} - set(trainable)
+        others = {i.name for i in onx.graph.initializer} - set(candidates)
         detail = (
             f" ({sorted(others & set(unknown))} are not float)" if others & set(unknown) else ""
         )
         raise UnknownNameError(
             f"{unknown} {'is' if len(unknown) == 1 else 'are'} not a trainable weight of the "
-            f"model{detail}. Trainable weights (float initializers): {trainable}."
+            f"model{detail}. Trainable weights (float initializers): {candidates}; "
+            f"trained by default: {parameter_names(onx)}."
         )
     return names
 
@@ -332,7 +351,7 @@ def _copy(onx: onnx.ModelProto) -> onnx.ModelProto:
 def initializers_to_inputs(
     onx: onnx.ModelProto, names: Iterable[str] | None = None
 ) -> onnx.ModelProto:
-    """Turn initializers (all float ones when ``names`` is None) into graph inputs.
+    """Turn initializers (the parameters when ``names`` is None) into graph inputs.
 
     The new inputs come after the existing ones, in the order of ``names``.
     """
@@ -421,6 +440,7 @@ def set_weights(onx: onnx.ModelProto, weights: Mapping[str, Any]) -> onnx.ModelP
 __all__ = [
     "add_loss_output",
     "check_weight_names",
+    "float_initializers",
     "get_train_initializer",
     "initializers_to_inputs",
     "inputs_to_initializers",
@@ -429,6 +449,7 @@ __all__ = [
     "rename_weights",
     "set_weights",
     "strip_loss_output",
+    "weight_values",
 ]
 
 

@@ -22,6 +22,7 @@ import onnx
 
 from graphkit._ort import onnxruntime
 from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError
+from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
 from graphkit_train._base import (
     ParamsMixin,
@@ -259,7 +260,8 @@ class BaseTrainer(ParamsMixin, ABC):
         self._build()
         weights = {n: v for n, v in self.get_state().items() if n in self.update_step_.weights}
         target = self._prediction_model() if model is None else load_model(model)
-        return set_weights(target, weights)
+        # a constant the exporter merged with a weight must keep its value
+        return set_weights(untie_constants(target, weights), weights)
 
     def save_onnx_graph(self, export: str | os.PathLike[str] | type[bytes]) -> dict[str, Any]:
         """Export every graph the trainer uses.

@@ -27,17 +27,16 @@ from onnx import numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
 from graphkit._ort import _short, inference_session, onnxruntime
-from graphkit.compat import make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import (
     _quiet_native_stderr,
     explain_builder_failure,
     lower_float32_only_ops,
 )
-from graphkit.rewrite import get_train_initializer, prune
+from graphkit.prepare import prepare_for_training
+from graphkit.rewrite import prune, weight_values
 from graphkit_train._base import providers_for
 from graphkit_train._trainer import load_model
-from graphkit_train.step import trainable_weights
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 
@@ -71,7 +70,8 @@ class OrtGradientForwardBackward:
 
     Args:
         onnx_model: the graph (ModelProto, bytes or path).
-        weights_to_train: float initializers to differentiate (None: all of them).
+        weights_to_train: float initializers to differentiate (None: the model's
+            parameters, never its constants; see :mod:`graphkit.parameters`).
         input_names: the graph inputs fed to ``forward``, in order (None: all
             non-initializer inputs in graph order).
         output_names: the outputs ``forward`` returns, in order (None: the float outputs).
@@ -94,8 +94,7 @@ class OrtGradientForwardBackward:
         device: str = "cpu",
         inputs_requiring_grad: Iterable[str] = (),
     ) -> None:
-        model = make_compatible(load_model(onnx_model))
-        self.weight_names = trainable_weights(model, weights_to_train)
+        model, self.weight_names = prepare_for_training(load_model(onnx_model), weights_to_train)
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
         self.input_names = list(graph_inputs if input_names is None else input_names)
@@ -123,7 +122,7 @@ class OrtGradientForwardBackward:
         self._input_values = {i.name: i for i in model.graph.input}
         self._variants: dict[frozenset[str], _Variant] = {}
         self._pending: list[PendingForward] = []
-        values = get_train_initializer(model)
+        values = weight_values(model, self.weight_names)
         self.weights = {w: self.to_ortvalue(values[w]) for w in self.weight_names}
 
     # -- building ----------------------------------------------------------------------

@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 
 from graphkit._ort import inference_session
+from graphkit.compat import make_compatible
+from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import META_PREDICTION, initializers_to_inputs, metadata, strip_loss_output
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, load_model
@@ -28,7 +30,9 @@ class OrtGradientOptimizer(BaseTrainer):
     Args:
         model_onnx: a training graph, e.g. from :func:`graphkit.add_loss_output`
             (a ModelProto, its bytes or a path).
-        weights_to_train: names of the float initializers to train (None: all of them).
+        weights_to_train: names of the float initializers to train (a list or one name);
+            None trains the model's parameters and never its constants (the rule is in
+            :mod:`graphkit.parameters`; ``weights_to_train_`` holds the choice).
         loss_output_name: the output holding the loss.
         max_iter: number of epochs.
         batch_size: rows per training step.
@@ -50,6 +54,7 @@ class OrtGradientOptimizer(BaseTrainer):
         train_losses_: mean batch loss of every epoch.
         validation_losses_: loss on ``(X_val, y_val)`` at each validation.
         learning_rate_: the resolved learning-rate object.
+        weights_to_train_: the weights trained.
         training_step_: the :class:`~graphkit_train.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).
     """
@@ -78,11 +83,14 @@ class OrtGradientOptimizer(BaseTrainer):
             return
         self._check_loop_params()
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
-        self.train_onnx_ = load_model(self.model_onnx)
+        self._user_onnx = make_compatible(load_model(self.model_onnx))
+        self.train_onnx_, self.weights_to_train_ = prepare_for_training(
+            self._user_onnx, self.weights_to_train
+        )
         self.learning_rate_ = select_learning_rate(self.learning_rate)
         self.training_step_: TrainingStep = build_training_step(
             self.train_onnx_,
-            self.weights_to_train,
+            self.weights_to_train_,
             self.learning_rate_,
             self.loss_output_name,
             self.sample_weight_name,
@@ -139,7 +147,7 @@ class OrtGradientOptimizer(BaseTrainer):
         return outputs[name]
 
     def _prediction_model(self) -> onnx.ModelProto:
-        return strip_loss_output(self.train_onnx_)
+        return strip_loss_output(self._user_onnx)
 
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """``training_step`` (the fused graph), ``evaluation`` (the loss, weights as

@@ -56,7 +56,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
     Args:
         model_onnx: the prediction graph (ModelProto, bytes or path); its first float
             output is the prediction the loss compares with the labels.
-        weights_to_train: float initializers to train (None: all of them).
+        weights_to_train: float initializers to train (None: the parameters, never the
+            constants; see :mod:`graphkit.parameters`).
         loss_output_name: name given to the loss in the exported graphs.
         max_iter, batch_size, device, warm_start, verbose, validation_every, shuffle,
             random_state: as in :class:`~graphkit_train.OrtGradientOptimizer`.
@@ -119,6 +120,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self.loss_onnx_ = self.learning_loss_.build_onnx_function(dtype, weighted, shape)
         self._loss_session = inference_session(self.loss_onnx_, self._providers)
         self._loss_cache = BindingCache(self._loss_session.io_binding())
+        self.weights_to_train_ = list(fb.weight_names)
         values = {w: fb.weights[w].numpy() for w in fb.weight_names}
         self.update_step_ = build_update_step(
             values, self.learning_rate_, self.learning_penalty_.penalty, dtype

@@ -31,16 +31,16 @@ from onnx import TensorProto, helper
 from graphkit import BaseLearningRate
 from graphkit._graph import ELEM_TO_DTYPE, elem_type, fresh_name, graph_names, splice, value_info
 from graphkit.compat import DSL_OPSET, finalize
-from graphkit.errors import MissingGradientError, UnknownNameError
+from graphkit.errors import UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
+from graphkit.prepare import trainable_weights
 from graphkit.rewrite import (
     META_LABEL,
     META_WEIGHT,
-    check_weight_names,
-    get_train_initializer,
     initializers_to_inputs,
     metadata,
+    weight_values,
 )
 
 STEP = "step"
@@ -206,17 +206,6 @@ def data_inputs(
     return others[0], label, weight
 
 
-def trainable_weights(onx: onnx.ModelProto, weights_to_train: Sequence[str] | None) -> list[str]:
-    """``weights_to_train`` checked against the float initializers (all when None)."""
-    if weights_to_train is None:
-        weights = list(get_train_initializer(onx))
-    else:
-        weights = check_weight_names(onx, weights_to_train)
-    if not weights:
-        _no_weights(onx)
-    return weights
-
-
 def build_training_step(
     train_onx: onnx.ModelProto,
     weights_to_train: Sequence[str] | None,
@@ -240,7 +229,7 @@ def build_training_step(
         )
     weights = trainable_weights(train_onx, weights_to_train)
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
-    values = get_train_initializer(train_onx)
+    values = weight_values(train_onx, weights)
 
     model = gradient_model(initializers_to_inputs(train_onx, weights), loss_output_name, weights)
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
@@ -276,25 +265,3 @@ def build_training_step(
         sample_weight=sample_weight,
         loss=loss_output_name,
     )
-
-
-def _no_weights(onx: onnx.ModelProto) -> None:
-    """Explain why there is nothing to train."""
-    if get_train_initializer(onx):
-        raise ValueError("weights_to_train is empty: name at least one weight to train.")
-    holders = sorted(
-        {
-            f"{n.op_type} ({n.domain})"
-            for n in onx.graph.node
-            if n.domain not in ("", "ai.onnx")
-            and any(a.floats or a.HasField("t") for a in n.attribute)
-        }
-    )
-    if holders:
-        raise MissingGradientError(
-            f"The model has no float initializer to train: its parameters are attributes of "
-            f"{', '.join(repr(h) for h in holders)}, and onnxruntime-training 1.19.2 has no "
-            "gradient for these operators. Rebuild the model from standard operators "
-            "(MatMul, Gemm, Add...) whose weights are initializers."
-        )
-    raise ValueError("The model has no float initializer: there is nothing to train.")

@@ -1,0 +1,181 @@
+"""Which initializers of a graph are parameters to train, and which are constants.
+
+Converters store everything as initializers: weights and biases, but also constants that
+must never move (skl2onnx's ``unity`` in ``P(class 0) = unity - P(class 1)``, the
+``0.5`` and ``sqrt(2)`` of an exported GELU, BatchNormalization's running statistics,
+scaling constants). Training a constant gives silently wrong models, so the default
+(``weights_to_train=None`` everywhere in graphkit) follows one rule, decided from the
+graph:
+
+    A float initializer is a **parameter** when, possibly through layout operators
+    (Identity, Cast, Transpose, Reshape, Squeeze, Unsqueeze, Flatten), it is read
+
+    * in a parameter slot of a parametric operator (:data:`PARAMETER_SLOTS`: the
+      weights of MatMul, Gemm, Conv, ConvTranspose, Einsum, RNN/GRU/LSTM, the scale and
+      bias of BatchNormalization and the other normalizations, the table of an
+      embedding ``Gather``, PRelu's slope), or
+    * as a **bias**: an operand of ``Add`` whose other operand comes from a linear
+      operator (MatMul, Gemm, Conv, ConvTranspose, Einsum).
+
+    Every other float initializer is a **constant**.
+
+Any float initializer can still be trained by naming it in ``weights_to_train``.
+:func:`explain` says which role each initializer got and why.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from graphkit._graph import fresh_name, graph_names
+
+FLOAT_ELEM_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
+
+PARAMETER_SLOTS: dict[str, tuple[int, ...]] = {
+    "MatMul": (0, 1),
+    "Gemm": (0, 1, 2),
+    "Einsum": tuple(range(16)),
+    "Conv": (1, 2),
+    "ConvTranspose": (1, 2),
+    "BatchNormalization": (1, 2),  # scale, bias; not input_mean / input_var (statistics)
+    "LayerNormalization": (1, 2),
+    "InstanceNormalization": (1, 2),
+    "GroupNormalization": (1, 2),
+    "Gather": (0,),  # an embedding table
+    "RNN": (1, 2, 3),
+    "GRU": (1, 2, 3),
+    "LSTM": (1, 2, 3, 7),  # W, R, B, peepholes
+    "PRelu": (1,),
+}
+"""Operator type -> positions of its inputs that hold learnable parameters."""
+
+LINEAR_OPS = frozenset({"MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose"})
+"""Operators whose output a bias is added to."""
+
+LAYOUT_OPS: dict[str, tuple[int, ...]] = {
+    "Identity": (0,),
+    "Cast": (0,),
+    "Transpose": (0,),
+    "Reshape": (0,),
+    "Squeeze": (0,),
+    "Unsqueeze": (0,),
+    "Flatten": (0,),
+}
+"""Operators that move a tensor without changing what it is (the data input only)."""
+
+
+class _Uses:
+    """Where each tensor is read and what produces it (main graph only)."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        self.producer: dict[str, onnx.NodeProto] = {}
+        for node in graph.node:
+            for position, name in enumerate(node.input):
+                if name:
+                    self.readers[name].append((node, position))
+            for name in node.output:
+                self.producer[name] = node
+
+    def source_op(self, name: str) -> str | None:
+        """The operator that really produced ``name``, looking through layout operators."""
+        seen = set()
+        while name in self.producer and name not in seen:
+            seen.add(name)
+            node = self.producer[name]
+            if node.op_type not in LAYOUT_OPS:
+                return node.op_type
+            name = node.input[0]
+        return None
+
+    def roles(self, name: str) -> list[tuple[str, onnx.NodeProto, int]]:
+        """``(role, reader, position)`` for every final reader of ``name``; role is
+        ``"parameter"`` or ``"constant"``."""
+        return [
+            found
+            for node, position in self.readers.get(name, [])
+            for found in self.edge_roles(node, position)
+        ]
+
+    def edge_roles(
+        self, node: onnx.NodeProto, position: int
+    ) -> list[tuple[str, onnx.NodeProto, int]]:
+        """The roles reached through one reader edge (layout operators are followed)."""
+        standard = node.domain in ("", "ai.onnx")
+        if standard and position in LAYOUT_OPS.get(node.op_type, ()):
+            return [found for output in node.output for found in self.roles(output)]
+        if standard and position in PARAMETER_SLOTS.get(node.op_type, ()):
+            return [("parameter", node, position)]
+        if standard and node.op_type == "Add" and len(node.input) == 2:
+            other = node.input[1 - position]
+            role = "parameter" if self.source_op(other) in LINEAR_OPS else "constant"
+            return [(role, node, position)]
+        return [("constant", node, position)]
+
+
+def _float_initializers(onx: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [i for i in onx.graph.initializer if i.data_type in FLOAT_ELEM_TYPES]
+
+
+def parameter_names(onx: onnx.ModelProto) -> list[str]:
+    """The float initializers the rule above calls parameters, in graph order."""
+    uses = _Uses(onx.graph)
+    return [
+        init.name
+        for init in _float_initializers(onx)
+        if any(role == "parameter" for role, _, _ in uses.roles(init.name))
+    ]
+
+
+def explain(onx: onnx.ModelProto) -> dict[str, str]:
+    """``{float initializer: "parameter (...)" or "constant (...)"}``: the role given by
+    the rule and the readers that decided it."""
+    uses = _Uses(onx.graph)
+    report = {}
+    for init in _float_initializers(onx):
+        roles = uses.roles(init.name)
+        readers = ", ".join(sorted({f"{node.op_type} input {pos}" for _, node, pos in roles}))
+        kind = "parameter" if any(r == "parameter" for r, _, _ in roles) else "constant"
+        report[init.name] = f"{kind} (read by {readers or 'nothing'})"
+    return report
+
+
+def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelProto:
+    """A copy where a trained initializer no longer feeds constant roles.
+
+    Exporters merge initializers with equal values: torch's TorchScript exporter writes a
+    fresh BatchNorm's ``running_var = Identity(weight)`` because both are ones. Training
+    ``weight`` would then move the running statistics too. Each constant-role reader of
+    a trained initializer reads a frozen copy instead; parameter readers stay tied
+    (tied embeddings keep training together).
+    """
+    trained = set(trained)
+    uses = _Uses(onx.graph)
+    model = onnx.ModelProto()
+    model.CopyFrom(onx)
+    taken = graph_names(model.graph)
+    values = {i.name: i for i in model.graph.initializer}
+    by_identity = {id(n): i for i, n in enumerate(onx.graph.node)}
+    for name in sorted(trained & set(values)):
+        direct_constant_readers = []
+        for node, position in uses.readers.get(name, []):
+            roles = [role for role, _, _ in uses.edge_roles(node, position)]
+            if roles and all(role == "constant" for role in roles):
+                direct_constant_readers.append((node, position))
+        if not direct_constant_readers or all(
+            role == "constant" for role, _, _ in uses.roles(name)
+        ):
+            continue  # nothing to untie, or the user trains a constant on purpose
+        copy = fresh_name(f"{name}.frozen", taken)
+        frozen = numpy_helper.from_array(numpy_helper.to_array(values[name]), copy)
+        model.graph.initializer.append(frozen)
+        for node, position in direct_constant_readers:
+            model.graph.node[by_identity[id(node)]].input[position] = copy
+    return model
+
+
+__all__ = ["PARAMETER_SLOTS", "explain", "parameter_names", "untie_constants"]

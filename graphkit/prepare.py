@@ -1,0 +1,292 @@
+"""Rewrites that make a converted graph trainable by onnxruntime-training 1.19.2.
+
+:func:`prepare_for_training` is what both trainers run on a user's model before any
+gradient is built. Each rewrite computes the same function as the node it replaces:
+
+* trained weights stop feeding constant roles (:func:`graphkit.parameters.untie_constants`);
+* ``LayerNormalization`` declares its optional ``Mean`` and ``InvStdDev`` outputs, which
+  the gradient builders need (without them: ``node_->OutputDefs().size() was false``);
+* an inference ``BatchNormalization`` becomes ``X * a + b`` with
+  ``a = scale / sqrt(var + epsilon)`` and ``b = bias - mean * a`` (the full-training
+  gradient builder has no gradient for it);
+* ``AveragePool`` becomes a convolution with a constant ``1 / prod(kernel)`` kernel over
+  ``(N * C, 1, ...)``: onnxruntime's ``AveragePoolGrad`` reads shapes from static
+  dimensions and divides by zero (SIGFPE, the process dies) on a symbolic batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphkit._graph import fresh_name, graph_names
+from graphkit.compat import make_compatible
+from graphkit.errors import MissingGradientError
+from graphkit.parameters import explain, untie_constants
+from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
+
+
+def prepare_for_training(
+    model: onnx.ModelProto, weights_to_train: Sequence[str] | str | None
+) -> tuple[onnx.ModelProto, list[str]]:
+    """``(rewritten model, weights to train)`` for a user's prediction or training graph.
+
+    The weights are decided on the model as given (see :mod:`graphkit.parameters`), then
+    the rewrites above are applied.
+    """
+    model = make_compatible(model)
+    weights = trainable_weights(model, weights_to_train)
+    model = untie_constants(model, weights)
+    model = declare_layer_norm_outputs(model)
+    model = unfold_batch_norm(model)
+    model = average_pool_as_conv(model)
+    return model, weights
+
+
+def trainable_weights(
+    onx: onnx.ModelProto, weights_to_train: Sequence[str] | str | None
+) -> list[str]:
+    """``weights_to_train`` checked against the float initializers; when None, the
+    model's parameters (:func:`graphkit.get_train_initializer`), never its constants."""
+    if weights_to_train is None:
+        weights = list(get_train_initializer(onx))
+    else:
+        weights = check_weight_names(onx, weights_to_train)
+    if not weights:
+        _no_weights(onx)
+    return weights
+
+
+def _no_weights(onx: onnx.ModelProto) -> None:
+    """Explain why there is nothing to train."""
+    if get_train_initializer(onx):
+        raise ValueError("weights_to_train is empty: name at least one weight to train.")
+    if float_initializers(onx):
+        roles = "; ".join(f"{name}: {role}" for name, role in explain(onx).items())
+        raise ValueError(
+            "No initializer of the model is read as a weight, bias, normalization scale or "
+            f"embedding table, so nothing is trained by default ({roles}). Name the ones "
+            "to train with weights_to_train=[...]."
+        )
+    holders = sorted(
+        {
+            f"{n.op_type} ({n.domain})"
+            for n in onx.graph.node
+            if n.domain not in ("", "ai.onnx")
+            and any(a.floats or a.HasField("t") for a in n.attribute)
+        }
+    )
+    if holders:
+        raise MissingGradientError(
+            f"The model has no float initializer to train: its parameters are attributes of "
+            f"{', '.join(repr(h) for h in holders)}, and onnxruntime-training 1.19.2 has no "
+            "gradient for these operators. Rebuild the model from standard operators "
+            "(MatMul, Gemm, Add...) whose weights are initializers."
+        )
+    raise ValueError("The model has no float initializer: there is nothing to train.")
+
+
+def declare_layer_norm_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy where every LayerNormalization has its three outputs."""
+    out = _copy(model)
+    taken = graph_names(out.graph)
+    for node in out.graph.node:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
+            while len(node.output) < 3:
+                node.output.append("")
+            for i, role in ((1, "mean"), (2, "inv_std_dev")):
+                if not node.output[i]:
+                    node.output[i] = fresh_name(f"{node.output[0]}/{role}", taken)
+    return out
+
+
+def unfold_batch_norm(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy where every inference BatchNormalization is ``X * a + b`` (see module)."""
+    out = _copy(model)
+    ranks = _ranks(out)
+    taken = graph_names(out.graph)
+    nodes = []
+    for node in out.graph.node:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        rank = ranks.get(node.input[0])
+        if (
+            attrs.get("training_mode", 0)
+            or len([o for o in node.output if o]) != 1
+            or rank is None
+        ):
+            nodes.append(node)
+            continue
+        x, scale, bias, mean, var = node.input
+        name = _namer(f"{node.name or node.output[0]}/unfolded", taken)
+        eps, axes = name("epsilon"), name("axes")
+        std, a, shift, b = name("std"), name("a"), name("shift"), name("b")
+        a_bc, b_bc, scaled = name("a_bc"), name("b_bc"), name("scaled")
+        nodes += [
+            helper.make_node(
+                "Constant", [], [eps], value=_scalar_like(out, scale, attrs.get("epsilon", 1e-5))
+            ),
+            helper.make_node("Add", [var, eps], [f"{std}/sq"]),
+            helper.make_node("Sqrt", [f"{std}/sq"], [std]),
+            helper.make_node("Div", [scale, std], [a]),
+            helper.make_node("Mul", [mean, a], [shift]),
+            helper.make_node("Sub", [bias, shift], [b]),
+        ]
+        if rank > 2:  # (C,) -> (C, 1, ..., 1) to broadcast over the spatial axes
+            nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [axes],
+                    value=numpy_helper.from_array(np.arange(1, rank - 1, dtype=np.int64)),
+                )
+            )
+            nodes.append(helper.make_node("Unsqueeze", [a, axes], [a_bc]))
+            nodes.append(helper.make_node("Unsqueeze", [b, axes], [b_bc]))
+        else:
+            a_bc, b_bc = a, b
+        nodes.append(helper.make_node("Mul", [x, a_bc], [scaled]))
+        nodes.append(helper.make_node("Add", [scaled, b_bc], [node.output[0]]))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy where every AveragePool is a convolution (see the module docstring).
+
+    Raises:
+        MissingGradientError: an AveragePool with ``ceil_mode=1`` (a convolution has no
+            such option), naming the node.
+    """
+    out = _copy(model)
+    taken = graph_names(out.graph)
+    dtypes = _elem_types(out)
+    nodes = []
+    for node in out.graph.node:
+        if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("ceil_mode", 0):
+            raise MissingGradientError(
+                f"AveragePool node {node.name!r} uses ceil_mode=1, whose gradient kernel in "
+                "onnxruntime-training 1.19.2 crashes on a dynamic batch and which graphkit "
+                "cannot rewrite. Export the pooling with ceil_mode=False."
+            )
+        kernel = list(attrs["kernel_shape"])
+        elem = dtypes.get(node.input[0], onnx.TensorProto.FLOAT)
+        dtype = helper.tensor_dtype_to_np_dtype(elem)
+        name = _namer(f"{node.name or node.output[0]}/as_conv", taken)
+        x = node.input[0]
+        lead, rest, flat_shape, flat = (name(s) for s in ("lead", "rest", "flat_shape", "flat"))
+        weight, summed, conv_shape, spatial, out_shape = (
+            name(s) for s in ("weight", "summed", "conv_shape", "spatial", "out_shape")
+        )
+        conv_attrs = {
+            k: v for k, v in attrs.items() if k in ("auto_pad", "pads", "strides", "dilations")
+        }
+        nodes += [
+            _ints(lead, [-1, 1]),
+            helper.make_node("Shape", [x], [rest], start=2),
+            helper.make_node("Concat", [lead, rest], [flat_shape], axis=0),
+            helper.make_node("Reshape", [x, flat_shape], [flat]),
+            helper.make_node(
+                "Constant",
+                [],
+                [weight],
+                value=numpy_helper.from_array(np.ones([1, 1, *kernel], dtype=dtype)),
+            ),
+            helper.make_node("Conv", [flat, weight], [summed], kernel_shape=kernel, **conv_attrs),
+        ]
+        pads = attrs.get("pads", [])
+        padded = any(pads) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+        if attrs.get("count_include_pad", 0) or not padded:
+            divisor = name("divisor")
+            nodes.append(
+                helper.make_node(
+                    "Constant",
+                    [],
+                    [divisor],
+                    value=numpy_helper.from_array(np.array(np.prod(kernel), dtype=dtype)),
+                )
+            )
+        else:  # the count of real (non-padding) cells under each window
+            ones_shape, ones, divisor = name("ones_shape"), name("ones"), name("divisor")
+            nodes += [
+                _ints(f"{ones_shape}/lead", [1, 1]),
+                helper.make_node("Concat", [f"{ones_shape}/lead", rest], [ones_shape], axis=0),
+                helper.make_node(
+                    "ConstantOfShape",
+                    [ones_shape],
+                    [ones],
+                    value=numpy_helper.from_array(np.ones(1, dtype=dtype)),
+                ),
+                helper.make_node(
+                    "Conv", [ones, weight], [divisor], kernel_shape=kernel, **conv_attrs
+                ),
+            ]
+        averaged = name("averaged")
+        nodes += [
+            helper.make_node("Div", [summed, divisor], [averaged]),
+            helper.make_node("Shape", [averaged], [spatial], start=2),
+            helper.make_node("Shape", [x], [conv_shape], start=0, end=2),
+            helper.make_node("Concat", [conv_shape, spatial], [out_shape], axis=0),
+            helper.make_node("Reshape", [averaged, out_shape], [node.output[0]]),
+        ]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _namer(base: str, taken: set[str]) -> Callable[[str], str]:
+    """Fresh tensor names under one prefix per rewritten node."""
+    prefix = fresh_name(base, taken)
+    return lambda suffix: fresh_name(f"{prefix}/{suffix}", taken)
+
+
+def _ints(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.array(values, dtype=np.int64))
+    )
+
+
+def _scalar_like(model: onnx.ModelProto, like: str, value: float) -> onnx.TensorProto:
+    elem = _elem_types(model).get(like, onnx.TensorProto.FLOAT)
+    return numpy_helper.from_array(np.array(value, dtype=helper.tensor_dtype_to_np_dtype(elem)))
+
+
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    typed = _inferred(model)
+    found = {i.name: i.data_type for i in model.graph.initializer}
+    for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
+        if value.type.tensor_type.elem_type:
+            found[value.name] = value.type.tensor_type.elem_type
+    return found
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    typed = _inferred(model)
+    found = {}
+    for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
+        if value.type.tensor_type.HasField("shape"):
+            found[value.name] = len(value.type.tensor_type.shape.dim)
+    return found
+
+
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return onnx.shape_inference.infer_shapes(model)
+    except Exception:  # inference is a help here; without it a rewrite is skipped
+        return model
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out

@@ -1,0 +1,1 @@
+"""The model zoo: real converted models that graphkit must train or refuse clearly."""

@@ -1,0 +1,320 @@
+"""Models built at test time by real converters (skl2onnx, both torch exporters).
+
+Each :class:`Case` builds an ONNX prediction graph and the data it is trained and scored
+on. ``expect`` says what graphkit must do with it: train (the held-out metric must reach
+``threshold``) or refuse with a graphkit error whose message names ``refused_op``.
+
+To add a model: write a builder returning ``(onnx model, Data)``, then one ``Case`` line
+in ``CASES``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+FULL = "full"
+FORWARD_BACKWARD = "forward_backward"
+
+
+@dataclass(frozen=True)
+class Data:
+    X_train: np.ndarray
+    y_train: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+    task: str  # "regression" | "binary" | "multiclass"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    exporter: str  # "skl2onnx" | "torch-script" | "torch-dynamo"
+    build: Callable[[], tuple[onnx.ModelProto, Data]]
+    loss: str
+    optimizer: str = "adam"
+    lr: float = 0.01
+    epochs: int = 10
+    batch_size: int = 32
+    output_index: int | str | None = None
+    threshold: float = 0.0  # held-out R^2 or accuracy to reach after training
+    trainers: tuple[str, ...] = (FULL, FORWARD_BACKWARD)
+    refused_op: str | None = None  # the operator a refusal must name
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}[{self.exporter}]"
+
+
+# -- data sets (scikit-learn's bundled ones, split once) ---------------------------------
+
+
+def _split(X: np.ndarray, y: np.ndarray, task: str, seed: int = 0) -> Data:
+    order = np.random.default_rng(seed).permutation(len(X))
+    cut = int(0.75 * len(X))
+    train, test = order[:cut], order[cut:]
+    return Data(X[train], y[train], X[test], y[test], task)
+
+
+@functools.cache
+def diabetes() -> Data:
+    from sklearn.datasets import load_diabetes
+
+    X, y = load_diabetes(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    y = (y - y.mean()) / y.std()
+    return _split(X.astype(np.float32), y.astype(np.float32), "regression")
+
+
+@functools.cache
+def breast_cancer() -> Data:
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    return _split(X.astype(np.float32), y.astype(np.int64), "binary")
+
+
+@functools.cache
+def digits(image: bool = False) -> Data:
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    X = (X / 16.0).astype(np.float32)
+    if image:
+        X = X.reshape(-1, 1, 8, 8)
+    return _split(X, y.astype(np.int64), "multiclass")
+
+
+@functools.cache
+def tokens() -> Data:
+    """Sequences of 12 tokens out of 50; the class says which of 3 marker tokens occurs most."""
+    rng = np.random.default_rng(0)
+    X = rng.integers(3, 50, size=(1200, 12))
+    y = rng.integers(0, 3, size=1200)
+    for i, label in enumerate(y):
+        X[i, rng.choice(12, size=4, replace=False)] = label
+    return _split(X.astype(np.int64), y.astype(np.int64), "multiclass")
+
+
+# -- scikit-learn models (skl2onnx) ------------------------------------------------------
+
+
+def _quiet_fit(model, data: Data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.fit(data.X_train, data.y_train)
+
+
+def skl_mlp_regressor(activation: str) -> tuple[onnx.ModelProto, Data]:
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPRegressor
+
+    data = diabetes()
+    model = _quiet_fit(
+        MLPRegressor((16,), activation=activation, max_iter=3, random_state=0), data
+    )
+    return to_onnx(model, data.X_train[:1]), data
+
+
+def skl_mlp_classifier(activation: str, binary: bool, zipmap: bool) -> tuple[onnx.ModelProto, Data]:
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPClassifier
+
+    data = breast_cancer() if binary else digits()
+    model = _quiet_fit(
+        MLPClassifier((16,), activation=activation, max_iter=2, random_state=0), data
+    )
+    options = None if zipmap else {"zipmap": False}
+    return to_onnx(model, data.X_train[:1], options=options), data
+
+
+def skl_linear(kind: str) -> tuple[onnx.ModelProto, Data]:
+    from skl2onnx import to_onnx
+    from sklearn.linear_model import LogisticRegression, Ridge, SGDClassifier
+
+    if kind == "ridge":
+        data, model = diabetes(), Ridge()
+    elif kind == "logistic":
+        data, model = breast_cancer(), LogisticRegression(max_iter=5)
+    else:
+        data, model = breast_cancer(), SGDClassifier(loss="log_loss", max_iter=5, random_state=0)
+    _quiet_fit(model, data)
+    return to_onnx(model, data.X_train[:1], options={"zipmap": False} if kind != "ridge" else None), data
+
+
+def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
+    from skl2onnx import to_onnx
+    from sklearn.neural_network import MLPRegressor
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    data = diabetes()
+    model = make_pipeline(
+        StandardScaler(), MLPRegressor((16,), activation="tanh", max_iter=3, random_state=0)
+    )
+    _quiet_fit(model, data)
+    return to_onnx(model, data.X_train[:1]), data
+
+
+# -- torch models ------------------------------------------------------------------------
+
+
+def _torch_export(net, example, dynamo: bool, dtype_in=None) -> onnx.ModelProto:
+    import torch
+
+    net.eval()
+    x = torch.as_tensor(example[:2])
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            batch = torch.export.Dim("N", min=1)
+            program = torch.onnx.export(
+                net,
+                (x,),
+                dynamo=True,
+                input_names=["X"],
+                output_names=["Y"],
+                dynamic_shapes=({0: batch},),
+                opset_version=18,
+                verbose=False,
+            )
+            return program.model_proto
+        torch.onnx.export(
+            net,
+            (x,),
+            buffer,
+            input_names=["X"],
+            output_names=["Y"],
+            dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+            opset_version=18,
+            dynamo=False,
+        )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if kind in ("mlp_relu", "mlp_gelu", "mlp_sigmoid"):
+        data = digits()
+        act = {"mlp_relu": nn.ReLU(), "mlp_gelu": nn.GELU(), "mlp_sigmoid": nn.Sigmoid()}[kind]
+        net = nn.Sequential(nn.Linear(64, 32), act, nn.Linear(32, 10))
+    elif kind == "mlp_binary":
+        data = breast_cancer()
+        net = nn.Sequential(nn.Linear(30, 16), nn.ReLU(), nn.Linear(16, 1))
+    elif kind == "mlp_regression":
+        data = diabetes()
+        net = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 1))
+    elif kind in ("cnn_maxpool", "cnn_avgpool"):
+        data = digits(image=True)
+        pool = nn.MaxPool2d(2) if kind == "cnn_maxpool" else nn.AvgPool2d(2)
+        net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(128, 10)
+        )
+    elif kind == "mlp_batchnorm_dropout":
+        data = digits()
+        net = nn.Sequential(
+            nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10)
+        )
+    elif kind == "mlp_layernorm":
+        data = digits()
+        net = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 10))
+    elif kind == "embedding":
+        data = tokens()
+        net = _EmbeddingBag()
+    elif kind in ("gru", "lstm"):
+        data = digits()
+        net = _Recurrent(kind)
+    else:
+        raise KeyError(kind)
+    return _torch_export(net, data.X_train, dynamo), data
+
+
+def _module_classes():
+    import torch
+    from torch import nn
+
+    class EmbeddingBag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(50, 8)
+            self.linear = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.linear(self.embedding(x).mean(dim=1))
+
+    class Recurrent(nn.Module):
+        """Reads a digit image as 8 rows of 8 pixels."""
+
+        def __init__(self, kind: str) -> None:
+            super().__init__()
+            cell = nn.GRU if kind == "gru" else nn.LSTM
+            self.rnn = cell(8, 16, batch_first=True)
+            self.linear = nn.Linear(16, 10)
+
+        def forward(self, x):
+            out, _ = self.rnn(x.reshape(-1, 8, 8))
+            return self.linear(out[:, -1, :])
+
+    return EmbeddingBag, Recurrent
+
+
+def _EmbeddingBag():  # noqa: N802 - a class factory, torch is imported lazily
+    return _module_classes()[0]()
+
+
+def _Recurrent(kind: str):  # noqa: N802
+    return _module_classes()[1](kind)
+
+
+def _skl(name, build, loss, **kw) -> Case:
+    return Case(name, "skl2onnx", build, loss, **kw)
+
+
+def _torch(name, kind, loss, **kw) -> list[Case]:
+    return [
+        Case(name, exporter, functools.partial(torch_model, kind, exporter == "torch-dynamo"), loss, **kw)
+        for exporter in ("torch-script", "torch-dynamo")
+    ]
+
+
+P = functools.partial
+CASES: list[Case] = [
+    _skl("MLPRegressor(relu)", P(skl_mlp_regressor, "relu"), "squared_error", threshold=0.3),
+    _skl("MLPRegressor(tanh)", P(skl_mlp_regressor, "tanh"), "squared_error", threshold=0.3),
+    _skl("MLPRegressor(logistic)", P(skl_mlp_regressor, "logistic"), "squared_error", threshold=0.3),
+    _skl("MLPClassifier(relu, binary)", P(skl_mlp_classifier, "relu", True, False), "log",
+         output_index="probabilities", threshold=0.9),
+    _skl("MLPClassifier(logistic, binary, zipmap)", P(skl_mlp_classifier, "logistic", True, True),
+         "log", threshold=0.9),
+    _skl("MLPClassifier(tanh, multiclass)", P(skl_mlp_classifier, "tanh", False, False), "log",
+         output_index="probabilities", threshold=0.85),
+    _skl("MLPClassifier(relu, multiclass, zipmap)", P(skl_mlp_classifier, "relu", False, True),
+         "log", threshold=0.85),
+    _skl("Pipeline(StandardScaler, MLPRegressor)", skl_pipeline, "squared_error", threshold=0.3),
+    _skl("Ridge", P(skl_linear, "ridge"), "squared_error", refused_op="LinearRegressor"),
+    _skl("LogisticRegression", P(skl_linear, "logistic"), "log", refused_op="LinearClassifier"),
+    _skl("SGDClassifier(log_loss)", P(skl_linear, "sgd"), "log", refused_op="LinearClassifier"),
+    *_torch("MLP(ReLU)", "mlp_relu", "cross_entropy", threshold=0.85),
+    *_torch("MLP(GELU)", "mlp_gelu", "cross_entropy", threshold=0.85),
+    *_torch("MLP(Sigmoid)", "mlp_sigmoid", "cross_entropy", threshold=0.8),
+    *_torch("MLP(binary logit)", "mlp_binary", "sigmoid_log_loss", threshold=0.9),
+    *_torch("MLP(regression)", "mlp_regression", "squared_error", threshold=0.3),
+    *_torch("CNN(Conv, MaxPool)", "cnn_maxpool", "cross_entropy", threshold=0.85),
+    *_torch("CNN(Conv, AvgPool)", "cnn_avgpool", "cross_entropy", threshold=0.85),
+    *_torch("MLP(BatchNorm, Dropout)", "mlp_batchnorm_dropout", "cross_entropy", threshold=0.85),
+    *_torch("MLP(LayerNorm)", "mlp_layernorm", "cross_entropy", threshold=0.85),
+    *_torch("Embedding + mean", "embedding", "cross_entropy", threshold=0.7, lr=0.05),
+    *_torch("GRU", "gru", "cross_entropy", refused_op="GRU"),
+    *_torch("LSTM", "lstm", "cross_entropy", threshold=0.7),
+]
