@@ -101,13 +101,17 @@ def _short(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def run(model: onnx.ModelProto, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def run(model: Any, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Run ``model`` once on CPU with numpy ``feeds``; return ``{output name: array}``.
 
-    A convenience for notebooks and tests (it builds a session on every call): the
+    ``model`` is a ModelProto, its bytes or a path; it goes through the same
+    compatibility policy as training (:func:`graphkit.compat.make_compatible`). A
+    convenience for notebooks and tests (it builds a session on every call): the
     training runtime keeps its sessions bound instead.
     """
-    runner = Runner(model)
+    from graphkit.compat import load_model, make_compatible
+
+    runner = Runner(make_compatible(load_model(model)))
     unknown = sorted(set(feeds) - set(runner.input_names))
     missing = sorted(set(runner.input_names) - set(feeds))
     if unknown or missing:

@@ -9,6 +9,8 @@ rest with a message saying what to do.
 
 from __future__ import annotations
 
+import os
+
 import onnx
 from onnx import TensorProto
 
@@ -30,6 +32,45 @@ _REEXPORT_HINT = (
     "Re-export the model with an opset from 18 to 21, e.g. "
     "torch.onnx.export(..., opset_version=18) or skl2onnx.to_onnx(..., target_opset=18)."
 )
+
+
+def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.ModelProto:
+    """A ModelProto from itself, its serialized bytes or a path to a .onnx file.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        IncompatibleModelError: the file or bytes are not a valid ONNX model (truncated,
+            corrupted, another format); the message names the file.
+        TypeError: ``model`` is none of these.
+    """
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        where, data = "The bytes given", bytes(model)
+    elif isinstance(model, (str, os.PathLike)):
+        where = f"{os.fspath(model)!r}"
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"No ONNX model at {where}: the file does not exist.")
+        with open(model, "rb") as handle:
+            data = handle.read()
+    else:
+        raise TypeError(
+            "A model must be an onnx.ModelProto, its serialized bytes or a path to a .onnx "
+            f"file, not {type(model).__name__}."
+        )
+    try:
+        loaded = onnx.load_from_string(data)
+    except Exception as exc:  # protobuf's DecodeError, or a truncated external-data model
+        raise IncompatibleModelError(
+            f"{where} is not a valid ONNX model (truncated or corrupted?): {exc}. "
+            "Export or download it again."
+        ) from None
+    if not loaded.graph.node and not loaded.graph.output:
+        raise IncompatibleModelError(
+            f"{where} is not a valid ONNX model: it decodes to an empty graph (truncated, "
+            "corrupted or another file format?). Export or download it again."
+        )
+    return loaded
 
 
 def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:

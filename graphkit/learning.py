@@ -34,13 +34,19 @@ from graphkit.errors import UnknownNameError
 
 
 class BaseLearningOnnx:
-    """Common base: selection by alias, class name or instance."""
+    """Common base: selection by a seed class name, a DSL name or an instance.
 
-    aliases: ClassVar[tuple[str, ...]] = ()
+    Names belong to the DSL registries (:data:`graphkit.losses.LOSSES`,
+    :data:`graphkit.optimizers.OPTIMIZERS`, :data:`graphkit.penalties.PENALTIES`): a
+    name means the same thing here as in ``losses.get``, ``add_loss_output`` or the
+    command line. The seed classes are selected by their class name.
+    """
+
+    default: ClassVar[str]
 
     @classmethod
     def select(cls, x: Any = None, **kwargs: Any) -> Any:
-        """An instance of a subclass of ``cls`` from an alias, a class name or an instance."""
+        """An instance from a seed class name, a registered DSL name or an instance."""
         if isinstance(x, cls):
             if kwargs:
                 raise ValueError(
@@ -51,17 +57,37 @@ class BaseLearningOnnx:
             x = cls.default
         if not isinstance(x, str):
             raise TypeError(f"Cannot select a {cls.__name__} from {type(x).__name__} {x!r}.")
-        key = x.lower().replace("-", "_")
-        choices = {}
-        for sub in _subclasses(cls):
-            for name in (sub.__name__, *sub.aliases):
-                choices[name.lower()] = sub
-        if key not in choices:
-            listed = ", ".join(
-                f"{s.__name__} ({', '.join(s.aliases)})" for s in _subclasses(cls) if s.aliases
-            )
-            raise UnknownNameError(f"Unknown {cls.__name__} {x!r}. Valid choices: {listed}.")
-        return choices[key](**kwargs)
+        seed = {k.lower(): sub for sub in _subclasses(cls) for k in sub._seed_names()}
+        if x.lower() in seed:
+            return seed[x.lower()](**kwargs)
+        try:
+            return cls._from_registry(x, **kwargs)
+        except UnknownNameError as exc:
+            classes = ", ".join(sorted(sub.__name__ for sub in _subclasses(cls)))
+            raise UnknownNameError(f"{exc} Valid choices also: {classes}.") from None
+
+    @classmethod
+    def _seed_names(cls) -> tuple[str, ...]:
+        """Names selecting this class directly: its class name."""
+        return (cls.__name__,)
+
+    @classmethod
+    def _from_registry(cls, name: str, **kwargs: Any) -> Any:
+        raise TypeError(
+            "Select from BaseLearningLoss, BaseLearningRate or BaseLearningPenalty, "
+            f"not {cls.__name__}."
+        )
+
+    @classmethod
+    def _wrap(cls, canonical: str, attribute: str, *args: Any) -> Any:
+        """An instance of the seed class registered for ``canonical`` (else of ``cls``)
+        around an already-built DSL object."""
+        chosen = next(
+            (s for s in _subclasses(cls) if getattr(s, attribute, None) == canonical), cls
+        )
+        instance = chosen.__new__(chosen)
+        cls.__init__(instance, *args)
+        return instance
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
@@ -84,10 +110,16 @@ def _subclasses(cls: type) -> list[type]:
 class BaseLearningLoss(BaseLearningOnnx):
     """A loss and its gradient with respect to the prediction."""
 
-    default = "square_error"
+    default = "squared_error"
+    loss_name: ClassVar[str | None] = None  # the registered loss a seed class wraps
 
     def __init__(self, loss: _losses.Loss) -> None:
         self.loss = loss
+
+    @classmethod
+    def _from_registry(cls, name: str, **kwargs: Any) -> BaseLearningLoss:
+        loss = _losses.get(name, **kwargs)
+        return BaseLearningLoss._wrap(_losses.LOSSES.canonical(name), "loss_name", loss)
 
     def _describe(self) -> str:
         return repr(self.loss)
@@ -111,7 +143,7 @@ class BaseLearningLoss(BaseLearningOnnx):
 class SquareLearningLoss(BaseLearningLoss):
     """Squared error: mean over samples of sum_j (p_j - y_j)^2."""
 
-    aliases = ("square_error", "squared_error", "l2")
+    loss_name = "squared_error"
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(_losses.get("squared_error", reduction=reduction))
@@ -120,7 +152,7 @@ class SquareLearningLoss(BaseLearningLoss):
 class AbsoluteLearningLoss(BaseLearningLoss):
     """Absolute error: mean over samples of sum_j |p_j - y_j|."""
 
-    aliases = ("absolute_error", "l1")
+    loss_name = "absolute_error"
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(_losses.get("absolute_error", reduction=reduction))
@@ -129,7 +161,7 @@ class AbsoluteLearningLoss(BaseLearningLoss):
 class ElasticLearningLoss(BaseLearningLoss):
     """l1_weight |p - y| + l2_weight (p - y)^2."""
 
-    aliases = ("elastic", "elastic_error")
+    loss_name = "elastic"
 
     def __init__(self, l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str = "mean"):
         super().__init__(
@@ -140,7 +172,7 @@ class ElasticLearningLoss(BaseLearningLoss):
 class HuberLearningLoss(BaseLearningLoss):
     """Huber loss with threshold ``delta``."""
 
-    aliases = ("huber",)
+    loss_name = "huber"
 
     def __init__(self, delta: float = 1.0, reduction: str = "mean") -> None:
         super().__init__(_losses.get("huber", delta=delta, reduction=reduction))
@@ -149,7 +181,7 @@ class HuberLearningLoss(BaseLearningLoss):
 class NegLogLearningLoss(BaseLearningLoss):
     """Binary log loss from a raw score s: gradient sigmoid(s) - y (the seed's formula)."""
 
-    aliases = ("log", "neg_log", "sigmoid_log_loss", "binary_log_loss")
+    loss_name = "sigmoid_log_loss"
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(_losses.get("sigmoid_log_loss", reduction=reduction))
@@ -158,7 +190,7 @@ class NegLogLearningLoss(BaseLearningLoss):
 class SoftmaxCrossEntropyLearningLoss(BaseLearningLoss):
     """Softmax cross-entropy from logits, int64 class labels."""
 
-    aliases = ("cross_entropy", "softmax_cross_entropy", "softmax")
+    loss_name = "cross_entropy"
 
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__(_losses.get("cross_entropy", reduction=reduction))
@@ -170,10 +202,17 @@ class SoftmaxCrossEntropyLearningLoss(BaseLearningLoss):
 class BaseLearningPenalty(BaseLearningOnnx):
     """A penalty on the weights and its gradient."""
 
-    default = "penalty"
+    default = "none"
+    penalty_name: ClassVar[str | None] = None  # the registered penalty a seed class wraps
 
     def __init__(self, penalty: _penalties.Penalty) -> None:
         self.penalty = penalty
+
+    @classmethod
+    def _from_registry(cls, name: str, **kwargs: Any) -> BaseLearningPenalty:
+        penalty = _penalties.get(name, **kwargs)
+        canonical = _penalties.PENALTIES.canonical(name)
+        return BaseLearningPenalty._wrap(canonical, "penalty_name", penalty)
 
     def _describe(self) -> str:
         return repr(self.penalty)
@@ -188,7 +227,7 @@ class BaseLearningPenalty(BaseLearningOnnx):
 class NoLearningPenalty(BaseLearningPenalty):
     """No penalty."""
 
-    aliases = ("penalty", "none", "no")
+    penalty_name = "none"
 
     def __init__(self) -> None:
         super().__init__(_penalties.no_penalty())
@@ -197,7 +236,7 @@ class NoLearningPenalty(BaseLearningPenalty):
 class ElasticLearningPenalty(BaseLearningPenalty):
     """l1 sum|w| + l2 sum w^2, on ``weights`` (all trained weights when None)."""
 
-    aliases = ("elastic", "l1l2")
+    penalty_name = "elastic"
 
     def __init__(self, l1: float = 0.5, l2: float = 0.5, weights: Sequence[str] | None = None):
         super().__init__(_penalties.elastic(l1, l2, weights))
@@ -214,6 +253,16 @@ class BaseLearningRate(BaseLearningOnnx):
     def __init__(self, optimizer: _optimizers.Optimizer, schedule: _schedules.Schedule) -> None:
         self.optimizer = optimizer
         self.schedule = schedule
+
+    @classmethod
+    def _seed_names(cls) -> tuple[str, ...]:
+        """The class name and the seed's short form (``LearningRateSGD``: ``SGD``)."""
+        return (cls.__name__, cls.__name__.removeprefix("LearningRate"))
+
+    @classmethod
+    def _from_registry(cls, name: str, **kwargs: Any) -> BaseLearningRate:
+        """A registered optimizer at a constant learning rate of 0.01."""
+        return BaseLearningRate(_optimizers.get(name, **kwargs), _schedules.constant(0.01))
 
     def _describe(self) -> str:
         return f"{self.optimizer!r}, {self.schedule!r}"
@@ -247,8 +296,6 @@ def _sgd_schedule(learning_rate: str, eta0: float, alpha: float, power_t: float)
 class LearningRateSGD(BaseLearningRate):
     """Plain SGD with scikit-learn's schedules (``learning_rate``), as in the seed."""
 
-    aliases = ("sgd",)
-
     def __init__(
         self,
         eta0: float = 0.01,
@@ -268,8 +315,6 @@ class LearningRateSGD(BaseLearningRate):
 class LearningRateSGDNesterov(BaseLearningRate):
     """SGD with momentum (Nesterov by default), scikit-learn's convention as in the seed:
     v <- momentum v - lr g; w <- w + momentum v - lr g (w + v without Nesterov)."""
-
-    aliases = ("sgdnesterov", "nesterov", "momentum")
 
     def __init__(
         self,
@@ -300,7 +345,6 @@ def _schedule(learning_rate: Any, eta0: float) -> _schedules.Schedule:
 class LearningRateAdam(BaseLearningRate):
     """Adam; ``learning_rate`` is ``"constant"`` (at ``eta0``) or any schedule."""
 
-    aliases = ("adam",)
     _factory = staticmethod(_optimizers.adam)
 
     def __init__(
@@ -320,7 +364,6 @@ class LearningRateAdam(BaseLearningRate):
 class LearningRateAdamW(LearningRateAdam):
     """AdamW (decoupled weight decay, 0.01 by default)."""
 
-    aliases = ("adamw",)
     _factory = staticmethod(_optimizers.adamw)
 
     def __init__(self, eta0: float = 0.001, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -329,8 +372,6 @@ class LearningRateAdamW(LearningRateAdam):
 
 class LearningRateAdagrad(BaseLearningRate):
     """Adagrad."""
-
-    aliases = ("adagrad",)
 
     def __init__(
         self,
@@ -346,8 +387,6 @@ class LearningRateAdagrad(BaseLearningRate):
 
 class LearningRateRMSProp(BaseLearningRate):
     """RMSProp."""
-
-    aliases = ("rmsprop",)
 
     def __init__(
         self,

@@ -300,6 +300,7 @@ class Loss:
         function: onnxscript.OnnxFunction | None = None,
         params: dict[str, Any] | None = None,
         multiclass: bool = False,
+        resolve: Callable[[Shape], Loss] | None = None,
     ) -> None:
         if function is None and reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, not {reduction!r}.")
@@ -312,6 +313,7 @@ class Loss:
         self.custom = function
         self.params = dict(params or {})
         self.multiclass = multiclass
+        self._resolve = resolve
         self._runners: dict[tuple[Any, ...], Runner] = {}
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -326,6 +328,16 @@ class Loss:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"Loss({self.name!r}{', ' + args if args else ''}, reduction={self.reduction!r})"
+
+    def for_prediction(self, prediction_shape: Sequence[Dim]) -> Loss:
+        """This loss with the choices left to the prediction's shape made.
+
+        ``log_loss`` with ``binary=None`` is binary on one probability column ((N,) or
+        (N, 1)) and multiclass on (N, K); every other loss is returned as is.
+        """
+        if self._resolve is None:
+            return self
+        return self._resolve(tuple(prediction_shape))
 
     @property
     def is_custom(self) -> bool:
@@ -392,6 +404,10 @@ class Loss:
         regression labels are declared with the prediction's shape, class labels as
         ``(N,)`` int64, weights as ``(N,)``.
         """
+        if self._resolve is not None:
+            return self.for_prediction(prediction_shape).value_model(
+                dtype, weighted, prediction_shape
+            )
         fn = self.function(weighted)
         shapes = self.shapes(prediction_shape, weighted)
         model = compile_function(fn, dtype, shapes, self.int64_inputs, outputs=["loss"])
@@ -409,6 +425,10 @@ class Loss:
         Built-in losses use their analytic gradient; a custom loss is differentiated by
         onnxruntime-training's gradient builder (and then runs on onnxruntime-training only).
         """
+        if self._resolve is not None:
+            return self.for_prediction(prediction_shape).gradient_model(
+                dtype, weighted, prediction_shape
+            )
         if self.custom is None:
             fn = self.value_and_grad_function(weighted)
             shapes = self.shapes(prediction_shape, weighted)
@@ -434,6 +454,8 @@ class Loss:
         return loss, grad
 
     def _run(self, which: str, prediction: Any, label: Any, weight: Any) -> list[np.ndarray]:
+        if self._resolve is not None:
+            return self.for_prediction(np.shape(prediction))._run(which, prediction, label, weight)
         feeds = self.check_inputs(prediction, label, weight)
         dtype = feeds["prediction"].dtype
         rank = feeds["prediction"].ndim
@@ -453,6 +475,8 @@ class Loss:
         labels of a classification loss are cast to int64. Anything else is refused.
         """
         prediction = np.asarray(prediction)
+        if self._resolve is not None:
+            return self.for_prediction(prediction.shape).check_inputs(prediction, label, weight)
         if prediction.dtype.kind != "f":
             raise DTypeError(f"The prediction must be float32 or float64, got {prediction.dtype}.")
         dtype = float_dtype(prediction.dtype)
@@ -562,7 +586,7 @@ def huber_loss(delta: float = 1.0, reduction: str = "mean") -> Loss:
     return Loss("huber", REGRESSION, kernels=kernels, reduction=reduction, params={"delta": delta})
 
 
-@LOSSES.register("sigmoid_log_loss", "binary_log_loss", "logistic", "neg_log", "NegLogLearningLoss")
+@LOSSES.register("sigmoid_log_loss", "logistic", "neg_log", "NegLogLearningLoss")
 def sigmoid_log_loss(reduction: str = "mean") -> Loss:
     """Binary log loss from a raw score s: log(1 + exp(s)) - y s; gradient sigmoid(s) - y.
 
@@ -572,15 +596,26 @@ def sigmoid_log_loss(reduction: str = "mean") -> Loss:
     return Loss("sigmoid_log_loss", CLASSIFICATION, kernels=kernels, reduction=reduction)
 
 
-@LOSSES.register("log_loss", "log", "multiclass_log_loss", "nll")
-def log_loss(eps: float = 1e-15, binary: bool = False, reduction: str = "mean") -> Loss:
+@LOSSES.register("log_loss", "log", "nll")
+def log_loss(eps: float = 1e-15, binary: bool | None = None, reduction: str = "mean") -> Loss:
     """Log loss on probabilities: -log max(p_y, eps).
 
-    With ``binary=True`` the prediction is one column p = P(y = 1), as in
-    -y log p - (1 - y) log(1 - p); otherwise it is (N, K) class probabilities.
+    ``binary=True``: the prediction is one column p = P(y = 1), as in
+    -y log p - (1 - y) log(1 - p). ``binary=False``: (N, K) class probabilities.
+    ``binary=None`` (default): decided by the prediction's shape when the loss is used.
     """
     if not 0 < eps < 1:
         raise ValueError(f"eps must lie in (0, 1), got {eps}.")
+    if binary is None:
+        return Loss(
+            "log_loss",
+            CLASSIFICATION,
+            kernels=_log_loss(eps),
+            reduction=reduction,
+            params={"eps": eps, "binary": None},
+            multiclass=True,
+            resolve=lambda shape: log_loss(eps, _one_column(shape), reduction),
+        )
     kernels = _binary_log_loss(eps) if binary else _log_loss(eps)
     params = {"eps": eps, "binary": binary}
     return Loss(
@@ -591,6 +626,25 @@ def log_loss(eps: float = 1e-15, binary: bool = False, reduction: str = "mean") 
         params=params,
         multiclass=not binary,
     )
+
+
+@LOSSES.register("binary_log_loss")
+def binary_log_loss(eps: float = 1e-15, reduction: str = "mean") -> Loss:
+    """Log loss on one probability column p = P(y = 1): ``log_loss(binary=True)``.
+
+    From a raw score instead of a probability, use ``sigmoid_log_loss``.
+    """
+    return log_loss(eps, binary=True, reduction=reduction)
+
+
+@LOSSES.register("multiclass_log_loss")
+def multiclass_log_loss(eps: float = 1e-15, reduction: str = "mean") -> Loss:
+    """Log loss on (N, K) class probabilities: ``log_loss(binary=False)``."""
+    return log_loss(eps, binary=False, reduction=reduction)
+
+
+def _one_column(shape: Shape) -> bool:
+    return len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
 
 
 @LOSSES.register("cross_entropy", "softmax_cross_entropy", "SoftmaxCrossEntropyLearningLoss")

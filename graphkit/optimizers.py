@@ -165,7 +165,7 @@ def sgd(weight_decay: float = 0.0) -> Optimizer:
     return Optimizer("sgd", (), sgd_update, {"weight_decay": weight_decay})
 
 
-@OPTIMIZERS.register("momentum", "nesterov", "sgd_momentum")
+@OPTIMIZERS.register("momentum", "sgd_momentum")
 def momentum(
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -245,6 +245,20 @@ def momentum(
 
     fn = nesterov_update if nesterov else momentum_update
     return Optimizer("momentum", (("buffer", 0.0),), fn, params)
+
+
+_momentum = momentum
+
+
+@OPTIMIZERS.register("nesterov")
+def nesterov(
+    momentum: float = 0.9,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    convention: str = "torch",
+) -> Optimizer:
+    """SGD with Nesterov momentum: ``momentum(..., nesterov=True)``."""
+    return _momentum(momentum, True, dampening, weight_decay, convention)
 
 
 def _adam_update(
@@ -404,11 +418,9 @@ def rmsprop(alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0) -
 
 
 def get(name: str | Optimizer, **kwargs: Any) -> Optimizer:
-    """The optimizer registered as ``name`` (``"nesterov"`` means momentum(nesterov=True))."""
+    """The optimizer registered as ``name`` (``"nesterov"`` is momentum(nesterov=True))."""
     if isinstance(name, Optimizer):
         return name
-    if isinstance(name, str) and name.lower() == "nesterov":
-        kwargs.setdefault("nesterov", True)
     return OPTIMIZERS.get(name, **kwargs)
 
 
@@ -451,6 +463,7 @@ __all__ = [
     "adamw",
     "get",
     "momentum",
+    "nesterov",
     "rmsprop",
     "scheduled_update_model",
     "sgd",

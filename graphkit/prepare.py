@@ -115,11 +115,7 @@ def unfold_batch_norm(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         rank = ranks.get(node.input[0])
-        if (
-            attrs.get("training_mode", 0)
-            or len([o for o in node.output if o]) != 1
-            or rank is None
-        ):
+        if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
             nodes.append(node)
             continue
         x, scale, bias, mean, var = node.input

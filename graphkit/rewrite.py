@@ -15,6 +15,7 @@ runtime never has to guess them.
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -38,7 +39,7 @@ from graphkit._graph import (
     static_shape,
     value_info,
 )
-from graphkit.compat import DSL_OPSET, finalize, make_compatible
+from graphkit.compat import DSL_OPSET, finalize, load_model, make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
 
@@ -104,7 +105,7 @@ def check_weight_names(onx: onnx.ModelProto, names: Iterable[str] | str) -> list
 
 
 def add_loss_output(
-    onx: onnx.ModelProto,
+    onx: onnx.ModelProto | bytes | str | os.PathLike[str],
     score_name: str | _losses.Loss | onnxscript.OnnxFunction = "squared_error",
     loss_name: str = "loss",
     label_name: str = "label",
@@ -119,7 +120,8 @@ def add_loss_output(
     weights when given) and outputs ``loss_name`` first, then the original outputs.
 
     Args:
-        onx: the prediction graph (converted to a supported IR version / opset if needed).
+        onx: the prediction graph, a ModelProto, its bytes or a path (converted to a
+            supported IR version / opset if needed).
         score_name: ``"squared_error"``/``"l2"``, ``"absolute_error"``/``"l1"``,
             ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
@@ -145,17 +147,13 @@ def add_loss_output(
         >>> onx_loss = add_loss_output(onx, "elastic", l1_weight=0.1, l2_weight=0.9,
         ...                            penalty={"coef": {"l2": 0.01}})  # doctest: +SKIP
     """
-    model = make_compatible(onx, min_opset=DSL_OPSET)
-    prediction = _select_output(model, output_index)
+    model, prediction = select_prediction(
+        make_compatible(load_model(onx), min_opset=DSL_OPSET), output_index
+    )
     elem = prediction.type.tensor_type.elem_type
-    if elem not in FLOAT_TYPES.values():
-        raise DTypeError(
-            f"Output {prediction.name!r} is {TensorProto.DataType.Name(elem)}; a loss needs a "
-            "float32 or float64 prediction. Choose another output with output_index."
-        )
     dtype = ELEM_TO_DTYPE[elem]
     shape = named_shape(prediction)
-    loss = _make_loss(score_name, shape, kwargs)
+    loss = _make_loss(score_name, kwargs).for_prediction(shape)
     _check_prediction_shape(loss, shape, prediction.name)
 
     weighted = weight_name is not None
@@ -199,17 +197,38 @@ def add_loss_output(
     return finalize(model)
 
 
-def _select_output(model: onnx.ModelProto, output_index: int | str | None) -> onnx.ValueInfoProto:
+def select_prediction(
+    onx: onnx.ModelProto, output_index: int | str | None = None
+) -> tuple[onnx.ModelProto, onnx.ValueInfoProto]:
+    """``(model, prediction output)``: the float tensor output a loss compares with labels.
+
+    Args:
+        onx: a prediction graph.
+        output_index: a position or a name among the outputs; None picks the only float
+            tensor output (a skl2onnx classifier's probabilities next to its labels).
+
+    A skl2onnx ``ZipMap`` output (a sequence of maps, not a tensor) stands for the
+    probability tensor it is made from: that tensor is added to the outputs of the
+    returned copy and chosen instead.
+
+    Raises:
+        UnknownNameError: ``output_index`` names no output.
+        ValueError: several float outputs and no ``output_index``.
+        DTypeError: the chosen output is not a float tensor.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(onx)
     outputs = list(model.graph.output)
     names = [o.name for o in outputs]
     if output_index is None:
-        if len(outputs) != 1:
+        floats = [o for o in outputs if _float_tensor(_tensor_behind(model, o))]
+        if len(floats) != 1:
             raise ValueError(
                 f"The graph has {len(outputs)} outputs {names}: say which one the loss "
                 "applies to with output_index (a position or a name), e.g. "
                 f"output_index={names[-1]!r}."
             )
-        chosen = outputs[0]
+        chosen = floats[0]
     elif isinstance(output_index, str):
         if output_index not in names:
             raise UnknownNameError(
@@ -223,15 +242,49 @@ def _select_output(model: onnx.ModelProto, output_index: int | str | None) -> on
                 f"{len(outputs)} outputs {names}."
             )
         chosen = outputs[int(output_index)]
-    if not chosen.type.HasField("tensor_type"):
+    tensor = _tensor_behind(model, chosen)
+    if tensor is not chosen:
+        model.graph.output.append(tensor)
+    if not tensor.type.HasField("tensor_type"):
         raise DTypeError(
-            f"Output {chosen.name!r} is a {chosen.type.WhichOneof('value')}, not a tensor. "
-            "For a skl2onnx classifier convert with options={'zipmap': False}."
+            f"Output {chosen.name!r} is a {chosen.type.WhichOneof('value')}, not a tensor; "
+            "choose a float tensor output with output_index."
         )
-    return chosen
+    elem = tensor.type.tensor_type.elem_type
+    if elem not in FLOAT_TYPES.values():
+        raise DTypeError(
+            f"Output {tensor.name!r} is {TensorProto.DataType.Name(elem)}; a loss needs a "
+            "float32 or float64 prediction. Choose another output with output_index."
+        )
+    return model, tensor
 
 
-def _make_loss(score: Any, shape: tuple[int | str, ...], kwargs: dict[str, Any]) -> _losses.Loss:
+def _float_tensor(value: onnx.ValueInfoProto) -> bool:
+    return value.type.HasField("tensor_type") and (
+        value.type.tensor_type.elem_type in FLOAT_TYPES.values()
+    )
+
+
+def _tensor_behind(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    """``output`` itself, or for a ZipMap output the typed probability tensor it reads."""
+    producer = next((n for n in model.graph.node if output.name in n.output), None)
+    if producer is None or producer.op_type != "ZipMap":
+        return output
+    source = producer.input[0]
+    for value in [*model.graph.value_info, *model.graph.output]:
+        if value.name == source and value.type.HasField("tensor_type"):
+            return value
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+        found = [v for v in typed.graph.value_info if v.name == source]
+    except Exception:  # skl2onnx graphs infer; a failure only loses the static shape
+        found = []
+    if found:
+        return found[0]
+    return value_info(source, TensorProto.FLOAT, ["N", None])
+
+
+def _make_loss(score: Any, kwargs: dict[str, Any]) -> _losses.Loss:
     if isinstance(score, onnxscript.OnnxFunction):
         if kwargs:
             raise ValueError(f"A custom loss takes no hyper-parameters, got {sorted(kwargs)}.")
@@ -243,9 +296,6 @@ def _make_loss(score: Any, shape: tuple[int | str, ...], kwargs: dict[str, Any])
             f"score_name must be a loss name, a graphkit Loss or an onnxscript function, "
             f"not {type(score).__name__}."
         )
-    if _losses.LOSSES.canonical(score) == "log_loss" and "binary" not in kwargs:
-        columns = shape[1] if len(shape) == 2 else 1
-        kwargs = {**kwargs, "binary": len(shape) == 1 or columns == 1}
     try:
         return _losses.get(score, **kwargs)
     except TypeError as exc:
@@ -446,6 +496,7 @@ __all__ = [
     "inputs_to_initializers",
     "metadata",
     "prune",
+    "select_prediction",
     "rename_weights",
     "set_weights",
     "strip_loss_output",

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 
 from graphkit._ort import onnxruntime
+from graphkit.compat import load_model
 from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
@@ -35,20 +36,12 @@ from graphkit_train._base import (
 from graphkit_train.step import LOSS_SUM, STEP, UpdateStep, next_name
 
 
-def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.ModelProto:
-    """A ModelProto from itself, its serialized bytes or a path."""
-    if isinstance(model, onnx.ModelProto):
-        return model
-    if isinstance(model, bytes):
-        return onnx.load_from_string(model)
-    return onnx.load(os.fspath(model))
-
-
 class BaseTrainer(ParamsMixin, ABC):
     """Mini-batch training around a resident session; see the module docstring.
 
     Subclasses set in ``_build``: ``update_step_`` (an :class:`UpdateStep`),
-    ``_resident_session``, ``_features_value``, ``_label_value``, ``_has_sample_weight``,
+    ``_resident_session``, ``_features_value``, ``_label_value``,
+    ``_accepts_sample_weight``, ``_requires_sample_weight``,
     ``_providers``, ``_ort_device``, ``_device_id``; and implement ``_run_batch``,
     ``_predict_outputs``, ``_loss``, ``_prediction_model`` and ``_graphs``.
     """
@@ -230,15 +223,15 @@ class BaseTrainer(ParamsMixin, ABC):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         X = check_features(X, self._features_value, x_name)
         y = check_labels(y, self._label_value, len(X), y_name)
-        if not self._has_sample_weight:
-            if sample_weight is not None:
-                raise ValueError(
-                    "sample_weight given but the training graph has no sample-weight input; "
-                    "build it with add_loss_output(..., weight_name='weight')."
-                )
-            return X, y, None
         if sample_weight is None:
+            if not self._requires_sample_weight:
+                return X, y, None
             sample_weight = np.ones(len(X))
+        elif not self._accepts_sample_weight:
+            raise ValueError(
+                "sample_weight given but the training graph has no sample-weight input; "
+                "build it with add_loss_output(..., weight_name='weight')."
+            )
         return X, y, check_sample_weight(sample_weight, len(X), X.dtype)
 
     # -- using the trained weights ---------------------------------------------------------

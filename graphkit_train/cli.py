@@ -26,8 +26,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
 from graphkit import losses, optimizers, schedules
+from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, metadata
-from graphkit_train._trainer import load_model
 from graphkit_train.full import OrtGradientOptimizer
 
 

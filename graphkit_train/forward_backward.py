@@ -27,6 +27,7 @@ from onnx import numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
 from graphkit._ort import _short, inference_session, onnxruntime
+from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import (
     _quiet_native_stderr,
@@ -36,7 +37,6 @@ from graphkit.gradient import (
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
 from graphkit_train._base import providers_for
-from graphkit_train._trainer import load_model
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 

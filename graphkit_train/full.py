@@ -16,11 +16,11 @@ import numpy as np
 import onnx
 
 from graphkit._ort import inference_session
-from graphkit.compat import make_compatible
+from graphkit.compat import load_model, make_compatible
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import META_PREDICTION, initializers_to_inputs, metadata, strip_loss_output
 from graphkit_train._base import input_value, providers_for, select_learning_rate
-from graphkit_train._trainer import BaseTrainer, load_model
+from graphkit_train._trainer import BaseTrainer
 from graphkit_train.step import TrainingStep, build_training_step
 
 
@@ -100,7 +100,9 @@ class OrtGradientOptimizer(BaseTrainer):
         self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
         self._label_value = input_value(self.train_onnx_, step.label)
-        self._has_sample_weight = step.sample_weight is not None
+        self._accepts_sample_weight = self._requires_sample_weight = (
+            step.sample_weight is not None
+        )
         # the training graph and the prediction graph, reading the weights as inputs
         self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
         self.prediction_onnx_ = strip_loss_output(self.evaluation_onnx_)

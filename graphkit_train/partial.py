@@ -23,8 +23,10 @@ import onnx
 from graphkit import BaseLearningLoss, BaseLearningPenalty, losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import inference_session
+from graphkit.compat import load_model
+from graphkit.rewrite import select_prediction
 from graphkit_train._base import input_value, providers_for, select_learning_rate
-from graphkit_train._trainer import BaseTrainer, load_model
+from graphkit_train._trainer import BaseTrainer
 from graphkit_train.forward_backward import OrtGradientForwardBackward
 from graphkit_train.step import LOSS, build_update_step, grad_name
 
@@ -63,16 +65,21 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             random_state: as in :class:`~graphkit_train.OrtGradientOptimizer`.
         learning_rate: a float, a name (``"SGD"``, ``"SGDNesterov"``, ``"adam"``...), a
             ``LearningRate*`` object, a graphkit optimizer or ``(optimizer, schedule)``.
-        learning_loss: an alias (``"square_error"``, ``"elastic"``, ``"log"``,
-            ``"cross_entropy"``...), a class name or a ``*LearningLoss`` object.
-        weight_name: when set, ``fit`` takes sample weights (``sample_weight``).
+        learning_loss: a loss name (the names of :mod:`graphkit.losses`, the same as
+            everywhere in graphkit: ``"squared_error"``, ``"elastic"``, ``"log"`` for
+            probabilities, ``"sigmoid_log_loss"`` for raw scores, ``"cross_entropy"``
+            for logits...), a seed class name or a ``*LearningLoss`` object.
+        output_index: the output the loss applies to, by position or name (None: the
+            only float tensor output; a skl2onnx ZipMap output stands for its
+            probabilities).
         learning_penalty: None, an alias, a class name or a ``*LearningPenalty`` object.
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
         exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
-    ``learning_loss_``, ``learning_rate_``, ``learning_penalty_``, ``forward_backward_``.
+    ``learning_loss_``, ``loss_`` (the loss resolved for the prediction's shape),
+    ``learning_rate_``, ``learning_penalty_``, ``forward_backward_``, ``weights_to_train_``.
     """
 
     def __init__(
@@ -87,8 +94,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         warm_start: bool = False,
         verbose: int = 0,
         validation_every: float | int = 0.1,
-        learning_loss: Any = "square_error",
-        weight_name: str | None = None,
+        learning_loss: Any = "squared_error",
+        output_index: int | str | None = None,
         learning_penalty: Any = None,
         exc: bool = True,
         shuffle: bool = True,
@@ -104,22 +111,21 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             return
         self._check_loop_params()
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
-        model = load_model(self.model_onnx)
+        model, prediction = select_prediction(load_model(self.model_onnx), self.output_index)
         self.learning_loss_ = BaseLearningLoss.select(self.learning_loss)
         self.learning_rate_ = select_learning_rate(self.learning_rate)
         self.learning_penalty_ = BaseLearningPenalty.select(self.learning_penalty)
         fb = self.forward_backward_ = OrtGradientForwardBackward(
-            model, self.weights_to_train, device=self.device
+            model, self.weights_to_train, output_names=[prediction.name], device=self.device
         )
         if len(fb.input_names) != 1:
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
-        prediction = next(o for o in fb._model.graph.output if o.name == fb.output_names[0])
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
-        shape = named_shape(prediction)
-        weighted = self.weight_name is not None
-        self.loss_onnx_ = self.learning_loss_.build_onnx_function(dtype, weighted, shape)
-        self._loss_session = inference_session(self.loss_onnx_, self._providers)
-        self._loss_cache = BindingCache(self._loss_session.io_binding())
+        self._prediction_shape = named_shape(prediction)
+        self.loss_ = self.learning_loss_.loss.for_prediction(self._prediction_shape)
+        self._loss_dtype = dtype
+        self._loss_runs: dict[bool, tuple[onnx.ModelProto, Any, BindingCache]] = {}
+        self.loss_onnx_ = self._loss_run(weighted=False)[0]
         self.weights_to_train_ = list(fb.weight_names)
         values = {w: fb.weights[w].numpy() for w in fb.weight_names}
         self.update_step_ = build_update_step(
@@ -128,11 +134,20 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._resident_session = inference_session(self.update_step_.model, self._providers)
         self._features_value = input_value(model, fb.input_names[0])
         self._label_value = input_value(self.loss_onnx_, "label")
-        self._has_sample_weight = weighted
+        self._accepts_sample_weight = True
+        self._requires_sample_weight = False
         self._variant = fb._variant(frozenset())
         self._feed_sources = fb.feed_sources(self._variant)
         self._per_sample: Any = None
         self._built = True
+
+    def _loss_run(self, weighted: bool) -> tuple[onnx.ModelProto, Any, BindingCache]:
+        """The loss-and-gradient graph (with or without sample weights), built once."""
+        if weighted not in self._loss_runs:
+            graph = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
+            session = inference_session(graph, self._providers)
+            self._loss_runs[weighted] = (graph, session, BindingCache(session.io_binding()))
+        return self._loss_runs[weighted]
 
     def _allocate(self, values: Any) -> None:
         super()._allocate(values)
@@ -157,7 +172,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         return pending.outputs[0], pending
 
     def _loss_and_grad(self, prediction: Any, y: np.ndarray, w: np.ndarray | None) -> list[Any]:
-        cache, fb = self._loss_cache, self.forward_backward_
+        _, session, cache = self._loss_run(weighted=w is not None)
+        fb = self.forward_backward_
         cache.bind("prediction", prediction)
         cache.bind("label", fb.to_ortvalue(y))
         if w is not None:
@@ -166,7 +182,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         cache.binding.clear_binding_outputs()
         for name in ("loss", "prediction_grad"):
             cache.binding.bind_output(name, self._ort_device, self._device_id)
-        self._loss_session.run_with_iobinding(cache.binding)
+        session.run_with_iobinding(cache.binding)
         return cache.binding.get_outputs()
 
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
@@ -193,14 +209,14 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._build()
         X, y, w = self._check(X, y, sample_weight)
         if self._per_sample is None:
-            loss = self.learning_loss_.loss
+            loss = self.loss_
             per_sample = losses.get(loss.name, **{**loss.params, "reduction": "none"})
             self._per_sample = per_sample
         prediction = self._forward(X, training=False)[0].numpy()
         return self._per_sample(prediction, y, w)
 
     def _prediction_model(self) -> onnx.ModelProto:
-        return load_model(self.model_onnx)
+        return select_prediction(load_model(self.model_onnx), self.output_index)[0]
 
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """``forward`` and ``gradient`` (from onnxruntime-training), ``loss`` (loss and its

@@ -277,7 +277,7 @@ def test_grid_search_and_cross_val_score(data):
 
 def test_state_pickle_warm_start_and_exports(data, tmp_path):
     X, y = data
-    kwargs = dict(batch_size=8, learning_rate="adam", random_state=2, weight_name="w")
+    kwargs = dict(batch_size=8, learning_rate="adam", random_state=2)
     five = OrtGradientForwardBackwardOptimizer(zero_linear(), max_iter=5, **kwargs).fit(X, y)
     split = OrtGradientForwardBackwardOptimizer(
         zero_linear(), max_iter=2, warm_start=True, **kwargs

@@ -12,6 +12,7 @@ import pytest
 from conftest import linear_regression_onnx
 from onnx import TensorProto, helper, numpy_helper
 
+import graphkit as gk
 from graphkit import (
     DTypeError,
     ShapeError,
@@ -255,9 +256,19 @@ def test_binary_scores_with_sigmoid_log_loss(rng):
 # -- bad input ------------------------------------------------------------------------
 
 
-def test_multi_output_needs_output_index(mlp_classifier):
-    with pytest.raises(ValueError, match=r"2 outputs \['label', 'probabilities'\].*output_index"):
-        add_loss_output(mlp_classifier[1], "log")
+def test_classifier_loss_defaults_to_its_only_float_output(mlp_classifier):
+    train = add_loss_output(mlp_classifier[1], "log", label_name="y")
+    assert gk.rewrite.metadata(train)[gk.rewrite.META_PREDICTION] == "probabilities"
+
+
+def test_several_float_outputs_need_output_index(linreg):
+    onx = linreg[0]
+    two = onnx.ModelProto()
+    two.CopyFrom(onx)
+    two.graph.node.append(helper.make_node("Neg", ["Y"], ["minus_Y"]))
+    two.graph.output.append(helper.make_tensor_value_info("minus_Y", TensorProto.DOUBLE, ["N", 1]))
+    with pytest.raises(ValueError, match=r"2 outputs \['Y', 'minus_Y'\].*output_index"):
+        add_loss_output(two)
 
 
 def test_output_index_naming_no_output(mlp_classifier):
@@ -272,14 +283,19 @@ def test_integer_output_refused(mlp_classifier):
         add_loss_output(mlp_classifier[1], output_index="label")
 
 
-def test_zipmap_output_refused(classification_data):
+def test_zipmap_output_stands_for_its_probabilities(classification_data, mlp_classifier):
+    """A skl2onnx ZipMap output (a sequence of maps) means the tensor it is made from."""
     from skl2onnx import to_onnx
-    from sklearn.linear_model import LogisticRegression
 
     X, y = classification_data
-    onx = to_onnx(LogisticRegression().fit(X, y), X[:1])  # zipmap on by default
-    with pytest.raises(DTypeError, match="zipmap"):
-        add_loss_output(onx, "log", output_index=1)
+    onx = to_onnx(mlp_classifier[0], X[:1])  # zipmap on by default
+    train = add_loss_output(onx, "log", output_index="output_probability")
+    zipmap = next(n for n in onx.graph.node if n.op_type == "ZipMap")
+    assert gk.rewrite.metadata(train)[gk.rewrite.META_PREDICTION] == zipmap.input[0]
+    loss = gk.run(train, {"X": X, "label": y})["loss"]
+    probabilities = mlp_classifier[0].predict_proba(X)
+    expected = -np.log(probabilities[np.arange(len(y)), y]).mean()
+    assert loss == pytest.approx(expected, rel=1e-5)
 
 
 def test_penalty_on_missing_weight(linreg):

@@ -241,7 +241,6 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
 
 
 def _module_classes():
-    import torch
     from torch import nn
 
     class EmbeddingBag(nn.Module):
