@@ -6,7 +6,7 @@ Losses, penalties, optimizers and learning-rate schedules are onnxscript functio
 training graph. The training runtime lives in ``graphkit_train``.
 """
 
-from graphkit import compat, dsl, losses, optimizers, penalties, schedules
+from graphkit import compat, dsl, losses, optimizers, parameters, penalties, schedules
 from graphkit._ort import run
 from graphkit.errors import (
     ConvergenceError,
@@ -14,6 +14,7 @@ from graphkit.errors import (
     GraphkitError,
     IncompatibleModelError,
     MissingGradientError,
+    NotFittedError,
     ShapeError,
     UnknownNameError,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "MissingGradientError",
     "NegLogLearningLoss",
     "NoLearningPenalty",
+    "NotFittedError",
     "Optimizer",
     "Penalty",
     "Schedule",
@@ -94,6 +96,7 @@ __all__ = [
     "inputs_to_initializers",
     "losses",
     "optimizers",
+    "parameters",
     "penalties",
     "rename_weights",
     "run",

@@ -40,3 +40,32 @@ class MissingGradientError(GraphkitError, ValueError):
 
 class ConvergenceError(GraphkitError, ArithmeticError):
     """The loss became NaN or infinite during training."""
+
+
+class NotFittedError(GraphkitError, ValueError, AttributeError):
+    """A trainer used before ``fit`` (or ``set_state``).
+
+    Raised through :func:`not_fitted`, which makes it a subclass of scikit-learn's
+    ``NotFittedError`` too when scikit-learn is installed.
+    """
+
+
+def not_fitted(message: str) -> NotFittedError:
+    """A :class:`NotFittedError` that ``except sklearn.exceptions.NotFittedError`` catches."""
+    return _not_fitted_class()(message)
+
+
+def _not_fitted_class() -> type[NotFittedError]:
+    global _NOT_FITTED
+    if _NOT_FITTED is None:
+        try:  # imported on the error path only: graphkit does not need scikit-learn
+            from sklearn.exceptions import NotFittedError as SklearnNotFitted
+        except ImportError:
+            _NOT_FITTED = NotFittedError
+        else:
+            _NOT_FITTED = type("NotFittedError", (NotFittedError, SklearnNotFitted), {})
+            _NOT_FITTED.__module__ = __name__
+    return _NOT_FITTED
+
+
+_NOT_FITTED: type[NotFittedError] | None = None

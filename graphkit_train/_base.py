@@ -23,17 +23,13 @@ CUDA_HINT = (
 )
 
 
-try:  # scikit-learn's tags and clone() need BaseEstimator; graphkit does not need sklearn
-    from sklearn.base import BaseEstimator as _EstimatorBase
-except ImportError:  # pragma: no cover - sklearn is in the dev extras
-    _EstimatorBase = object  # type: ignore[assignment,misc]
+class ParamsMixin:
+    """The scikit-learn estimator protocol, without importing scikit-learn.
 
-
-class ParamsMixin(_EstimatorBase):  # type: ignore[misc,valid-type]
-    """``get_params`` / ``set_params`` from the ``__init__`` signature, as scikit-learn does.
-
-    With scikit-learn installed the trainers are ``BaseEstimator``s, so ``clone``,
-    ``GridSearchCV`` and ``cross_val_score`` accept them.
+    ``get_params`` / ``set_params`` from the ``__init__`` signature, ``__sklearn_tags__``
+    (a classifier or a regressor, as the loss says) and ``__sklearn_is_fitted__``: so
+    ``clone``, ``GridSearchCV``, ``cross_val_score`` and ``check_is_fitted`` accept the
+    trainers, while ``import graphkit_train`` stays free of scikit-learn.
     """
 
     @classmethod
@@ -61,6 +57,10 @@ class ParamsMixin(_EstimatorBase):  # type: ignore[misc,valid-type]
             "shuffle",
             "random_state",
             "exc",
+            "early_stopping",
+            "validation_fraction",
+            "n_iter_no_change",
+            "tol",
         }
     )
 
@@ -78,6 +78,27 @@ class ParamsMixin(_EstimatorBase):  # type: ignore[misc,valid-type]
 
     def _invalidate(self) -> None:
         """Forget what was built from the parameters (subclasses override)."""
+
+    def _is_classifier(self) -> bool:
+        """Whether the loss takes class labels (subclasses say, without building)."""
+        return False
+
+    @property
+    def _estimator_type(self) -> str:
+        return "classifier" if self._is_classifier() else "regressor"
+
+    def __sklearn_tags__(self) -> Any:
+        # called by scikit-learn only, so importing it here costs nothing more
+        from sklearn.utils import ClassifierTags, InputTags, RegressorTags, Tags, TargetTags
+
+        classifier = self._is_classifier()
+        return Tags(
+            estimator_type="classifier" if classifier else "regressor",
+            target_tags=TargetTags(required=True),
+            classifier_tags=ClassifierTags(multi_class=True) if classifier else None,
+            regressor_tags=None if classifier else RegressorTags(),
+            input_tags=InputTags(sparse=False, allow_nan=False),
+        )
 
     def __repr__(self) -> str:
         defaults = inspect.signature(type(self).__init__).parameters
@@ -146,10 +167,17 @@ def check_features(X: Any, value: onnx.ValueInfoProto, what: str = "X") -> np.nd
 
     Integer or other-precision float features are cast to the input's dtype (documented).
     """
+    if type(X).__module__.startswith("scipy.sparse"):
+        raise TypeError(
+            f"{what} is a sparse matrix; an ONNX graph takes dense tensors. Pass "
+            f"{what}.toarray() (or densify it batch by batch for large data)."
+        )
     X = np.asarray(X)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-    if X.dtype.kind not in "iuf":
+    if X.dtype.kind not in "iufb":
         raise DTypeError(f"{what} must be numeric, got dtype {X.dtype}.")
+    if X.size == 0 or (X.ndim and len(X) == 0):
+        raise ValueError(f"{what} is empty (shape {X.shape}): there is nothing to train on.")
     dims = static_shape(value) or []
     if X.ndim != len(dims) or X.ndim == 0:
         raise ShapeError(
@@ -186,12 +214,13 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
                 f"{y.dtype}. Pass {what}.astype(numpy.int64)."
             )
     else:
-        if y.dtype.kind != "f":
+        if y.dtype.kind not in "iuf":
             raise DTypeError(
-                f"The loss is a regression loss and needs float targets; {what} is {y.dtype}. "
-                f"Pass {what}.astype(numpy.{dtype}) (or train with a classification loss)."
+                f"The loss is a regression loss and needs numeric targets; {what} is "
+                f"{y.dtype}. Pass {what}.astype(numpy.{dtype}) (or train with a "
+                "classification loss)."
             )
-        if not np.isfinite(y).all():
+        if not np.isfinite(y.astype(np.float64)).all():
             raise ValueError(f"{what} contains NaN or infinity; clean it before training.")
     dims = static_shape(value) or []
     target = [n if i == 0 else d for i, d in enumerate(dims)]
@@ -204,6 +233,38 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
     elif len(dims) == 2 and y.ndim == 1:
         y = y.reshape(-1, 1)
     return np.ascontiguousarray(y, dtype=dtype)
+
+
+def check_class_labels(y: np.ndarray, n_classes: int, binary: bool, what: str = "y") -> None:
+    """Refuse class labels outside ``[0, n_classes - 1]`` (``{0, 1}`` for a binary loss).
+
+    An out-of-range label would otherwise give a zero or undefined loss for its rows
+    (a one-hot row of zeros) and a perfect-looking score.
+    """
+    if not y.size:
+        return
+    low, high = int(y.min()), int(y.max())
+    if low >= 0 and high < n_classes:
+        return
+    if binary:
+        raise ValueError(
+            f"{what} holds labels from {low} to {high}; a binary loss takes 0 and 1. Encode "
+            "the classes with sklearn.preprocessing.LabelEncoder (or y == positive_class)."
+        )
+    raise ValueError(
+        f"{what} holds class labels from {low} to {high}; the model predicts {n_classes} "
+        f"classes, so labels must be integers in [0, {n_classes - 1}]. Encode them with "
+        "sklearn.preprocessing.LabelEncoder (labels 1..K become 0..K-1)."
+    )
+
+
+def check_loop_param(name: str, value: Any, minimum: int = 1) -> int:
+    """An integer parameter (a numpy integer too, as grids built with numpy.arange give)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return int(value)
 
 
 def check_sample_weight(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,17 +22,21 @@ import onnx
 
 from graphkit._ort import onnxruntime
 from graphkit.compat import load_model
-from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError
+from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
+from graphkit.losses import Loss
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
 from graphkit_train._base import (
     ParamsMixin,
     as_state,
+    check_class_labels,
     check_features,
     check_labels,
+    check_loop_param,
     check_sample_weight,
     validation_period,
 )
+from graphkit_train.progress import EpochProgress
 from graphkit_train.step import LOSS_SUM, STEP, UpdateStep, next_name
 
 
@@ -61,10 +65,15 @@ class BaseTrainer(ParamsMixin, ABC):
         """Build graphs and sessions from the parameters (once; see ``_invalidate``)."""
 
     def _check_loop_params(self) -> None:
-        if not (isinstance(self.max_iter, int) and self.max_iter >= 1):
-            raise ValueError(f"max_iter must be an int >= 1, got {self.max_iter!r}.")
-        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
-            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}.")
+        check_loop_param("max_iter", self.max_iter)
+        check_loop_param("batch_size", self.batch_size)
+        check_loop_param("n_iter_no_change", self.n_iter_no_change)
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(
+                f"validation_fraction must lie in (0, 1), got {self.validation_fraction!r}."
+            )
+        if self.tol < 0:
+            raise ValueError(f"tol must be >= 0, got {self.tol!r}.")
 
     def _ortvalue(self, array: np.ndarray) -> Any:
         ort = onnxruntime()
@@ -95,8 +104,13 @@ class BaseTrainer(ParamsMixin, ABC):
     def _resident(self) -> dict[str, Any]:
         """The buffer set holding the current values."""
         if self._buffers is None:
-            raise RuntimeError("Nothing trained yet: call fit() or set_state() first.")
+            raise not_fitted(
+                f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
+            )
         return self._buffers[self._current]
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return bool(getattr(self, "_buffers", None))
 
     # -- state -----------------------------------------------------------------------------
 
@@ -144,21 +158,39 @@ class BaseTrainer(ParamsMixin, ABC):
         sample_weight: Any = None,
         X_val: Any = None,
         y_val: Any = None,
+        callback: Callable[[int, dict[str, float | None], BaseTrainer], Any] | None = None,
     ) -> BaseTrainer:
         """Train for ``max_iter`` epochs of shuffled mini-batches.
 
+        Args:
+            X, y, sample_weight: the training data (sample weights when the loss takes
+                them).
+            X_val, y_val: held-out data, scored every ``validation_every`` epochs (and
+                every epoch for ``early_stopping``, which otherwise holds out
+                ``validation_fraction`` of X).
+            callback: called after every epoch as ``callback(epoch, losses, trainer)``
+                with ``losses = {"train": ..., "validation": ... or None}``; returning
+                True stops training.
+
         Raises:
-            ConvergenceError: the loss of an epoch is NaN or infinite; the weights and the
+            ConvergenceError: the loss of an epoch is NaN, infinite, or negative for a
+                loss that cannot be (probabilities outside [0, 1]); the weights and the
                 optimizer state are restored to the end of the last good epoch (with
                 ``exc=False``, a warning instead, and training stops).
+            ValueError: class labels outside the model's classes, and other bad input.
         """
         self._build()
+        max_iter = check_loop_param("max_iter", self.max_iter)
+        batch_size = check_loop_param("batch_size", self.batch_size)
         X, y, w = self._check(X, y, sample_weight)
         validation = None
         if X_val is not None:
             if y_val is None:
                 raise ValueError("X_val is given without y_val.")
             validation = self._check(X_val, y_val, None, "X_val", "y_val")
+        elif self.early_stopping:
+            X, y, w, validation = self._hold_out(X, y, w)
+        self._check_probabilities(X[:batch_size])
         if not (self.warm_start and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
@@ -167,48 +199,109 @@ class BaseTrainer(ParamsMixin, ABC):
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(self.random_state)
         n = len(X)
-        period = validation_period(self.validation_every, self.max_iter)
+        period = 1 if self.early_stopping else validation_period(self.validation_every, max_iter)
+        stopper = _EarlyStopping(self.n_iter_no_change, self.tol) if self.early_stopping else None
         zero = np.zeros_like(self.update_step_.initial[LOSS_SUM])
-        progress = _progress(self.max_iter, self.verbose)
-        for epoch in range(self.max_iter):
-            snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
-            self._resident[LOSS_SUM].update_inplace(zero)
-            order = self._rng.permutation(n) if self.shuffle else None
-            Xe, ye = (X, y) if order is None else (X[order], y[order])
-            we = None if w is None else (w if order is None else w[order])
-            n_batches = 0
-            for start in range(0, n, self.batch_size):
-                stop = start + self.batch_size
-                self._run_batch(
-                    self._bindings[self._current],
-                    Xe[start:stop],
-                    ye[start:stop],
-                    None if we is None else we[start:stop],
-                )
-                self._current = 1 - self._current
-                n_batches += 1
-            loss = float(self._resident[LOSS_SUM].numpy()) / n_batches
-            if not np.isfinite(loss):
-                self._restore(snapshot)
-                message = (
-                    f"The loss became {loss} during epoch {len(self.train_losses_) + 1}; the "
-                    "weights and optimizer state are those of the previous epoch. Lower the "
-                    "learning rate or scale the features."
-                )
-                if self.exc:
-                    raise ConvergenceError(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-                break
-            self.train_losses_.append(loss)
-            if validation is not None and period and (epoch + 1) % period == 0:
-                self.validation_losses_.append(self._loss(*validation))
+        progress = EpochProgress(max_iter) if self.verbose else None
+        self.n_iter_ = 0
+        try:
+            for epoch in range(max_iter):
+                snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
+                self._resident[LOSS_SUM].update_inplace(zero)
+                order = self._rng.permutation(n) if self.shuffle else None
+                Xe, ye = (X, y) if order is None else (X[order], y[order])
+                we = None if w is None else (w if order is None else w[order])
+                n_batches = 0
+                for start in range(0, n, batch_size):
+                    stop = start + batch_size
+                    self._run_batch(
+                        self._bindings[self._current],
+                        Xe[start:stop],
+                        ye[start:stop],
+                        None if we is None else we[start:stop],
+                    )
+                    self._current = 1 - self._current
+                    n_batches += 1
+                loss = float(self._resident[LOSS_SUM].numpy()) / n_batches
+                problem = self._loss_problem(loss)
+                if problem:
+                    self._restore(snapshot)
+                    message = (
+                        f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
+                        f"{problem}; the weights and optimizer state are those of the "
+                        "previous epoch."
+                    )
+                    if self.exc:
+                        raise ConvergenceError(message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=2)
+                    break
+                self.train_losses_.append(loss)
+                self.n_iter_ += 1
+                held_out = None
+                if validation is not None and period and (epoch + 1) % period == 0:
+                    held_out = self._loss(*validation)
+                    self.validation_losses_.append(held_out)
+                if progress is not None:
+                    lr = self.learning_rate_.value(int(self._resident[STEP].numpy()))
+                    progress.update(epoch + 1, loss, held_out, lr)
+                if stopper is not None and stopper.done(held_out, self):  # type: ignore[arg-type]
+                    break
+                if callback is not None and callback(
+                    epoch + 1, {"train": loss, "validation": held_out}, self
+                ):
+                    break
+        finally:
             if progress is not None:
-                lr = self.learning_rate_.value(int(self._resident[STEP].numpy()))
-                progress.update(1)
-                progress.set_postfix(loss=f"{loss:.5g}", lr=f"{lr:.3g}", refresh=False)
-        if progress is not None:
-            progress.close()
+                progress.close()
+        if stopper is not None and stopper.best is not None:
+            self._restore(stopper.best)
+            self.best_loss_ = stopper.best_loss
         return self
+
+    def _hold_out(
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[Any, ...]]:
+        """Split ``validation_fraction`` of the rows off for early stopping (seeded by
+        ``random_state``, as scikit-learn's MLP does)."""
+        n_val = int(round(self.validation_fraction * len(X)))
+        if n_val < 1 or n_val >= len(X):
+            raise ValueError(
+                f"early_stopping holds out validation_fraction={self.validation_fraction} of "
+                f"{len(X)} rows, which leaves {n_val} rows to validate on: pass more data, "
+                "another fraction, or X_val and y_val."
+            )
+        order = np.random.default_rng(self.random_state).permutation(len(X))
+        val, train = order[:n_val], order[n_val:]
+        held = (X[val], y[val], None if w is None else w[val])
+        return X[train], y[train], None if w is None else w[train], held
+
+    def _loss_problem(self, loss: float) -> str:
+        """Why an epoch's loss cannot be right ("" when it can)."""
+        if not np.isfinite(loss):
+            return ". Lower the learning rate or scale the features"
+        resolved = self.loss_
+        if loss < 0 and resolved is not None and not resolved.is_custom:
+            return (
+                f", below zero, which {resolved.name!r} cannot be: the model's outputs left the "
+                "range the loss takes (probabilities outside [0, 1]). Check weights_to_train_ "
+                "for a constant being trained"
+            )
+        return ""
+
+    def _check_probabilities(self, X: np.ndarray) -> None:
+        """A log loss on probabilities refuses outputs that are not probabilities (logits
+        or scores would be clipped at eps silently); checked on one batch."""
+        resolved = self.loss_
+        if resolved is None or resolved.name != "log_loss" or not len(X):
+            return
+        output = self._probe(X)
+        low, high = float(output.min()), float(output.max())
+        if low < -1e-6 or high > 1 + 1e-6:
+            raise ValueError(
+                f"The loss 'log' takes probabilities, but the model's output ranges from "
+                f"{low:.4g} to {high:.4g}. For logits use 'cross_entropy'; for one raw score "
+                "use 'sigmoid_log_loss'."
+            )
 
     @abstractmethod
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
@@ -223,6 +316,8 @@ class BaseTrainer(ParamsMixin, ABC):
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         X = check_features(X, self._features_value, x_name)
         y = check_labels(y, self._label_value, len(X), y_name)
+        if self._is_classifier() and self.loss_ is not None:
+            check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
         if sample_weight is None:
             if not self._requires_sample_weight:
                 return X, y, None
@@ -237,15 +332,93 @@ class BaseTrainer(ParamsMixin, ABC):
     # -- using the trained weights ---------------------------------------------------------
 
     def predict(self, X: Any) -> np.ndarray:
-        """The output the loss is computed on, with the trained weights (1-D for one
-        column)."""
+        """Predictions with the trained weights.
+
+        A regression graph returns the output the loss is computed on (1-D for one
+        column); a classification graph returns class labels in ``classes_`` (argmax of
+        the probabilities or logits; for one column, probability > 0.5 or score > 0).
+        """
         self._build()
-        result = self._predict_outputs(check_features(X, self._features_value))
-        return result[:, 0] if result.ndim == 2 and result.shape[1] == 1 else result
+        output = self._predict_outputs(check_features(X, self._features_value))
+        if self._is_classifier() and self.loss_ is not None:
+            return self._labels(output)
+        return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
+
+    def _labels(self, output: np.ndarray) -> np.ndarray:
+        if output.ndim == 2 and output.shape[1] > 1:
+            return output.argmax(axis=1)
+        threshold = 0.5 if self.loss_.name == "log_loss" else 0.0  # type: ignore[union-attr]
+        return (output.reshape(-1) > threshold).astype(np.int64)
+
+    @property
+    def predict_proba(self) -> Callable[[Any], np.ndarray]:
+        """``predict_proba(X)``: class probabilities (N, n_classes), for classification
+        graphs only (a regression graph has no such attribute, as in scikit-learn).
+
+        Probabilities are the output itself for ``log``, its softmax for
+        ``cross_entropy``, and ``[1 - sigmoid(s), sigmoid(s)]`` for ``sigmoid_log_loss``.
+        """
+        if not (self._is_classifier() and self.loss_ is not None):
+            raise AttributeError(
+                f"predict_proba: this {type(self).__name__} trains a regression loss."
+            )
+        return self._predict_proba
+
+    def _predict_proba(self, X: Any) -> np.ndarray:
+        self._build()
+        output = self._predict_outputs(check_features(X, self._features_value))
+        name = self.loss_.name  # type: ignore[union-attr]
+        if output.ndim == 2 and output.shape[1] > 1:
+            if name == "cross_entropy":
+                shifted = np.exp(output - output.max(axis=1, keepdims=True))
+                return shifted / shifted.sum(axis=1, keepdims=True)
+            return output
+        p = output.reshape(-1)
+        if name == "sigmoid_log_loss":
+            p = 1 / (1 + np.exp(-p))
+        return np.stack([1 - p, p], axis=1)
+
+    @property
+    def classes_(self) -> np.ndarray:
+        """The class labels ``0 .. n_classes - 1`` of a classification graph."""
+        if not self._is_classifier() or not self._fitted:
+            raise AttributeError("classes_ exists once a classification graph is fitted.")
+        return np.arange(self._n_classes())
+
+    def _n_classes(self) -> int:
+        """Columns of the prediction (2 for one probability or score column)."""
+        if self.loss_ is None or not self.loss_.multiclass:
+            return 2
+        columns = self._prediction_shape[1] if len(self._prediction_shape) == 2 else None
+        if isinstance(columns, int):
+            return columns
+        probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
+        return int(self._probe(probe).shape[1])
+
+    def _probe(self, X: np.ndarray) -> np.ndarray:
+        """The prediction with the current weights, or the initial ones before ``fit``
+        (allocated for this call only: a failed check leaves no state behind)."""
+        if self._fitted:
+            return self._predict_outputs(X)
+        self._allocate(self.update_step_.initial)
+        try:
+            return self._predict_outputs(X)
+        finally:
+            self._buffers = None
+
+    def _features_shape(self) -> tuple[int, ...]:
+        dims = [d.dim_value for d in self._features_value.type.tensor_type.shape.dim]
+        return tuple(dims[1:])
+
+    def _features_dtype(self) -> np.dtype:
+        elem = self._features_value.type.tensor_type.elem_type
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """Minus the loss on ``(X, y)``: higher is better, as scikit-learn's scorers."""
         self._build()
+        if not self._fitted:
+            raise not_fitted(f"This {type(self).__name__} is not fitted yet: call fit() first.")
         return -self._loss(*self._check(X, y, sample_weight))
 
     def get_trained_onnx(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
@@ -309,6 +482,10 @@ class BaseTrainer(ParamsMixin, ABC):
     # -- subclass hooks --------------------------------------------------------------------
 
     update_step_: UpdateStep
+    loss_: Loss | None
+    """The loss the trainer minimizes, resolved for the prediction (None when unknown:
+    a custom loss or a graph not made by ``add_loss_output``)."""
+    _prediction_shape: tuple[int | str, ...]
 
     @abstractmethod
     def _predict_outputs(self, X: np.ndarray) -> np.ndarray:
@@ -327,9 +504,22 @@ class BaseTrainer(ParamsMixin, ABC):
         """Every graph the trainer runs, by name (for ``save_onnx_graph``)."""
 
 
-def _progress(total: int, verbose: int) -> Any:
-    if not verbose:
-        return None
-    from tqdm.auto import tqdm
+class _EarlyStopping:
+    """Stop when the held-out loss has not improved by ``tol`` for ``patience`` epochs,
+    keeping the best weights (scikit-learn's ``n_iter_no_change`` / ``tol``)."""
 
-    return tqdm(total=total, desc="epochs", unit="epoch")
+    def __init__(self, patience: int, tol: float) -> None:
+        self.patience, self.tol = patience, tol
+        self.best: dict[str, np.ndarray] | None = None
+        self.best_loss = np.inf
+        self.waited = 0
+
+    def done(self, loss: float, trainer: BaseTrainer) -> bool:
+        if loss < self.best_loss - self.tol:
+            self.waited = 0
+        else:
+            self.waited += 1
+        if loss < self.best_loss:
+            self.best_loss = loss
+            self.best = {name: v.numpy().copy() for name, v in trainer._resident.items()}
+        return self.waited >= self.patience

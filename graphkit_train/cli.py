@@ -13,6 +13,7 @@ split. It writes the trained model, the fused training-step graph, ``report.json
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -31,8 +32,31 @@ from graphkit.rewrite import META_LOSS, metadata
 from graphkit_train.full import OrtGradientOptimizer
 
 
+class CliError(Exception):
+    """A problem with the command line or the data: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CliError(f"{message} (see graphkit-train --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _output_index(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="graphkit-train",
         description=(
             "Train the weights of an ONNX model with onnxruntime-training. With no MODEL "
@@ -70,8 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"learning-rate schedule, one of {', '.join(schedules.SCHEDULES.names())}",
     )
     parser.add_argument("--lr", type=float, default=0.001, help="initial learning rate (eta0)")
-    parser.add_argument("--epochs", type=int, default=100, help="number of epochs")
-    parser.add_argument("--batch-size", type=int, default=32, help="rows per training step")
+    parser.add_argument("--epochs", type=_positive_int, default=100, help="number of epochs")
+    parser.add_argument(
+        "--batch-size", type=_positive_int, default=32, help="rows per training step"
+    )
+    parser.add_argument(
+        "--output-index",
+        type=_output_index,
+        default=None,
+        help="the model output the loss applies to, a position or a name (default: the only "
+        "float output, e.g. a skl2onnx classifier's probabilities)",
+    )
     parser.add_argument(
         "--validation-split", type=float, default=0.2, help="fraction of rows held out"
     )
@@ -90,31 +123,83 @@ def build_parser() -> argparse.ArgumentParser:
 def read_dataset(
     path: str, label: str | None, features: str
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """``(X, y, feature names)`` from a CSV (header row) or an NPZ file."""
+    """``(X, y, feature names)`` from a CSV (header row) or an NPZ file.
+
+    Raises:
+        CliError: a missing file, an unknown column or array, an empty or non-numeric
+            cell (naming the file's line and column).
+    """
+    if not os.path.isfile(path):
+        raise CliError(f"no data file {path!r}")
     if path.endswith(".npz"):
-        with np.load(path) as data:
-            label = label or "y"
-            missing = [k for k in (features, label) if k not in data]
-            if missing:
-                raise SystemExit(f"{path} has no array {missing}; it holds {sorted(data)}.")
-            X, y = data[features], data[label]
-        return X, y, [f"x{i}" for i in range(X.shape[1])]
-    with open(path) as handle:
-        header = handle.readline().strip().split(",")
-    table = np.genfromtxt(path, delimiter=",", skip_header=1, dtype=np.float64, ndmin=2)
-    if table.shape[1] != len(header):
-        raise SystemExit(f"{path}: {len(header)} header names but {table.shape[1]} columns.")
+        return _read_npz(path, label, features)
+    return _read_csv(path, label)
+
+
+def _read_npz(
+    path: str, label: str | None, features: str
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    try:
+        data = np.load(path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{path} is not a readable NPZ file: {exc}") from None
+    with data:
+        label = label or "y"
+        missing = [k for k in (features, label) if k not in data]
+        if missing:
+            raise CliError(f"{path} has no array {missing}; it holds {sorted(data)}")
+        X, y = data[features], data[label]
+    for name, array in ((features, X), (label, y)):
+        if array.dtype.kind not in "iufb":
+            raise CliError(f"{path}: array {name!r} is {array.dtype}, not numeric")
+    if X.ndim != 2:
+        raise CliError(f"{path}: array {features!r} has shape {X.shape}; it must be 2-D")
+    return X, y, [f"x{i}" for i in range(X.shape[1])]
+
+
+def _read_csv(path: str, label: str | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    with open(path, newline="") as handle:
+        reader = csv.reader(handle)
+        header = [h.strip() for h in next(reader, [])]
+        if not header:
+            raise CliError(f"{path} is empty: it needs a header row and data rows")
+        rows = []
+        for row in reader:
+            if not any(cell.strip() for cell in row):
+                continue  # a blank line
+            line = reader.line_num
+            if len(row) != len(header):
+                raise CliError(
+                    f"{path}, line {line}: {len(row)} cells, but the header has {len(header)}"
+                )
+            rows.append([_number(cell, path, line, i + 1, header[i]) for i, cell in enumerate(row)])
+    if not rows:
+        raise CliError(f"{path} has a header but no data rows")
     label = label or header[-1]
     if label not in header:
-        raise SystemExit(f"{path} has no column {label!r}; columns are {header}.")
+        raise CliError(f"{path} has no column {label!r}; columns are {header}")
+    table = np.array(rows, dtype=np.float64)
     index = header.index(label)
     X = np.delete(table, index, axis=1)
     return X, table[:, index], [h for h in header if h != label]
 
 
+def _number(cell: str, path: str, line: int, column: int, name: str) -> float:
+    text = cell.strip()
+    where = f"{path}, line {line}, column {column} ({name!r})"
+    if not text:
+        raise CliError(f"{where}: empty cell; fill it in or drop the row")
+    try:
+        return float(text)
+    except ValueError:
+        raise CliError(
+            f"{where}: {text!r} is not a number; encode categories as numbers first"
+        ) from None
+
+
 def split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     if not 0 <= fraction < 1:
-        raise SystemExit(f"--validation-split must lie in [0, 1), got {fraction}.")
+        raise CliError(f"--validation-split must lie in [0, 1), got {fraction}")
     order = np.random.default_rng(seed).permutation(n)
     n_test = int(round(n * fraction))
     return order[n_test:], order[:n_test]
@@ -179,15 +264,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         X, y = load_diabetes(return_X_y=True)
         names = list(load_diabetes().feature_names)
         dataset = "scikit-learn diabetes"
+    elif args.model is None:
+        raise CliError("--data needs a MODEL to train (an .onnx file)")
     elif args.data is None:
-        raise SystemExit("A MODEL needs --data (CSV or NPZ).")
+        raise CliError("a MODEL needs --data (a CSV or NPZ file)")
     else:
         X, y, names = read_dataset(args.data, args.label, args.features)
         dataset = args.data
     train_rows, test_rows = split(len(X), args.validation_split, args.seed)
     loss = losses.get(args.loss)
     X = X.astype(np.float32)
-    y = y.astype(np.int64) if loss.task == "classification" else y.astype(np.float32)
+    if loss.task == "classification":
+        if not np.array_equal(y, np.round(y)):
+            raise CliError(f"the loss {loss.name!r} needs integer class labels; the labels are not")
+        y = y.astype(np.int64)
+    else:
+        y = y.astype(np.float32)
     if default_job:
         model = default_mlp(X[train_rows], y[train_rows], hidden=32, seed=args.seed)
         weights = ["W1", "b1", "W2", "b2"]
@@ -196,49 +288,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         weights = args.weights.split(",") if args.weights else None
     outputs = [o.name for o in model.graph.output]
     already = metadata(model).get(META_LOSS) or ("loss" if "loss" in outputs else None)
-    train_onx = model if already else gk.add_loss_output(model, loss)
+    train_onx = (
+        model if already else gk.add_loss_output(model, loss, output_index=args.output_index)
+    )
     schedule = (
         schedules.get(args.schedule, eta0=args.lr) if args.schedule != "constant" else args.lr
     )
-    learning_rate = (optimizers.get(args.optimizer), schedule)
-
     trainer = OrtGradientOptimizer(
         train_onx,
         weights,
-        max_iter=1,
+        max_iter=args.epochs,
         batch_size=args.batch_size,
-        learning_rate=learning_rate,
-        warm_start=True,
+        learning_rate=(optimizers.get(args.optimizer), schedule),
         validation_every=1,
         random_state=args.seed,
+        verbose=0 if args.quiet else 1,
     )
     say(
         f"graphkit-train: {dataset}, {len(train_rows)} training rows, {len(test_rows)} held out; "
         f"loss {loss.name}, optimizer {args.optimizer}, schedule {args.schedule}, lr {args.lr}"
     )
-    validation = (X[test_rows], y[test_rows]) if len(test_rows) else (None, None)
-    progress = None if args.quiet else _bar(args.epochs)
-    every = max(1, args.epochs // 10)
+    held_out = (X[test_rows], y[test_rows]) if len(test_rows) else (None, None)
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        trainer.fit(X[train_rows], y[train_rows], X_val=validation[0], y_val=validation[1])
-        line = f"epoch {epoch + 1:4d}  train loss {trainer.train_losses_[-1]:.6g}"
-        if trainer.validation_losses_:
-            line += f"  held-out loss {trainer.validation_losses_[-1]:.6g}"
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix_str(line.split("  ", 1)[1], refresh=False)
-            if (epoch + 1) % every == 0 or epoch == 0:
-                progress.write(line)
+    trainer.fit(X[train_rows], y[train_rows], X_val=held_out[0], y_val=held_out[1])
     seconds = time.perf_counter() - start
-    if progress is not None:
-        progress.close()
 
     report: dict[str, Any] = {
         "dataset": dataset,
         "features": names,
         "rows": {"train": int(len(train_rows)), "held_out": int(len(test_rows))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("quiet",)},
+        "weights_trained": trainer.weights_to_train_,
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
@@ -249,10 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["held_out_r2"] = r2(y[test_rows], prediction)
             say(f"held-out R^2 (graphkit): {report['held_out_r2']:.4f}")
         else:
-            labels = (
-                prediction.argmax(axis=1) if prediction.ndim == 2 else (prediction > 0).astype(int)
-            )
-            report["held_out_accuracy"] = float((labels == y[test_rows]).mean())
+            report["held_out_accuracy"] = float((prediction == y[test_rows]).mean())
             say(f"held-out accuracy (graphkit): {report['held_out_accuracy']:.4f}")
     if default_job and len(test_rows):
         report["sklearn"] = _sklearn_reference(X, y, train_rows, test_rows, args)
@@ -331,20 +408,22 @@ def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -
     return files
 
 
-def _bar(total: int) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="training", unit="epoch")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; every error is one line on stderr and exit code 2."""
     try:
-        run(args)
-    except gk.GraphkitError as exc:
-        print(f"graphkit-train: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        run(build_parser().parse_args(argv))
+    except CliError as exc:
+        return _fail(f"error: {exc}")
+    except (gk.GraphkitError, FileNotFoundError) as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")
+    except (ValueError, TypeError, OSError) as exc:  # graphkit's input checks and the OS
+        return _fail(f"{type(exc).__name__}: {exc}")
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"graphkit-train: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

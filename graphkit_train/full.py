@@ -9,16 +9,27 @@ labels are bound per step, and the loss is read back once per epoch.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import onnx
 
+from graphkit import losses
+from graphkit._graph import named_shape
 from graphkit._ort import inference_session
 from graphkit.compat import load_model, make_compatible
+from graphkit.losses import LOSSES, Loss
 from graphkit.prepare import prepare_for_training
-from graphkit.rewrite import META_PREDICTION, initializers_to_inputs, metadata, strip_loss_output
+from graphkit.rewrite import (
+    META_LABEL,
+    META_LOSS_FUNCTION,
+    META_PREDICTION,
+    initializers_to_inputs,
+    metadata,
+    strip_loss_output,
+)
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
 from graphkit_train.step import TrainingStep, build_training_step
@@ -49,6 +60,11 @@ class OrtGradientOptimizer(BaseTrainer):
             ``add_loss_output`` (which records it).
         shuffle: draw a new permutation of the rows every epoch.
         random_state: seed of the permutations.
+        early_stopping: hold out ``validation_fraction`` of the rows (or use ``X_val``,
+            ``y_val``), stop when the held-out loss has not improved by ``tol`` for
+            ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
+            convention).
+        validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -74,6 +90,10 @@ class OrtGradientOptimizer(BaseTrainer):
         sample_weight_name: str = "weight",
         shuffle: bool = True,
         random_state: int | None = None,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        n_iter_no_change: int = 10,
+        tol: float = 1e-4,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -99,16 +119,25 @@ class OrtGradientOptimizer(BaseTrainer):
         self._resident_session = inference_session(step.model, self._providers)
         self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
+        self.loss_ = _recorded_loss(self.train_onnx_)
+        prediction = metadata(self.train_onnx_).get(META_PREDICTION)
+        outputs = {o.name: o for o in self.train_onnx_.graph.output}
+        self._prediction_shape = named_shape(outputs[prediction]) if prediction in outputs else ()
         self._label_value = input_value(self.train_onnx_, step.label)
-        self._accepts_sample_weight = self._requires_sample_weight = (
-            step.sample_weight is not None
-        )
+        self._accepts_sample_weight = self._requires_sample_weight = step.sample_weight is not None
         # the training graph and the prediction graph, reading the weights as inputs
         self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
         self.prediction_onnx_ = strip_loss_output(self.evaluation_onnx_)
         self._eval_session = inference_session(self.evaluation_onnx_, self._providers)
         self._predict_session = inference_session(self.prediction_onnx_, self._providers)
         self._built = True
+
+    def _is_classifier(self) -> bool:
+        """Class labels (an int64 label input), read from the graph without building."""
+        model = self.train_onnx_ if self._built else load_model(self.model_onnx)
+        label = metadata(model).get(META_LABEL) or "label"
+        value = next((i for i in model.graph.input if i.name == label), None)
+        return value is not None and value.type.tensor_type.elem_type == onnx.TensorProto.INT64
 
     def _bind_scratch(self, binding: Any) -> None:
         # the batch loss is accumulated in loss_sum; its own output goes to a scratch buffer
@@ -161,4 +190,20 @@ class OrtGradientOptimizer(BaseTrainer):
         }
 
 
-__all__ = ["OrtGradientOptimizer", "load_model"]
+def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:
+    """The loss ``add_loss_output`` recorded in the graph (None for a custom loss or a
+    graph graphkit did not make)."""
+    recorded = metadata(train_onnx).get(META_LOSS_FUNCTION)
+    if not recorded:
+        return None
+    description = json.loads(recorded)
+    name = description.pop("name")
+    if name not in LOSSES:
+        return None
+    try:
+        return losses.get(name, **description)
+    except (TypeError, ValueError):  # recorded by another graphkit version
+        return None
+
+
+__all__ = ["OrtGradientOptimizer"]

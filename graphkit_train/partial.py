@@ -76,6 +76,11 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
         exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
+        early_stopping: hold out ``validation_fraction`` of the rows (or use ``X_val``,
+            ``y_val``), stop when the held-out loss has not improved by ``tol`` for
+            ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
+            convention).
+        validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``learning_loss_``, ``loss_`` (the loss resolved for the prediction's shape),
@@ -100,6 +105,10 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         exc: bool = True,
         shuffle: bool = True,
         random_state: int | None = None,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        n_iter_no_change: int = 10,
+        tol: float = 1e-4,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -140,6 +149,15 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._feed_sources = fb.feed_sources(self._variant)
         self._per_sample: Any = None
         self._built = True
+
+    def _is_classifier(self) -> bool:
+        """Whether the loss takes class labels (read from ``learning_loss``, no build)."""
+        if self._built:
+            return self.loss_.task == losses.CLASSIFICATION
+        try:
+            return BaseLearningLoss.select(self.learning_loss).loss.task == losses.CLASSIFICATION
+        except (TypeError, ValueError, KeyError):  # fit() will report the bad loss
+            return False
 
     def _loss_run(self, weighted: bool) -> tuple[onnx.ModelProto, Any, BindingCache]:
         """The loss-and-gradient graph (with or without sample weights), built once."""

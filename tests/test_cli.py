@@ -137,12 +137,97 @@ def test_default_job_matches_sklearn(tmp_path):
     assert report["held_out_r2"] > 0.4
 
 
-def test_cli_errors(csv_problem, tmp_path, capsys):
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def _cli_error_cases(tmp_path, data, model):
+    """(arguments, what the one-line error must say) for every error the CLI reports."""
+    out = ["--output", str(tmp_path / "out"), "--quiet"]
+    csv_file = lambda name, text: _write(tmp_path / name, text)  # noqa: E731
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(model.read_bytes()[:40])
+    return [
+        ([str(model), *out], "a MODEL needs --data"),
+        (["--data", str(data), *out], "--data needs a MODEL"),
+        ([str(tmp_path / "none.onnx"), "--data", str(data), *out], "none.onnx"),
+        ([str(model), "--data", str(tmp_path / "none.csv"), *out], "no data file"),
+        ([str(truncated), "--data", str(data), *out], "not a valid ONNX model"),
+        ([str(model), "--data", str(data), "--label", "price", *out], "no column 'price'"),
+        ([str(model), "--data", str(data), "--loss", "mse2", *out], "Unknown loss 'mse2'"),
+        ([str(model), "--data", str(data), "--epochs", "0", *out], "--epochs: must be >= 1"),
+        ([str(model), "--data", str(data), "--batch-size", "0", *out], "must be >= 1, got 0"),
+        ([str(model), "--data", str(data), "--epochs", "x", *out], "'x' is not an integer"),
+        (
+            [str(model), "--data", csv_file("words.csv", "a,b,c,t\n1,2,3,4\n1,two,3,4\n"), *out],
+            "words.csv, line 3, column 2 ('b'): 'two' is not a number",
+        ),
+        (
+            [str(model), "--data", csv_file("label.csv", "a,b,c,t\n1,2,3,4\n1,2,3,high\n"), *out],
+            "label.csv, line 3, column 4 ('t'): 'high' is not a number",
+        ),
+        (
+            [str(model), "--data", csv_file("hole.csv", "a,b,c,t\n1,2,3,4\n\n1,,3,4\n"), *out],
+            "hole.csv, line 4, column 2 ('b'): empty cell",
+        ),
+        (
+            [str(model), "--data", csv_file("short.csv", "a,b,c,t\n1,2,3\n"), *out],
+            "short.csv, line 2: 3 cells, but the header has 4",
+        ),
+        ([str(model), "--data", csv_file("empty.csv", ""), *out], "empty.csv is empty"),
+        (
+            [str(model), "--data", str(data), "--output-index", "3", *out],
+            "output_index=3 is out of range",
+        ),
+        ([str(model), "--data", str(data), "--weights", "W9", *out], "['W9'] is not a trainable"),
+    ]
+
+
+def test_every_cli_error_is_one_line_with_exit_code_2(csv_problem, tmp_path, capsys):
     data, model, _, _ = csv_problem
-    with pytest.raises(SystemExit, match="needs --data"):
-        main([str(model), "--output", str(tmp_path)])
-    with pytest.raises(SystemExit, match="no column 'price'"):
-        main([str(model), "--data", str(data), "--label", "price", "--output", str(tmp_path)])
-    code = main([str(model), "--data", str(data), "--loss", "mse2", "--output", str(tmp_path)])
-    assert code == 2
-    assert "Unknown loss 'mse2'" in capsys.readouterr().err
+    for argv, expected in _cli_error_cases(tmp_path, data, model):
+        code = main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (argv, err)
+        assert len(err.strip().splitlines()) == 1, (argv, err)
+        assert err.startswith("graphkit-train: ") and expected in err, (argv, err)
+
+
+def test_cli_reads_quoted_headers_and_blank_lines(tmp_path, rng):
+    X = rng.normal(size=(120, 3))
+    y = X @ np.array([2.0, -1.0, 0.5]) + 1.0
+    lines = ['"a","b, the second","c","target"']
+    lines += [",".join(f"{v:.6f}" for v in row) for row in np.column_stack([X, y])]
+    (tmp_path / "quoted.csv").write_text("\n".join(lines[:60] + [""] + lines[60:]) + "\n")
+    model = tmp_path / "linear.onnx"
+    onnx.save(linear_regression_onnx(np.zeros((3, 1), np.float32), np.zeros(1, np.float32)), model)
+    args = [str(model), "--data", str(tmp_path / "quoted.csv"), "--label", "target"]
+    args += ["--epochs", "40", "--lr", "0.05", "--quiet", "--output", str(tmp_path / "out")]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["features"] == ["a", "b, the second", "c"]
+    assert report["rows"]["train"] + report["rows"]["held_out"] == 120
+    assert report["held_out_r2"] > 0.99
+
+
+def test_cli_trains_a_skl2onnx_classifier_with_output_index(tmp_path):
+    from skl2onnx import to_onnx
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X).astype(np.float32)
+    np.savez(tmp_path / "cancer.npz", X=X, y=y)
+    clf = MLPClassifier((8,), max_iter=1, random_state=0)
+    with pytest.warns(Warning):
+        clf.fit(X[:50], y[:50])
+    onnx.save(to_onnx(clf, X[:1], options={"zipmap": False}), tmp_path / "mlp.onnx")
+    args = [str(tmp_path / "mlp.onnx"), "--data", str(tmp_path / "cancer.npz"), "--loss", "log"]
+    args += ["--output-index", "probabilities", "--epochs", "10", "--lr", "0.01", "--quiet"]
+    assert main([*args, "--output", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert "unity" not in report["weights_trained"]
+    assert report["held_out_accuracy"] > 0.9
+    assert min(report["train_losses"]) > 0

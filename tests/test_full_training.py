@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import export_torch, linear_regression_onnx
+from sklearn.base import clone
 
 import graphkit as gk
 from graphkit import optimizers
@@ -187,8 +188,10 @@ def test_mlp_classifier_probabilities_log_loss(mlp_classifier, classification_da
         random_state=0,
     ).fit(X, y)
     assert trainer.train_losses_[-1] < trainer.train_losses_[0]
-    accuracy = (trainer.predict(X).argmax(axis=1) == y).mean()
+    accuracy = (trainer.predict(X) == y).mean()
     assert accuracy >= before
+    np.testing.assert_array_equal(trainer.classes_, np.arange(3))
+    assert trainer.predict_proba(X).shape == (len(X), 3)
     from sklearn.linear_model import LogisticRegression
 
     assert accuracy >= LogisticRegression().fit(X, y).score(X, y) - 0.05
@@ -209,8 +212,11 @@ def test_binary_logistic_on_raw_scores():
         learning_rate=gk.LearningRateAdam(eta0=0.05),
         random_state=0,
     ).fit(X, y)
-    accuracy = ((trainer.predict(X) > 0) == y).mean()
+    accuracy = (trainer.predict(X) == y).mean()
     assert accuracy >= LogisticRegression().fit(X, y).score(X, y) - 0.02
+    state = trainer.get_state()  # P(y = 1) = sigmoid(X coef + intercept), by hand
+    p = 1 / (1 + np.exp(-(X @ state["coef"][:, 0] + state["intercept"][0])))
+    np.testing.assert_allclose(trainer.predict_proba(X), np.stack([1 - p, p], 1), atol=1e-6)
 
 
 def test_softmax_classifier_cross_entropy():
@@ -228,8 +234,13 @@ def test_softmax_classifier_cross_entropy():
         learning_rate=gk.LearningRateAdam(eta0=0.05),
         random_state=0,
     ).fit(X, y)
-    accuracy = (trainer.predict(X).argmax(axis=1) == y).mean()
+    accuracy = (trainer.predict(X) == y).mean()
     assert accuracy >= LogisticRegression().fit(X, y).score(X, y) - 0.03
+    state = trainer.get_state()  # softmax of the logits, by hand
+    logits = X @ state["coef"] + state["intercept"]
+    expected = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(trainer.predict_proba(X), expected, rtol=1e-9)
+    assert not hasattr(OrtGradientOptimizer(gk.add_loss_output(zero_linear())), "predict_proba")
 
 
 def test_torch_exported_model_trains(torch_mlp, regression_data):
@@ -399,8 +410,13 @@ def test_wrong_feature_count(trainer, data):
 
 
 def test_integer_targets_for_regression(trainer, data):
-    with pytest.raises(gk.DTypeError, match="needs float targets"):
-        trainer.fit(data[0], data[1].astype(np.int64))
+    """scikit-learn's convention: integer regression targets are cast to float."""
+    X, y = data
+    y_int = np.round(y * 10).astype(np.int64)
+    as_float = clone(trainer).set_params(random_state=0).fit(X, y_int.astype(float)).get_state()
+    as_int = clone(trainer).set_params(random_state=0).fit(X, y_int).get_state()
+    for name, value in as_float.items():
+        np.testing.assert_array_equal(as_int[name], value)
 
 
 def test_float32_features_are_cast(trainer, data):
@@ -493,8 +509,25 @@ def test_bad_learning_rate():
         )
 
 
-def test_verbose_shows_a_progress_bar(data, capsys):
+def test_verbose_writes_one_line_per_epoch_to_a_log(data, capsys):
+    """Not a terminal (CI, a pipe): one readable line per epoch, no carriage returns."""
     X, y = data
     OrtGradientOptimizer(gk.add_loss_output(zero_linear()), max_iter=3, verbose=1).fit(X, y)
     err = capsys.readouterr().err
-    assert "epochs" in err and "3/3" in err and "loss=" in err and "lr=" in err
+    lines = err.strip().splitlines()
+    assert "\r" not in err and len(lines) == 3
+    assert lines[0].startswith("epoch 1/3  train loss") and lines[2].startswith("epoch 3/3")
+    assert all(" lr " in line and "/epoch" in line for line in lines)
+
+
+def test_verbose_shows_a_bar_in_a_terminal(data):
+    import io
+
+    from graphkit_train.progress import EpochProgress
+
+    stream = io.StringIO()
+    progress = EpochProgress(3, stream=stream, bar=True)
+    for epoch in (1, 2, 3):
+        progress.update(epoch, 1.0 / epoch, None, 0.01)
+    progress.close()
+    assert "3/3" in stream.getvalue() and "loss=" in stream.getvalue()

@@ -1,0 +1,98 @@
+"""Per-epoch progress for the trainers and the command line.
+
+In a terminal or a notebook, a tqdm bar with the loss and the learning rate. Anywhere
+else (CI logs, ``make demo | tee log``), a bar's ``\\r`` updates would be joined on one
+line and printed twice, so a plain line per epoch is written instead::
+
+    epoch   3/100  train loss 0.41235  held-out loss 0.45012  lr 0.001  12.1 ms/epoch
+
+The clock starts when the first epoch starts: building the graphs is not counted.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _interactive(stream: TextIO) -> bool:
+    if "ipykernel" in sys.modules:
+        return True
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+class EpochProgress:
+    """Reports each epoch; see the module docstring.
+
+    Args:
+        total: number of epochs planned.
+        desc: the bar's label.
+        stream: where to write (default ``sys.stderr``).
+        bar: force the bar (True) or the plain lines (False); None decides from the
+            stream.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        desc: str = "epochs",
+        stream: TextIO | None = None,
+        bar: bool | None = None,
+    ) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self._bar: Any = None
+        if bar if bar is not None else _interactive(self.stream):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit="epoch", file=self.stream)
+        self._start = time.perf_counter()
+        self._done = 0
+
+    def update(
+        self,
+        epoch: int,
+        train_loss: float,
+        validation_loss: float | None = None,
+        learning_rate: float | None = None,
+    ) -> None:
+        """Report the end of epoch ``epoch`` (1-based)."""
+        self._done += 1
+        if self._bar is not None:
+            postfix = {"loss": f"{train_loss:.5g}"}
+            if validation_loss is not None:
+                postfix["held_out"] = f"{validation_loss:.5g}"
+            if learning_rate is not None:
+                postfix["lr"] = f"{learning_rate:.3g}"
+            self._bar.update(1)
+            self._bar.set_postfix(postfix, refresh=False)
+            return
+        per_epoch = (time.perf_counter() - self._start) / self._done
+        width = len(str(self.total))
+        line = f"epoch {epoch:{width}d}/{self.total}  train loss {train_loss:.6g}"
+        if validation_loss is not None:
+            line += f"  held-out loss {validation_loss:.6g}"
+        if learning_rate is not None:
+            line += f"  lr {learning_rate:.3g}"
+        line += f"  {_duration(per_epoch)}/epoch"
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+__all__ = ["EpochProgress"]
