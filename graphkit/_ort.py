@@ -48,13 +48,15 @@ def onnxruntime() -> Any:
     finally:
         if masked and sys.modules.get("onnxruntime.training", 0) is None:
             del sys.modules["onnxruntime.training"]
-    ort.set_default_logger_severity(3)  # the training build logs every graph transform
+    # the training build logs every graph transform, and load failures in red C++ text;
+    # graphkit turns every failure into an exception, so only fatal messages are shown
+    ort.set_default_logger_severity(4)
     return ort
 
 
 def session_options() -> Any:
     options = onnxruntime().SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4
     return options
 
 

@@ -20,6 +20,7 @@ from graphkit import losses
 from graphkit._graph import named_shape
 from graphkit._ort import inference_session
 from graphkit.compat import load_model, make_compatible
+from graphkit.errors import MissingGradientError
 from graphkit.losses import LOSSES, Loss
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import (
@@ -108,13 +109,20 @@ class OrtGradientOptimizer(BaseTrainer):
             self._user_onnx, self.weights_to_train
         )
         self.learning_rate_ = select_learning_rate(self.learning_rate)
-        self.training_step_: TrainingStep = build_training_step(
-            self.train_onnx_,
-            self.weights_to_train_,
-            self.learning_rate_,
-            self.loss_output_name,
-            self.sample_weight_name,
-        )
+        try:
+            self.training_step_: TrainingStep = build_training_step(
+                self.train_onnx_,
+                self.weights_to_train_,
+                self.learning_rate_,
+                self.loss_output_name,
+                self.sample_weight_name,
+            )
+        except MissingGradientError as exc:
+            raise MissingGradientError(
+                f"{exc} OrtGradientForwardBackwardOptimizer takes its gradients from "
+                "onnxruntime-training's other builder, which covers more operators (GRU, "
+                "LSTM among them): try it on the prediction graph."
+            ) from exc
         step = self.update_step_ = self.training_step_
         self._resident_session = inference_session(step.model, self._providers)
         self._loss_scratch = self._ortvalue(step.initial["loss_sum"])

@@ -29,9 +29,17 @@ import onnx
 from onnx import TensorProto, helper
 
 from graphkit import BaseLearningRate
-from graphkit._graph import ELEM_TO_DTYPE, elem_type, fresh_name, graph_names, splice, value_info
+from graphkit._graph import (
+    ELEM_TO_DTYPE,
+    elem_type,
+    fresh_name,
+    graph_names,
+    splice,
+    static_shape,
+    value_info,
+)
 from graphkit.compat import DSL_OPSET, finalize
-from graphkit.errors import UnknownNameError
+from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
 from graphkit.prepare import trainable_weights
@@ -227,6 +235,7 @@ def build_training_step(
             f"The graph has no output {loss_output_name!r} (outputs: {outputs}). Add a loss "
             "with graphkit.add_loss_output(model, ...) or pass loss_output_name."
         )
+    _check_scalar_loss(train_onx, loss_output_name)
     weights = trainable_weights(train_onx, weights_to_train)
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
     values = weight_values(train_onx, weights)
@@ -265,3 +274,22 @@ def build_training_step(
         sample_weight=sample_weight,
         loss=loss_output_name,
     )
+
+
+def _check_scalar_loss(train_onx: onnx.ModelProto, loss: str) -> None:
+    """Refuse a loss output that is not a scalar (declared, or found by shape inference)."""
+    declared = next(o for o in train_onx.graph.output if o.name == loss)
+    dims = static_shape(declared)
+    if dims is None:
+        try:
+            typed = onnx.shape_inference.infer_shapes(train_onx)
+            dims = static_shape(next(o for o in typed.graph.output if o.name == loss))
+        except Exception:  # inference is a help; the gradient builder checks again
+            dims = None
+    if dims:
+        shown = [d if d is not None else "?" for d in dims]
+        raise ShapeError(
+            f"The loss output {loss!r} has shape {shown}: the loss must be a scalar; reduce "
+            "it over the batch (e.g. op.ReduceMean(per_sample, keepdims=0)), or build the "
+            "training graph with graphkit.add_loss_output."
+        )
