@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench zoo-table clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# regenerate the README's support table from the model zoo (tests/zoo)
+zoo-table: $(STAMP)
+	$(BIN)/python -m tests.zoo.run
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

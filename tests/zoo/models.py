@@ -44,8 +44,11 @@ class Case:
     batch_size: int = 32
     output_index: int | str | None = None
     threshold: float = 0.0  # held-out R^2 or accuracy to reach after training
-    trainers: tuple[str, ...] = (FULL, FORWARD_BACKWARD)
-    refused_op: str | None = None  # the operator a refusal must name
+    refused: tuple[tuple[str, str], ...] = ()  # (trainer, operator its error must name)
+
+    def refusal(self, trainer: str) -> str | None:
+        """The operator the error of ``trainer`` must name, or None when it must train."""
+        return dict(self.refused).get(trainer)
 
     @property
     def id(self) -> str:
@@ -118,7 +121,8 @@ def skl_mlp_regressor(activation: str) -> tuple[onnx.ModelProto, Data]:
 
     data = diabetes()
     model = _quiet_fit(
-        MLPRegressor((16,), activation=activation, max_iter=3, random_state=0), data
+        MLPRegressor(hidden_layer_sizes=(16,), activation=activation, max_iter=3, random_state=0),
+        data,
     )
     return to_onnx(model, data.X_train[:1]), data
 
@@ -129,7 +133,8 @@ def skl_mlp_classifier(activation: str, binary: bool, zipmap: bool) -> tuple[onn
 
     data = breast_cancer() if binary else digits()
     model = _quiet_fit(
-        MLPClassifier((16,), activation=activation, max_iter=2, random_state=0), data
+        MLPClassifier(hidden_layer_sizes=(16,), activation=activation, max_iter=2, random_state=0),
+        data,
     )
     options = None if zipmap else {"zipmap": False}
     return to_onnx(model, data.X_train[:1], options=options), data
@@ -146,7 +151,8 @@ def skl_linear(kind: str) -> tuple[onnx.ModelProto, Data]:
     else:
         data, model = breast_cancer(), SGDClassifier(loss="log_loss", max_iter=5, random_state=0)
     _quiet_fit(model, data)
-    return to_onnx(model, data.X_train[:1], options={"zipmap": False} if kind != "ridge" else None), data
+    options = None if kind == "ridge" else {"zipmap": False}
+    return to_onnx(model, data.X_train[:1], options=options), data
 
 
 def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
@@ -157,7 +163,8 @@ def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
 
     data = diabetes()
     model = make_pipeline(
-        StandardScaler(), MLPRegressor((16,), activation="tanh", max_iter=3, random_state=0)
+        StandardScaler(),
+        MLPRegressor(hidden_layer_sizes=(16,), activation="tanh", max_iter=3, random_state=0),
     )
     _quiet_fit(model, data)
     return to_onnx(model, data.X_train[:1]), data
@@ -276,44 +283,70 @@ def _Recurrent(kind: str):  # noqa: N802
     return _module_classes()[1](kind)
 
 
-def _skl(name, build, loss, **kw) -> Case:
+def _skl(name: str, build: Callable, loss: str, **kw) -> Case:
     return Case(name, "skl2onnx", build, loss, **kw)
 
 
-def _torch(name, kind, loss, **kw) -> list[Case]:
+def _torch(name: str, kind: str, loss: str, **kw) -> list[Case]:
+    """The same torch model through both exporters."""
     return [
-        Case(name, exporter, functools.partial(torch_model, kind, exporter == "torch-dynamo"), loss, **kw)
-        for exporter in ("torch-script", "torch-dynamo")
+        Case(name, exporter, functools.partial(torch_model, kind, dynamo), loss, **kw)
+        for exporter, dynamo in (("torch-script", False), ("torch-dynamo", True))
     ]
 
 
+def _both(op: str) -> tuple[tuple[str, str], ...]:
+    return ((FULL, op), (FORWARD_BACKWARD, op))
+
+
 P = functools.partial
+R2, ACC = 0.3, 0.85
 CASES: list[Case] = [
-    _skl("MLPRegressor(relu)", P(skl_mlp_regressor, "relu"), "squared_error", threshold=0.3),
-    _skl("MLPRegressor(tanh)", P(skl_mlp_regressor, "tanh"), "squared_error", threshold=0.3),
-    _skl("MLPRegressor(logistic)", P(skl_mlp_regressor, "logistic"), "squared_error", threshold=0.3),
-    _skl("MLPClassifier(relu, binary)", P(skl_mlp_classifier, "relu", True, False), "log",
-         output_index="probabilities", threshold=0.9),
-    _skl("MLPClassifier(logistic, binary, zipmap)", P(skl_mlp_classifier, "logistic", True, True),
-         "log", threshold=0.9),
-    _skl("MLPClassifier(tanh, multiclass)", P(skl_mlp_classifier, "tanh", False, False), "log",
-         output_index="probabilities", threshold=0.85),
-    _skl("MLPClassifier(relu, multiclass, zipmap)", P(skl_mlp_classifier, "relu", False, True),
-         "log", threshold=0.85),
-    _skl("Pipeline(StandardScaler, MLPRegressor)", skl_pipeline, "squared_error", threshold=0.3),
-    _skl("Ridge", P(skl_linear, "ridge"), "squared_error", refused_op="LinearRegressor"),
-    _skl("LogisticRegression", P(skl_linear, "logistic"), "log", refused_op="LinearClassifier"),
-    _skl("SGDClassifier(log_loss)", P(skl_linear, "sgd"), "log", refused_op="LinearClassifier"),
-    *_torch("MLP(ReLU)", "mlp_relu", "cross_entropy", threshold=0.85),
-    *_torch("MLP(GELU)", "mlp_gelu", "cross_entropy", threshold=0.85),
+    _skl("MLPRegressor(relu)", P(skl_mlp_regressor, "relu"), "squared_error", threshold=R2),
+    _skl("MLPRegressor(tanh)", P(skl_mlp_regressor, "tanh"), "squared_error", threshold=R2),
+    _skl("MLPRegressor(logistic)", P(skl_mlp_regressor, "logistic"), "squared_error", threshold=R2),
+    _skl("Pipeline(StandardScaler, MLPRegressor)", skl_pipeline, "squared_error", threshold=R2),
+    _skl(
+        "MLPClassifier(relu, binary)",
+        P(skl_mlp_classifier, "relu", True, False),
+        "log",
+        output_index="probabilities",
+        threshold=0.9,
+    ),
+    _skl(
+        "MLPClassifier(logistic, binary, ZipMap)",
+        P(skl_mlp_classifier, "logistic", True, True),
+        "log",
+        threshold=0.9,
+    ),
+    _skl(
+        "MLPClassifier(tanh, multiclass)",
+        P(skl_mlp_classifier, "tanh", False, False),
+        "log",
+        output_index="probabilities",
+        threshold=ACC,
+    ),
+    _skl(
+        "MLPClassifier(relu, multiclass, ZipMap)",
+        P(skl_mlp_classifier, "relu", False, True),
+        "log",
+        threshold=ACC,
+    ),
+    _skl("Ridge", P(skl_linear, "ridge"), "squared_error", refused=_both("LinearRegressor")),
+    _skl("LogisticRegression", P(skl_linear, "logistic"), "log", refused=_both("LinearClassifier")),
+    _skl("SGDClassifier(log_loss)", P(skl_linear, "sgd"), "log", threshold=0.9),
+    *_torch("MLP(ReLU)", "mlp_relu", "cross_entropy", threshold=ACC),
+    *_torch("MLP(GELU)", "mlp_gelu", "cross_entropy", threshold=ACC),
     *_torch("MLP(Sigmoid)", "mlp_sigmoid", "cross_entropy", threshold=0.8),
-    *_torch("MLP(binary logit)", "mlp_binary", "sigmoid_log_loss", threshold=0.9),
-    *_torch("MLP(regression)", "mlp_regression", "squared_error", threshold=0.3),
-    *_torch("CNN(Conv, MaxPool)", "cnn_maxpool", "cross_entropy", threshold=0.85),
-    *_torch("CNN(Conv, AvgPool)", "cnn_avgpool", "cross_entropy", threshold=0.85),
-    *_torch("MLP(BatchNorm, Dropout)", "mlp_batchnorm_dropout", "cross_entropy", threshold=0.85),
-    *_torch("MLP(LayerNorm)", "mlp_layernorm", "cross_entropy", threshold=0.85),
-    *_torch("Embedding + mean", "embedding", "cross_entropy", threshold=0.7, lr=0.05),
-    *_torch("GRU", "gru", "cross_entropy", refused_op="GRU"),
-    *_torch("LSTM", "lstm", "cross_entropy", threshold=0.7),
+    *_torch("MLP(one logit, binary)", "mlp_binary", "sigmoid_log_loss", threshold=0.9),
+    *_torch("MLP(regression)", "mlp_regression", "squared_error", threshold=R2),
+    *_torch("CNN(Conv, MaxPool, Flatten, Linear)", "cnn_maxpool", "cross_entropy", threshold=ACC),
+    *_torch("CNN(Conv, AvgPool, Flatten, Linear)", "cnn_avgpool", "cross_entropy", threshold=ACC),
+    *_torch(
+        "MLP(BatchNorm, Dropout; eval)", "mlp_batchnorm_dropout", "cross_entropy", threshold=ACC
+    ),
+    *_torch("MLP(LayerNorm)", "mlp_layernorm", "cross_entropy", threshold=ACC),
+    *_torch("Embedding + mean pool", "embedding", "cross_entropy", threshold=0.7, lr=0.05),
+    *_torch("GRU", "gru", "cross_entropy", threshold=0.7, refused=((FULL, "GRU"),)),
+    *_torch("LSTM", "lstm", "cross_entropy", threshold=0.7, refused=((FULL, "LSTM"),)),
 ]
