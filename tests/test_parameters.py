@@ -1,0 +1,234 @@
+"""The default choice of weights: a model's parameters are trained, its constants never.
+
+References are independent: the trained weights are put back into scikit-learn's or
+torch's own model, whose outputs must match graphkit's.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import graphkit as gk
+from graphkit.parameters import explain, parameter_names, untie_constants
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+
+
+def _model(nodes, inits, inputs=(("X", [None, 3]),), output=("Y", [None, 2])):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+        [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])],
+        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_rule_on_hand_built_roles():
+    ones = np.ones
+    onx = _model(
+        [
+            helper.make_node("Div", ["X", "scale"], ["Xs"]),  # a scaling constant
+            helper.make_node("Transpose", ["W_t"], ["W"]),  # a weight read through a layout op
+            helper.make_node("MatMul", ["Xs", "W"], ["XW"]),
+            helper.make_node("Reshape", ["XW", "shape"], ["XW2"]),
+            helper.make_node("Add", ["XW2", "b"], ["Z"]),  # a bias (Add after MatMul)
+            helper.make_node("Mul", ["Z", "half"], ["Y"]),  # a constant factor
+        ],
+        {"scale": ones(3), "W_t": ones((2, 3)), "b": ones(2), "half": 0.5},
+    )
+    onx.graph.initializer.append(numpy_helper.from_array(np.array([-1, 2], np.int64), "shape"))
+    assert parameter_names(onx) == ["W_t", "b"]
+    assert list(gk.get_train_initializer(onx)) == ["W_t", "b"]
+    roles = explain(onx)
+    assert roles["half"].startswith("constant (read by Mul")
+    assert roles["b"].startswith("parameter (read by Add")
+    assert "shape" not in roles  # integer initializers are never weights
+
+
+def test_batch_norm_statistics_and_embedding_table_roles():
+    onx = _model(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["E"]),
+            helper.make_node("ReduceMean", ["E", "axes"], ["M"], keepdims=0),
+            helper.make_node("BatchNormalization", ["M", "g", "beta", "mean", "var"], ["Y"]),
+        ],
+        {"table": np.ones((5, 2)), "g": np.ones(2), "beta": np.zeros(2), "mean": np.zeros(2)},
+        inputs=(),
+    )
+    onx.graph.input.append(helper.make_tensor_value_info("ids", TensorProto.INT64, [None, 4]))
+    onx.graph.initializer.append(numpy_helper.from_array(np.ones(2, np.float32), "var"))
+    onx.graph.initializer.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    assert parameter_names(onx) == ["table", "g", "beta"]
+
+
+def test_no_parameter_is_explained():
+    onx = _model(
+        [helper.make_node("Mul", ["X", "w"], ["Y"])], {"w": np.ones(3)}, output=("Y", [None, 3])
+    )
+    with pytest.raises(ValueError, match=r"w: constant \(read by Mul input 1\).*weights_to_train"):
+        OrtGradientOptimizer(gk.add_loss_output(onx)).fit(np.ones((4, 3)), np.ones((4, 3)))
+    # a constant can still be trained when named
+    trainer = OrtGradientOptimizer(gk.add_loss_output(onx), weights_to_train="w", max_iter=2)
+    trainer.fit(np.ones((4, 3), np.float32), 2 * np.ones((4, 3), np.float32))
+    assert trainer.weights_to_train_ == ["w"]
+
+
+@pytest.fixture(scope="module")
+def binary_mlp():
+    from skl2onnx import to_onnx
+    from sklearn.datasets import load_breast_cancer
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.preprocessing import StandardScaler
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = StandardScaler().fit_transform(X).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf = MLPClassifier((8,), max_iter=2, random_state=0).fit(X, y)
+    return clf, to_onnx(clf, X[:1], options={"zipmap": False}), X, y
+
+
+@pytest.mark.parametrize(
+    "trainer_class", [OrtGradientOptimizer, OrtGradientForwardBackwardOptimizer]
+)
+def test_skl2onnx_binary_classifier_keeps_unity_constant(binary_mlp, trainer_class):
+    """Before the rule, `unity` was trained: probabilities above 1, a negative log loss."""
+    clf, onx, X, y = binary_mlp
+    assert "unity" in {i.name for i in onx.graph.initializer}
+    assert "unity" not in gk.get_train_initializer(onx)
+    settings = dict(max_iter=20, batch_size=16, learning_rate=gk.LearningRateAdam(eta0=0.01))
+    if trainer_class is OrtGradientOptimizer:
+        trainer = trainer_class(gk.add_loss_output(onx, "log", label_name="y"), **settings)
+    else:
+        trainer = trainer_class(onx, learning_loss="log", **settings)
+    trainer.fit(X, y)
+    assert "unity" not in trainer.weights_to_train_
+    assert min(trainer.train_losses_) > 0
+    # the trained weights in scikit-learn's own model give graphkit's probabilities
+    state = trainer.get_state()
+    clf.coefs_ = [state["coefficient"], state["coefficient1"]]
+    clf.intercepts_ = [state["intercepts"][0], state["intercepts1"][0]]
+    np.testing.assert_allclose(trainer.predict_proba(X), clf.predict_proba(X), atol=1e-5)
+    assert clf.score(X, y) > 0.95
+
+
+def _torch_model(kind, dynamo, tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    torch.manual_seed(0)
+    if kind == "gelu":
+        net = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+    else:
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    net.eval()
+    x = torch.zeros(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            onx = torch.onnx.export(
+                net,
+                (x,),
+                dynamo=True,
+                input_names=["X"],
+                output_names=["Y"],
+                dynamic_shapes=({0: torch.export.Dim("N")},),
+                verbose=False,
+            ).model_proto
+        else:
+            path = tmp_path / "m.onnx"
+            torch.onnx.export(
+                net,
+                (x,),
+                str(path),
+                input_names=["X"],
+                output_names=["Y"],
+                dynamic_axes={"X": {0: "N"}},
+                dynamo=False,
+            )
+            onx = onnx.load(str(path))
+    return net, onx
+
+
+@pytest.mark.parametrize(
+    "kind,dynamo", [("gelu", True), ("batchnorm", False)], ids=["dynamo-gelu", "script-batchnorm"]
+)
+def test_torch_constants_stay_constants(kind, dynamo, tmp_path, rng):
+    """dynamo's GELU writes its 0.5 and sqrt(2) as initializers; the TorchScript exporter
+    merges a fresh BatchNorm's running_var with its weight (both ones). Training must
+    leave both alone: torch, given the trained parameters, computes graphkit's outputs."""
+    torch = pytest.importorskip("torch")
+    net, onx = _torch_model(kind, dynamo, tmp_path)
+    X = rng.normal(size=(200, 4)).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0)
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(onx, "cross_entropy"),
+        max_iter=5,
+        learning_rate=(gk.optimizers.get("adam"), 0.05),
+        random_state=0,
+    ).fit(X, y)
+    expected = {name for name, _ in net.named_parameters()}
+    assert set(trainer.weights_to_train_) == expected
+    with torch.no_grad():
+        for name, value in trainer.get_state().items():
+            if name in expected:
+                net.get_parameter(name).copy_(torch.from_numpy(value))
+        logits = net(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(trainer._predict_outputs(X), logits, rtol=1e-4, atol=1e-5)
+    exported = gk.run(trainer.get_trained_onnx(onx), {"X": X})["Y"]
+    np.testing.assert_allclose(exported, logits, rtol=1e-4, atol=1e-5)
+
+
+def test_untie_keeps_tied_parameters_tied():
+    """Two parameter roles (a tied embedding and output layer) stay one weight."""
+    onx = _model(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["H"]),
+            helper.make_node("Transpose", ["W"], ["Wt"]),
+            helper.make_node("MatMul", ["H", "Wt"], ["Y"]),
+        ],
+        {"W": np.ones((3, 2))},
+        output=("Y", [None, 3]),
+    )
+    assert untie_constants(onx, ["W"]).SerializeToString() == onx.SerializeToString()
+
+
+def test_negative_log_loss_stops_training_and_restores_the_weights(binary_mlp):
+    """Training the constant on purpose: the loss goes below zero, a clear error, the
+    weights of the last good epoch."""
+    _, onx, X, y = binary_mlp
+    train = gk.add_loss_output(onx, "log", label_name="y")
+    trainer = OrtGradientOptimizer(
+        train,
+        weights_to_train=["unity", "coefficient1"],
+        max_iter=50,
+        batch_size=569,
+        learning_rate=(gk.optimizers.get("sgd"), 5.0),
+        random_state=0,
+    )
+    with pytest.raises(gk.ConvergenceError, match="below zero.*probabilities outside"):
+        trainer.fit(X, y)
+    good_epochs = len(trainer.train_losses_)
+    assert good_epochs and min(trainer.train_losses_) >= 0
+    # the state is exactly that of a run stopped after the last good epoch
+    stopped = OrtGradientOptimizer(**{**trainer.get_params(), "max_iter": good_epochs}).fit(X, y)
+    for name, value in stopped.get_state().items():
+        np.testing.assert_array_equal(trainer.get_state()[name], value)
+
+
+def test_log_loss_refuses_outputs_that_are_not_probabilities(rng):
+    from conftest import linear_regression_onnx
+
+    onx = linear_regression_onnx(
+        rng.normal(size=(3, 2)).astype(np.float32), np.zeros(2, np.float32)
+    )
+    with pytest.raises(ValueError, match="takes probabilities.*'cross_entropy'"):
+        OrtGradientOptimizer(gk.add_loss_output(onx, "log")).fit(
+            rng.normal(size=(10, 3)).astype(np.float32), np.zeros(10, np.int64)
+        )
