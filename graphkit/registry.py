@@ -66,5 +66,11 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._factories)
 
+    def spellings(self) -> dict[str, str]:
+        """``{every accepted name or alias: the registered name it means}``."""
+        return {
+            spelling: name for name in self.names() for spelling in (name, *self._spellings[name])
+        }
+
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and _key(name) in self._aliases
