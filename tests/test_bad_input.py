@@ -1,0 +1,214 @@
+"""Bad input gets a clear graphkit error, never a crash, a raw onnxruntime message or a
+silently wrong result; the graph rewrites that avoid crashes compute the same function."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from conftest import linear_regression_onnx
+from onnx import TensorProto, helper, numpy_helper
+
+import graphkit as gk
+from graphkit.prepare import average_pool_as_conv, unfold_batch_norm
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+
+
+def _softmax_model(columns: int = 4) -> onnx.ModelProto:
+    onx = linear_regression_onnx(np.zeros((3, columns), np.float32), np.zeros(columns, np.float32))
+    onx.graph.node.append(helper.make_node("Softmax", ["Y"], ["P"], axis=1))
+    onx.graph.output[0].name = "P"
+    return onx
+
+
+def _trainer(kind: str, loss: str, onx: onnx.ModelProto):
+    if kind == "full":
+        return OrtGradientOptimizer(gk.add_loss_output(onx, loss), max_iter=1)
+    return OrtGradientForwardBackwardOptimizer(onx, learning_loss=loss, max_iter=1)
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+@pytest.mark.parametrize("loss", ["log", "cross_entropy"])
+@pytest.mark.parametrize(
+    "labels,shown", [([4], "0 to 4"), ([99], "0 to 99"), ([-1], "-1 to 3"), ("1..4", "1 to 4")]
+)
+def test_class_labels_outside_the_model_classes(kind, loss, labels, shown, rng):
+    """Before: a loss of 0 for those rows (or dropped rows) and a perfect score."""
+    X = rng.normal(size=(40, 3)).astype(np.float32)
+    y = np.arange(40) % 4
+    if labels == "1..4":
+        y = y + 1
+    else:
+        y[5] = labels[0]
+    onx = (
+        _softmax_model()
+        if loss == "log"
+        else linear_regression_onnx(np.zeros((3, 4), np.float32), np.zeros(4, np.float32))
+    )
+    trainer = _trainer(kind, loss, onx)
+    with pytest.raises(
+        ValueError, match=rf"labels from {shown}; the model predicts 4 classes.*\[0, 3\]"
+    ):
+        trainer.fit(X, y)
+    with pytest.raises(gk.NotFittedError):
+        trainer.get_state()  # nothing was trained
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+def test_binary_labels_must_be_0_or_1(kind, rng):
+    onx = linear_regression_onnx(np.zeros((3, 1), np.float32), np.zeros(1, np.float32))
+    y = np.arange(30) % 2
+    y[0] = 2
+    with pytest.raises(ValueError, match="a binary loss takes 0 and 1"):
+        _trainer(kind, "sigmoid_log_loss", onx).fit(rng.normal(size=(30, 3)), y)
+
+
+def test_average_pool_no_longer_kills_the_process():
+    """onnxruntime's AveragePoolGrad divides by zero (SIGFPE) on a symbolic batch; the
+    forward/backward trainer on a torch CNN with AvgPool2d used to kill the interpreter."""
+    pytest.importorskip("torch")
+    code = textwrap.dedent(
+        """
+        import io, warnings
+        import numpy as np, onnx, torch
+        import graphkit_train as gt
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.AvgPool2d(2),
+                                  torch.nn.Flatten(), torch.nn.Linear(8, 3)).eval()
+        buffer = io.BytesIO()
+        torch.onnx.export(net, (torch.zeros(2, 1, 4, 4),), buffer, input_names=["X"],
+                          output_names=["Y"], dynamic_axes={"X": {0: "N"}}, dynamo=False)
+        X = np.random.default_rng(0).normal(size=(30, 1, 4, 4)).astype(np.float32)
+        y = np.arange(30) % 3
+        trainer = gt.OrtGradientForwardBackwardOptimizer(
+            onnx.load_from_string(buffer.getvalue()), learning_loss="cross_entropy",
+            max_iter=2, batch_size=8).fit(X, y)
+        print(len(trainer.train_losses_))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "2"
+
+
+def _pool_model(**attrs) -> onnx.ModelProto:
+    node = helper.make_node("AveragePool", ["X"], ["Y"], **attrs)
+    graph = helper.make_graph(
+        [node],
+        "pool",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2, 7, 6])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        dict(kernel_shape=[2, 2], strides=[2, 2]),
+        dict(kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1]),
+        dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1),
+        dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER"),
+    ],
+)
+def test_average_pool_as_conv_matches_onnxruntime(attrs, rng):
+    X = rng.normal(size=(3, 2, 7, 6)).astype(np.float32)
+    original = gk.run(_pool_model(**attrs), {"X": X})["Y"]
+    rewritten = gk.run(average_pool_as_conv(_pool_model(**attrs)), {"X": X})["Y"]
+    assert rewritten.shape == original.shape
+    np.testing.assert_allclose(rewritten, original, rtol=1e-5, atol=1e-6)
+
+
+def test_average_pool_with_ceil_mode_is_refused():
+    with pytest.raises(gk.MissingGradientError, match="AveragePool.*ceil_mode"):
+        average_pool_as_conv(_pool_model(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1))
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (5, 3, 4, 2)])
+def test_unfolded_batch_norm_matches_onnxruntime(shape, rng):
+    params = {
+        "scale": rng.normal(size=3),
+        "bias": rng.normal(size=3),
+        "mean": rng.normal(size=3),
+        "var": rng.uniform(0.5, 2, size=3),
+    }
+    graph = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["X", *params], ["Y"], epsilon=1e-3)],
+        "bn",
+        [helper.make_tensor_value_info("X", TensorProto.DOUBLE, ["N", *shape[1:]])],
+        [helper.make_tensor_value_info("Y", TensorProto.DOUBLE, ["N", *shape[1:]])],
+        [numpy_helper.from_array(v, k) for k, v in params.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    X = rng.normal(size=shape)
+    unfolded = unfold_batch_norm(model)
+    assert "BatchNormalization" not in {n.op_type for n in unfolded.graph.node}
+    np.testing.assert_allclose(
+        gk.run(unfolded, {"X": X})["Y"], gk.run(model, {"X": X})["Y"], rtol=1e-12
+    )
+
+
+def test_loss_that_is_not_a_scalar():
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["Y"]),
+            helper.make_node("Sub", ["Y", "label"], ["d"]),
+            helper.make_node("Mul", ["d", "d"], ["loss"]),
+        ],
+        "per_sample",
+        [
+            helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3]),
+            helper.make_tensor_value_info("label", TensorProto.FLOAT, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros((3, 1), np.float32), "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    with pytest.raises(gk.ShapeError, match="must be a scalar; reduce it"):
+        OrtGradientOptimizer(model).fit(np.ones((4, 3)), np.ones(4))
+
+
+def test_run_converts_a_too_new_opset_and_ir_version(rng):
+    onx = linear_regression_onnx(rng.normal(size=(3, 2)), rng.normal(size=2))
+    newer = onnx.version_converter.convert_version(onx, 23)
+    newer.ir_version = 11
+    X = rng.normal(size=(4, 3))
+    np.testing.assert_allclose(gk.run(newer, {"X": X})["Y"], gk.run(onx, {"X": X})["Y"])
+
+
+def test_truncated_or_corrupted_model_files(tmp_path, rng):
+    onx = linear_regression_onnx(rng.normal(size=(3, 1)), rng.normal(size=1))
+    path = tmp_path / "model.onnx"
+    path.write_bytes(onx.SerializeToString()[:30])
+    for use in (
+        lambda m: gk.add_loss_output(m),
+        lambda m: OrtGradientOptimizer(m).fit(np.ones((2, 3)), np.ones(2)),
+        lambda m: OrtGradientForwardBackwardOptimizer(m).fit(np.ones((2, 3)), np.ones(2)),
+        lambda m: gk.run(m, {"X": np.ones((2, 3))}),
+    ):
+        with pytest.raises(gk.IncompatibleModelError, match="model.onnx' is not a valid ONNX"):
+            use(str(path))
+    with pytest.raises(FileNotFoundError, match="missing.onnx"):
+        gk.add_loss_output(str(tmp_path / "missing.onnx"))
+    with pytest.raises(TypeError, match="not int"):
+        gk.add_loss_output(3)
+
+
+def test_add_loss_output_accepts_a_path_like_the_trainers(tmp_path, rng):
+    onx = linear_regression_onnx(rng.normal(size=(3, 1)), rng.normal(size=1))
+    onnx.save(onx, tmp_path / "model.onnx")
+    from_path = gk.add_loss_output(tmp_path / "model.onnx")
+    assert from_path.SerializeToString() == gk.add_loss_output(onx).SerializeToString()
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+def test_empty_data(kind):
+    onx = linear_regression_onnx(np.zeros((3, 1)), np.zeros(1))
+    trainer = _trainer(kind, "squared_error", onx)
+    with pytest.raises(ValueError, match="X is empty"):
+        trainer.fit(np.zeros((0, 3)), np.zeros(0))
