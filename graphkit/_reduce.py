@@ -26,9 +26,16 @@ def reduce_sum(per_sample: FLOAT, weight: FLOAT) -> FLOAT:
 
 
 @script()
+def total_weight(weight: FLOAT) -> FLOAT:
+    """max(sum_i w_i, tiny): a batch whose weights are all zero adds loss 0 and no update
+    instead of 0 / 0 (tiny is float32's smallest normal number, 2^-126)."""
+    return op.Max(op.ReduceSum(weight, keepdims=0), op.CastLike(1.1754943508222875e-38, weight))
+
+
+@script()
 def reduce_mean(per_sample: FLOAT, weight: FLOAT) -> FLOAT:
     """loss = sum_i w_i l_i / sum_i w_i"""
-    return op.ReduceSum(per_sample * weight, keepdims=0) / op.ReduceSum(weight, keepdims=0)
+    return op.ReduceSum(per_sample * weight, keepdims=0) / total_weight(weight)
 
 
 @script()
@@ -43,7 +50,7 @@ def scale_rows(grad: FLOAT, weight: FLOAT) -> FLOAT:
 @script()
 def scale_rows_mean(grad: FLOAT, weight: FLOAT) -> FLOAT:
     """g_i * w_i / sum_j w_j for each row i of g."""
-    return scale_rows(grad, weight) / op.ReduceSum(weight, keepdims=0)
+    return scale_rows(grad, weight) / total_weight(weight)
 
 
 REDUCTIONS = {

@@ -162,10 +162,13 @@ def input_value(model: onnx.ModelProto, name: str) -> onnx.ValueInfoProto:
     return next(i for i in model.graph.input if i.name == name)
 
 
-def check_features(X: Any, value: onnx.ValueInfoProto, what: str = "X") -> np.ndarray:
+def check_features(
+    X: Any, value: onnx.ValueInfoProto, what: str = "X", owner: str = "the model"
+) -> np.ndarray:
     """X as a C-contiguous array of the graph input's dtype; clear errors otherwise.
 
-    Integer or other-precision float features are cast to the input's dtype (documented).
+    Integer, boolean or other-precision float features are cast to the input's dtype
+    (documented); the messages follow scikit-learn's wording where it has one.
     """
     if type(X).__module__.startswith("scipy.sparse"):
         raise TypeError(
@@ -174,35 +177,68 @@ def check_features(X: Any, value: onnx.ValueInfoProto, what: str = "X") -> np.nd
         )
     X = np.asarray(X)
     dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+    if X.dtype.kind == "c":
+        raise ValueError(f"Complex data not supported: {what} is {X.dtype}.")
+    if X.dtype.kind == "O":
+        X = X.astype(np.float64)  # numbers stored as objects; strings raise numpy's error
     if X.dtype.kind not in "iufb":
         raise DTypeError(f"{what} must be numeric, got dtype {X.dtype}.")
-    if X.size == 0 or (X.ndim and len(X) == 0):
-        raise ValueError(f"{what} is empty (shape {X.shape}): there is nothing to train on.")
     dims = static_shape(value) or []
     if X.ndim != len(dims) or X.ndim == 0:
+        hint = (
+            f"; Reshape your data: {what}.reshape(-1, 1) for one feature, "
+            f"{what}.reshape(1, -1) for one sample"
+            if X.ndim == 1 and len(dims) == 2
+            else ""
+        )
         raise ShapeError(
             f"{what} must have {len(dims)} dimensions (input {value.name!r} is {dims}), "
-            f"got shape {X.shape}."
+            f"got shape {X.shape}{hint}."
         )
-    for axis, (expected, got) in enumerate(zip(dims, X.shape)):
-        if axis and isinstance(expected, int) and expected != got:
-            raise ShapeError(
-                f"{what} has {got} columns on axis {axis}; the model expects {expected} "
-                f"(input {value.name!r} is {dims})."
-            )
-    X = np.ascontiguousarray(X, dtype=dtype)
-    bad = ~np.isfinite(X)
+    if len(X) == 0:
+        raise ValueError(
+            f"Found array with 0 sample(s) (shape={X.shape}) while a minimum of 1 is required: "
+            f"{what} is empty, there is nothing to train on."
+        )
+    if X.ndim == 2 and X.shape[1] == 0:
+        raise ValueError(
+            f"Found array with 0 feature(s) (shape={X.shape}) while a minimum of 1 is required."
+        )
+    bad = ~np.isfinite(X.astype(np.float64, copy=False))
     if bad.any():
         row = int(np.argwhere(bad)[0][0])
         raise ValueError(
             f"{what} contains NaN or infinity (first at row {row}); clean or impute it."
         )
-    return X
+    for axis, (expected, got) in enumerate(zip(dims, X.shape)):
+        if axis and isinstance(expected, int) and expected != got:
+            if axis == 1 and X.ndim == 2:
+                raise ShapeError(
+                    f"{what} has {got} features, but {owner} is expecting {expected} features "
+                    f"as input (the graph's input {value.name!r} is {dims})."
+                )
+            raise ShapeError(
+                f"{what} has {got} values on axis {axis}; {owner} expects {expected} "
+                f"(input {value.name!r} is {dims})."
+            )
+    return np.ascontiguousarray(X, dtype=dtype)
 
 
 def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") -> np.ndarray:
     """y shaped and typed as the label input; clear errors otherwise."""
+    if y is None:
+        raise ValueError(
+            "This estimator requires y to be passed, but the target y is None: fit(X, y)."
+        )
     y = np.asarray(y)
+    if y.dtype.kind == "O":
+        try:
+            y = y.astype(np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Unknown label type: {what} holds objects that are not numbers; encode "
+                "them first (sklearn.preprocessing.LabelEncoder for classes)."
+            ) from None
     elem = value.type.tensor_type.elem_type
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     if len(y) != n:
@@ -273,6 +309,8 @@ def check_sample_weight(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarr
         raise ShapeError(f"X has {n} rows but sample_weight has {len(w)}.")
     if not np.isfinite(w).all() or (w < 0).any():
         raise ValueError("sample_weight must be finite and non-negative.")
+    if n and not w.any():
+        raise ValueError("sample_weight is zero for every sample: there is nothing to learn from.")
     return w
 
 

@@ -183,6 +183,8 @@ class BaseTrainer(ParamsMixin, ABC):
         max_iter = check_loop_param("max_iter", self.max_iter)
         batch_size = check_loop_param("batch_size", self.batch_size)
         X, y, w = self._check(X, y, sample_weight)
+        if X.ndim == 2:
+            self.n_features_in_ = int(X.shape[1])
         validation = None
         if X_val is not None:
             if y_val is None:
@@ -314,7 +316,7 @@ class BaseTrainer(ParamsMixin, ABC):
     def _check(
         self, X: Any, y: Any, sample_weight: Any, x_name: str = "X", y_name: str = "y"
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        X = check_features(X, self._features_value, x_name)
+        X = check_features(X, self._features_value, x_name, type(self).__name__)
         y = check_labels(y, self._label_value, len(X), y_name)
         if self._is_classifier() and self.loss_ is not None:
             check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
@@ -339,10 +341,25 @@ class BaseTrainer(ParamsMixin, ABC):
         the probabilities or logits; for one column, probability > 0.5 or score > 0).
         """
         self._build()
-        output = self._predict_outputs(check_features(X, self._features_value))
+        output = self._predict_outputs(self._features(X))
         if self._is_classifier() and self.loss_ is not None:
             return self._labels(output)
         return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
+
+    def _features(self, X: Any, what: str = "X") -> np.ndarray:
+        """Checked features for a fitted trainer (NotFittedError comes first)."""
+        if not self._fitted:
+            raise not_fitted(
+                f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
+            )
+        X = check_features(X, self._features_value, what, type(self).__name__)
+        fitted_width = getattr(self, "n_features_in_", None)
+        if X.ndim == 2 and fitted_width is not None and X.shape[1] != fitted_width:
+            raise ShapeError(
+                f"{what} has {X.shape[1]} features, but {type(self).__name__} is expecting "
+                f"{fitted_width} features as input (the number it was fitted with)."
+            )
+        return X
 
     def _labels(self, output: np.ndarray) -> np.ndarray:
         if output.ndim == 2 and output.shape[1] > 1:
@@ -366,7 +383,7 @@ class BaseTrainer(ParamsMixin, ABC):
 
     def _predict_proba(self, X: Any) -> np.ndarray:
         self._build()
-        output = self._predict_outputs(check_features(X, self._features_value))
+        output = self._predict_outputs(self._features(X))
         name = self.loss_.name  # type: ignore[union-attr]
         if output.ndim == 2 and output.shape[1] > 1:
             if name == "cross_entropy":
@@ -415,11 +432,25 @@ class BaseTrainer(ParamsMixin, ABC):
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
-        """Minus the loss on ``(X, y)``: higher is better, as scikit-learn's scorers."""
+        """scikit-learn's score: the coefficient of determination R^2 for a regression
+        graph (averaged over outputs), the accuracy for a classification graph; weighted
+        by ``sample_weight``. The loss itself is :meth:`compute_loss`."""
         self._build()
-        if not self._fitted:
-            raise not_fitted(f"This {type(self).__name__} is not fitted yet: call fit() first.")
-        return -self._loss(*self._check(X, y, sample_weight))
+        X = self._features(X)  # NotFittedError, and the feature count fitted with
+        y = np.asarray(y)
+        if len(y) != len(X):
+            raise ShapeError(f"X has {len(X)} rows but y has {len(y)}; they must match.")
+        w = None if sample_weight is None else check_sample_weight(sample_weight, len(X), float)
+        prediction = self.predict(X)
+        if self._is_classifier():
+            return float(np.average(prediction.reshape(-1) == y.reshape(-1), weights=w))
+        return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
+
+    def compute_loss(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The training loss on ``(X, y)`` with the current weights (lower is better)."""
+        self._build()
+        self._features(X)
+        return self._loss(*self._check(X, y, sample_weight))
 
     def get_trained_onnx(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
         """The prediction graph (or ``model``, e.g. the original one) with the trained weights."""
@@ -502,6 +533,18 @@ class BaseTrainer(ParamsMixin, ABC):
     @abstractmethod
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """Every graph the trainer runs, by name (for ``save_onnx_graph``)."""
+
+
+def _r2(y: np.ndarray, prediction: np.ndarray, w: np.ndarray | None) -> float:
+    """1 - sum w (y - p)^2 / sum w (y - mean_w y)^2 per output, averaged over outputs."""
+    y, prediction = y.astype(np.float64), prediction.astype(np.float64)
+    weights = np.ones(len(y)) if w is None else w.astype(np.float64)
+    mean = np.average(y, axis=0, weights=weights)
+    residual = (weights[:, None] * (y - prediction) ** 2).sum(axis=0)
+    total = (weights[:, None] * (y - mean) ** 2).sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scores = np.where(total > 0, 1 - residual / total, np.where(residual > 0, 0.0, 1.0))
+    return float(scores.mean())
 
 
 class _EarlyStopping:

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import export_torch, linear_regression_onnx
+from sklearn.base import clone
 
 import graphkit as gk
 from graphkit_train import (
@@ -272,7 +273,14 @@ def test_grid_search_and_cross_val_score(data):
     assert search.best_params_ == {"learning_rate": 0.05}
     assert search.best_estimator_.get_state()["coef"].shape == (3, 1)
     scores = cross_val_score(estimator, X, y, cv=3)
-    assert scores.shape == (3,) and np.all(scores < 0)  # minus the loss
+    from sklearn.metrics import r2_score
+    from sklearn.model_selection import KFold
+
+    expected = []
+    for train, test in KFold(3).split(X):  # the default score is scikit-learn's R^2
+        fitted = clone(estimator).fit(X[train], y[train])
+        expected.append(r2_score(y[test], fitted.predict(X[test])))
+    np.testing.assert_allclose(scores, expected, rtol=1e-10)
 
 
 def test_state_pickle_warm_start_and_exports(data, tmp_path):
@@ -295,7 +303,10 @@ def test_state_pickle_warm_start_and_exports(data, tmp_path):
     w = np.linspace(0, 1, len(X))
     d = five.predict(X) - y
     np.testing.assert_allclose(five.losses(X, y, w), w * d**2, rtol=1e-10)
-    assert five.score(X, y, w) == pytest.approx(-(w * d**2).sum() / w.sum())
+    assert five.compute_loss(X, y, w) == pytest.approx((w * d**2).sum() / w.sum())
+    from sklearn.metrics import r2_score
+
+    assert five.score(X, y, w) == pytest.approx(r2_score(y, five.predict(X), sample_weight=w))
 
 
 def test_nan_loss_with_and_without_exc(data):

@@ -388,7 +388,7 @@ def test_validation_losses(data):
         X[:80], y[:80], X_val=X[80:], y_val=y[80:]
     )
     assert len(trainer.validation_losses_) == 5
-    assert trainer.validation_losses_[-1] == pytest.approx(-trainer.score(X[80:], y[80:]))
+    assert trainer.validation_losses_[-1] == pytest.approx(trainer.compute_loss(X[80:], y[80:]))
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -405,7 +405,9 @@ def test_rows_of_x_and_y_differ(trainer, data):
 
 
 def test_wrong_feature_count(trainer, data):
-    with pytest.raises(gk.ShapeError, match="2 columns on axis 1; the model expects 3"):
+    with pytest.raises(
+        gk.ShapeError, match="X has 2 features, but OrtGradientOptimizer is expecting 3 features"
+    ):
         trainer.fit(data[0][:, :2], data[1])
 
 
