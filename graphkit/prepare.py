@@ -105,52 +105,7 @@ def declare_layer_norm_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def unfold_batch_norm(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy where every inference BatchNormalization is ``X * a + b`` (see module)."""
-    out = _copy(model)
-    ranks = _ranks(out)
-    taken = graph_names(out.graph)
-    nodes = []
-    for node in out.graph.node:
-        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        rank = ranks.get(node.input[0])
-        if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
-            nodes.append(node)
-            continue
-        x, scale, bias, mean, var = node.input
-        name = _namer(f"{node.name or node.output[0]}/unfolded", taken)
-        eps, axes = name("epsilon"), name("axes")
-        std, a, shift, b = name("std"), name("a"), name("shift"), name("b")
-        a_bc, b_bc, scaled = name("a_bc"), name("b_bc"), name("scaled")
-        nodes += [
-            helper.make_node(
-                "Constant", [], [eps], value=_scalar_like(out, scale, attrs.get("epsilon", 1e-5))
-            ),
-            helper.make_node("Add", [var, eps], [f"{std}/sq"]),
-            helper.make_node("Sqrt", [f"{std}/sq"], [std]),
-            helper.make_node("Div", [scale, std], [a]),
-            helper.make_node("Mul", [mean, a], [shift]),
-            helper.make_node("Sub", [bias, shift], [b]),
-        ]
-        if rank > 2:  # (C,) -> (C, 1, ..., 1) to broadcast over the spatial axes
-            nodes.append(
-                helper.make_node(
-                    "Constant",
-                    [],
-                    [axes],
-                    value=numpy_helper.from_array(np.arange(1, rank - 1, dtype=np.int64)),
-                )
-            )
-            nodes.append(helper.make_node("Unsqueeze", [a, axes], [a_bc]))
-            nodes.append(helper.make_node("Unsqueeze", [b, axes], [b_bc]))
-        else:
-            a_bc, b_bc = a, b
-        nodes.append(helper.make_node("Mul", [x, a_bc], [scaled]))
-        nodes.append(helper.make_node("Add", [scaled, b_bc], [node.output[0]]))
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
+    return _rewrite(model, "BatchNormalization", _unfold_one_batch_norm)
 
 
 def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -160,84 +115,136 @@ def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
         MissingGradientError: an AveragePool with ``ceil_mode=1`` (a convolution has no
             such option), naming the node.
     """
+    return _rewrite(model, "AveragePool", _one_average_pool_as_conv)
+
+
+class _GraphInfo:
+    """What a rewrite needs to know about the graph: names in use, element types and
+    ranks (from one shape inference)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.taken = graph_names(model.graph)
+        typed = _inferred(model)
+        self.elem: dict[str, int] = {i.name: i.data_type for i in model.graph.initializer}
+        self.rank: dict[str, int] = {i.name: len(i.dims) for i in model.graph.initializer}
+        for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
+            ttype = value.type.tensor_type
+            if ttype.elem_type:
+                self.elem[value.name] = ttype.elem_type
+            if ttype.HasField("shape"):
+                self.rank[value.name] = len(ttype.shape.dim)
+
+    def dtype(self, name: str) -> np.dtype:
+        return helper.tensor_dtype_to_np_dtype(self.elem.get(name, onnx.TensorProto.FLOAT))
+
+
+Replacement = Callable[[onnx.NodeProto, dict, _GraphInfo], list[onnx.NodeProto] | None]
+
+
+def _rewrite(model: onnx.ModelProto, op_type: str, replace: Replacement) -> onnx.ModelProto:
+    """A copy where each standard ``op_type`` node becomes ``replace(node, attributes,
+    info)``'s nodes (None keeps the node as it is)."""
     out = _copy(model)
-    taken = graph_names(out.graph)
-    dtypes = _elem_types(out)
-    nodes = []
+    if not any(n.op_type == op_type for n in out.graph.node):
+        return out
+    info = _GraphInfo(out)
+    nodes: list[onnx.NodeProto] = []
     for node in out.graph.node:
-        if node.op_type != "AveragePool" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if attrs.get("ceil_mode", 0):
-            raise MissingGradientError(
-                f"AveragePool node {node.name!r} uses ceil_mode=1, whose gradient kernel in "
-                "onnxruntime-training 1.19.2 crashes on a dynamic batch and which graphkit "
-                "cannot rewrite. Export the pooling with ceil_mode=False."
-            )
-        kernel = list(attrs["kernel_shape"])
-        elem = dtypes.get(node.input[0], onnx.TensorProto.FLOAT)
-        dtype = helper.tensor_dtype_to_np_dtype(elem)
-        name = _namer(f"{node.name or node.output[0]}/as_conv", taken)
-        x = node.input[0]
-        lead, rest, flat_shape, flat = (name(s) for s in ("lead", "rest", "flat_shape", "flat"))
-        weight, summed, conv_shape, spatial, out_shape = (
-            name(s) for s in ("weight", "summed", "conv_shape", "spatial", "out_shape")
-        )
-        conv_attrs = {
-            k: v for k, v in attrs.items() if k in ("auto_pad", "pads", "strides", "dilations")
-        }
-        nodes += [
-            _ints(lead, [-1, 1]),
-            helper.make_node("Shape", [x], [rest], start=2),
-            helper.make_node("Concat", [lead, rest], [flat_shape], axis=0),
-            helper.make_node("Reshape", [x, flat_shape], [flat]),
-            helper.make_node(
-                "Constant",
-                [],
-                [weight],
-                value=numpy_helper.from_array(np.ones([1, 1, *kernel], dtype=dtype)),
-            ),
-            helper.make_node("Conv", [flat, weight], [summed], kernel_shape=kernel, **conv_attrs),
-        ]
-        pads = attrs.get("pads", [])
-        padded = any(pads) or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
-        if attrs.get("count_include_pad", 0) or not padded:
-            divisor = name("divisor")
-            nodes.append(
-                helper.make_node(
-                    "Constant",
-                    [],
-                    [divisor],
-                    value=numpy_helper.from_array(np.array(np.prod(kernel), dtype=dtype)),
-                )
-            )
-        else:  # the count of real (non-padding) cells under each window
-            ones_shape, ones, divisor = name("ones_shape"), name("ones"), name("divisor")
-            nodes += [
-                _ints(f"{ones_shape}/lead", [1, 1]),
-                helper.make_node("Concat", [f"{ones_shape}/lead", rest], [ones_shape], axis=0),
-                helper.make_node(
-                    "ConstantOfShape",
-                    [ones_shape],
-                    [ones],
-                    value=numpy_helper.from_array(np.ones(1, dtype=dtype)),
-                ),
-                helper.make_node(
-                    "Conv", [ones, weight], [divisor], kernel_shape=kernel, **conv_attrs
-                ),
-            ]
-        averaged = name("averaged")
-        nodes += [
-            helper.make_node("Div", [summed, divisor], [averaged]),
-            helper.make_node("Shape", [averaged], [spatial], start=2),
-            helper.make_node("Shape", [x], [conv_shape], start=0, end=2),
-            helper.make_node("Concat", [conv_shape, spatial], [out_shape], axis=0),
-            helper.make_node("Reshape", [averaged, out_shape], [node.output[0]]),
-        ]
+        replacement = None
+        if node.op_type == op_type and node.domain in ("", "ai.onnx"):
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            replacement = replace(node, attrs, info)
+        nodes.extend([node] if replacement is None else replacement)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out
+
+
+def _unfold_one_batch_norm(
+    node: onnx.NodeProto, attrs: dict, info: _GraphInfo
+) -> list[onnx.NodeProto] | None:
+    rank = info.rank.get(node.input[0])
+    if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
+        return None
+    x, scale, bias, mean, var = node.input
+    name = _namer(f"{node.name or node.output[0]}/unfolded", info.taken)
+    eps, std, a, shift, b = (name(s) for s in ("epsilon", "std", "a", "shift", "b"))
+    epsilon = np.array(attrs.get("epsilon", 1e-5), dtype=info.dtype(scale))
+    # a = scale / sqrt(var + epsilon); b = bias - mean a
+    nodes = [
+        helper.make_node("Constant", [], [eps], value=numpy_helper.from_array(epsilon)),
+        helper.make_node("Add", [var, eps], [f"{std}/sq"]),
+        helper.make_node("Sqrt", [f"{std}/sq"], [std]),
+        helper.make_node("Div", [scale, std], [a]),
+        helper.make_node("Mul", [mean, a], [shift]),
+        helper.make_node("Sub", [bias, shift], [b]),
+    ]
+    if rank > 2:  # (C,) -> (C, 1, ..., 1) to broadcast over the spatial axes
+        axes, a_bc, b_bc = name("axes"), name("a_bc"), name("b_bc")
+        nodes += [
+            _ints(axes, list(range(1, rank - 1))),
+            helper.make_node("Unsqueeze", [a, axes], [a_bc]),
+            helper.make_node("Unsqueeze", [b, axes], [b_bc]),
+        ]
+        a, b = a_bc, b_bc
+    scaled = name("scaled")
+    nodes.append(helper.make_node("Mul", [x, a], [scaled]))
+    nodes.append(helper.make_node("Add", [scaled, b], [node.output[0]]))
+    return nodes
+
+
+def _one_average_pool_as_conv(
+    node: onnx.NodeProto, attrs: dict, info: _GraphInfo
+) -> list[onnx.NodeProto]:
+    if attrs.get("ceil_mode", 0):
+        raise MissingGradientError(
+            f"AveragePool node {node.name!r} uses ceil_mode=1, whose gradient kernel in "
+            "onnxruntime-training 1.19.2 crashes on a dynamic batch and which graphkit "
+            "cannot rewrite. Export the pooling with ceil_mode=False."
+        )
+    kernel = list(attrs["kernel_shape"])
+    dtype = info.dtype(node.input[0])
+    name = _namer(f"{node.name or node.output[0]}/as_conv", info.taken)
+    x = node.input[0]
+    lead, rest, flat_shape, flat = (name(s) for s in ("lead", "rest", "flat_shape", "flat"))
+    weight, summed, averaged = name("weight"), name("summed"), name("averaged")
+    conv = {k: v for k, v in attrs.items() if k in ("auto_pad", "pads", "strides", "dilations")}
+    ones = numpy_helper.from_array(np.ones([1, 1, *kernel], dtype=dtype))
+    # (N, C, ...) -> (N * C, 1, ...), a sum over each window by a kernel of ones
+    nodes = [
+        _ints(lead, [-1, 1]),
+        helper.make_node("Shape", [x], [rest], start=2),
+        helper.make_node("Concat", [lead, rest], [flat_shape], axis=0),
+        helper.make_node("Reshape", [x, flat_shape], [flat]),
+        helper.make_node("Constant", [], [weight], value=ones),
+        helper.make_node("Conv", [flat, weight], [summed], kernel_shape=kernel, **conv),
+    ]
+    padded = any(attrs.get("pads", [])) or attrs.get("auto_pad", "NOTSET") not in (
+        "NOTSET",
+        "VALID",
+    )
+    divisor = name("divisor")
+    if attrs.get("count_include_pad", 0) or not padded:
+        count = numpy_helper.from_array(np.array(np.prod(kernel), dtype=dtype))
+        nodes.append(helper.make_node("Constant", [], [divisor], value=count))
+    else:  # divide by the number of real (non-padding) cells under each window
+        ones_lead, ones_shape, plane = name("ones_lead"), name("ones_shape"), name("plane")
+        one = numpy_helper.from_array(np.ones(1, dtype=dtype))
+        nodes += [
+            _ints(ones_lead, [1, 1]),
+            helper.make_node("Concat", [ones_lead, rest], [ones_shape], axis=0),
+            helper.make_node("ConstantOfShape", [ones_shape], [plane], value=one),
+            helper.make_node("Conv", [plane, weight], [divisor], kernel_shape=kernel, **conv),
+        ]
+    spatial, channels, out_shape = name("spatial"), name("channels"), name("out_shape")
+    nodes += [
+        helper.make_node("Div", [summed, divisor], [averaged]),
+        helper.make_node("Shape", [averaged], [spatial], start=2),
+        helper.make_node("Shape", [x], [channels], start=0, end=2),
+        helper.make_node("Concat", [channels, spatial], [out_shape], axis=0),
+        helper.make_node("Reshape", [averaged, out_shape], [node.output[0]]),
+    ]
+    return nodes
 
 
 def _namer(base: str, taken: set[str]) -> Callable[[str], str]:
@@ -250,29 +257,6 @@ def _ints(name: str, values: list[int]) -> onnx.NodeProto:
     return helper.make_node(
         "Constant", [], [name], value=numpy_helper.from_array(np.array(values, dtype=np.int64))
     )
-
-
-def _scalar_like(model: onnx.ModelProto, like: str, value: float) -> onnx.TensorProto:
-    elem = _elem_types(model).get(like, onnx.TensorProto.FLOAT)
-    return numpy_helper.from_array(np.array(value, dtype=helper.tensor_dtype_to_np_dtype(elem)))
-
-
-def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
-    typed = _inferred(model)
-    found = {i.name: i.data_type for i in model.graph.initializer}
-    for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
-        if value.type.tensor_type.elem_type:
-            found[value.name] = value.type.tensor_type.elem_type
-    return found
-
-
-def _ranks(model: onnx.ModelProto) -> dict[str, int]:
-    typed = _inferred(model)
-    found = {}
-    for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
-        if value.type.tensor_type.HasField("shape"):
-            found[value.name] = len(value.type.tensor_type.shape.dim)
-    return found
 
 
 def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:

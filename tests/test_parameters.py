@@ -9,9 +9,9 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from zoo.models import torch_export
 
 import graphkit as gk
 from graphkit.parameters import explain, parameter_names, untie_constants
@@ -118,7 +118,7 @@ def test_skl2onnx_binary_classifier_keeps_unity_constant(binary_mlp, trainer_cla
     assert clf.score(X, y) > 0.95
 
 
-def _torch_model(kind, dynamo, tmp_path):
+def _torch_model(kind, dynamo):
     torch = pytest.importorskip("torch")
     from torch import nn
 
@@ -127,33 +127,7 @@ def _torch_model(kind, dynamo, tmp_path):
         net = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
     else:
         net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    net.eval()
-    x = torch.zeros(2, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            onx = torch.onnx.export(
-                net,
-                (x,),
-                dynamo=True,
-                input_names=["X"],
-                output_names=["Y"],
-                dynamic_shapes=({0: torch.export.Dim("N")},),
-                verbose=False,
-            ).model_proto
-        else:
-            path = tmp_path / "m.onnx"
-            torch.onnx.export(
-                net,
-                (x,),
-                str(path),
-                input_names=["X"],
-                output_names=["Y"],
-                dynamic_axes={"X": {0: "N"}},
-                dynamo=False,
-            )
-            onx = onnx.load(str(path))
-    return net, onx
+    return net.eval(), torch_export(net, np.zeros((2, 4), np.float32), dynamo)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +138,7 @@ def test_torch_constants_stay_constants(kind, dynamo, tmp_path, rng):
     merges a fresh BatchNorm's running_var with its weight (both ones). Training must
     leave both alone: torch, given the trained parameters, computes graphkit's outputs."""
     torch = pytest.importorskip("torch")
-    net, onx = _torch_model(kind, dynamo, tmp_path)
+    net, onx = _torch_model(kind, dynamo)
     X = rng.normal(size=(200, 4)).astype(np.float32)
     y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0)
     trainer = OrtGradientOptimizer(

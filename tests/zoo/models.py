@@ -173,7 +173,8 @@ def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
 # -- torch models ------------------------------------------------------------------------
 
 
-def _torch_export(net, example, dynamo: bool, dtype_in=None) -> onnx.ModelProto:
+def torch_export(net, example, dynamo: bool) -> onnx.ModelProto:
+    """The ONNX graph of a torch module in eval mode, input X (batch N), output Y."""
     import torch
 
     net.eval()
@@ -244,7 +245,7 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
         net = _Recurrent(kind)
     else:
         raise KeyError(kind)
-    return _torch_export(net, data.X_train, dynamo), data
+    return torch_export(net, data.X_train, dynamo), data
 
 
 def _module_classes():
