@@ -309,8 +309,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"loss {loss.name}, optimizer {args.optimizer}, schedule {args.schedule}, lr {args.lr}"
     )
     held_out = (X[test_rows], y[test_rows]) if len(test_rows) else (None, None)
+    epoch_ends: list[float] = []
     start = time.perf_counter()
-    trainer.fit(X[train_rows], y[train_rows], X_val=held_out[0], y_val=held_out[1])
+    trainer.fit(
+        X[train_rows],
+        y[train_rows],
+        X_val=held_out[0],
+        y_val=held_out[1],
+        callback=lambda epoch, losses, _: epoch_ends.append(time.perf_counter() - start),
+    )
     seconds = time.perf_counter() - start
 
     report: dict[str, Any] = {
@@ -322,6 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
+        "epoch_end_seconds": epoch_ends,
     }
     if len(test_rows):
         prediction = trainer.predict(X[test_rows])

@@ -229,5 +229,7 @@ def test_cli_trains_a_skl2onnx_classifier_with_output_index(tmp_path):
     assert main([*args, "--output", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "unity" not in report["weights_trained"]
+    assert len(report["epoch_end_seconds"]) == 10
+    assert report["epoch_end_seconds"] == sorted(report["epoch_end_seconds"])
     assert report["held_out_accuracy"] > 0.9
     assert min(report["train_losses"]) > 0
