@@ -341,3 +341,51 @@ def static_shape(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
         else:
             dims.append(None)
     return dims
+
+
+# -- rewriting ------------------------------------------------------------------------
+
+
+def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    return out
+
+
+def namer(base: str, taken: set[str]) -> Callable[[str], str]:
+    """Fresh tensor names under one prefix, for the nodes that replace one node."""
+    prefix = fresh_name(base, taken)
+    return lambda suffix: fresh_name(f"{prefix}/{suffix}", taken)
+
+
+def int_constant(name: str, values: list[int]) -> onnx.NodeProto:
+    """A Constant node holding an int64 vector."""
+    return helper.make_node(
+        "Constant",
+        [],
+        [name],
+        value=onnx.numpy_helper.from_array(np.array(values, dtype=np.int64)),
+    )
+
+
+class GraphInfo:
+    """What a graph rewrite needs to know: the names in use, and the element type and
+    rank of every tensor shape inference can type (inferred once)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.taken = graph_names(model.graph)
+        try:
+            typed = onnx.shape_inference.infer_shapes(model)
+        except Exception:  # inference is a help: without it, a rewrite may be skipped
+            typed = model
+        self.elem: dict[str, int] = {i.name: i.data_type for i in model.graph.initializer}
+        self.rank: dict[str, int] = {i.name: len(i.dims) for i in model.graph.initializer}
+        for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
+            ttype = value.type.tensor_type
+            if ttype.elem_type:
+                self.elem[value.name] = ttype.elem_type
+            if ttype.HasField("shape"):
+                self.rank[value.name] = len(ttype.shape.dim)
+
+    def dtype(self, name: str) -> np.dtype:
+        return helper.tensor_dtype_to_np_dtype(self.elem.get(name, TensorProto.FLOAT))

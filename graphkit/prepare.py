@@ -12,6 +12,9 @@ gradient is built. Each rewrite computes the same function as the node it replac
 * ``AveragePool`` becomes a convolution with a constant ``1 / prod(kernel)`` kernel over
   ``(N * C, 1, ...)``: onnxruntime's ``AveragePoolGrad`` reads shapes from static
   dimensions and divides by zero (SIGFPE, the process dies) on a symbolic batch.
+
+Before that, skl2onnx's linear models become standard operators whose coefficients are
+initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import fresh_name, graph_names
+from graphkit._graph import GraphInfo, copy_model, fresh_name, graph_names, int_constant, namer
 from graphkit.compat import make_compatible
 from graphkit.errors import MissingGradientError
+from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants
 from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
 
@@ -37,7 +41,7 @@ def prepare_for_training(
     The weights are decided on the model as given (see :mod:`graphkit.parameters`), then
     the rewrites above are applied.
     """
-    model = make_compatible(model)
+    model = linear_models_as_standard_ops(make_compatible(model))
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)
     model = declare_layer_norm_outputs(model)
@@ -91,7 +95,7 @@ def _no_weights(onx: onnx.ModelProto) -> None:
 
 def declare_layer_norm_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy where every LayerNormalization has its three outputs."""
-    out = _copy(model)
+    out = copy_model(model)
     taken = graph_names(out.graph)
     for node in out.graph.node:
         if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
@@ -118,36 +122,16 @@ def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
     return _rewrite(model, "AveragePool", _one_average_pool_as_conv)
 
 
-class _GraphInfo:
-    """What a rewrite needs to know about the graph: names in use, element types and
-    ranks (from one shape inference)."""
-
-    def __init__(self, model: onnx.ModelProto) -> None:
-        self.taken = graph_names(model.graph)
-        typed = _inferred(model)
-        self.elem: dict[str, int] = {i.name: i.data_type for i in model.graph.initializer}
-        self.rank: dict[str, int] = {i.name: len(i.dims) for i in model.graph.initializer}
-        for value in [*typed.graph.input, *typed.graph.value_info, *typed.graph.output]:
-            ttype = value.type.tensor_type
-            if ttype.elem_type:
-                self.elem[value.name] = ttype.elem_type
-            if ttype.HasField("shape"):
-                self.rank[value.name] = len(ttype.shape.dim)
-
-    def dtype(self, name: str) -> np.dtype:
-        return helper.tensor_dtype_to_np_dtype(self.elem.get(name, onnx.TensorProto.FLOAT))
-
-
-Replacement = Callable[[onnx.NodeProto, dict, _GraphInfo], list[onnx.NodeProto] | None]
+Replacement = Callable[[onnx.NodeProto, dict, GraphInfo], list[onnx.NodeProto] | None]
 
 
 def _rewrite(model: onnx.ModelProto, op_type: str, replace: Replacement) -> onnx.ModelProto:
     """A copy where each standard ``op_type`` node becomes ``replace(node, attributes,
     info)``'s nodes (None keeps the node as it is)."""
-    out = _copy(model)
+    out = copy_model(model)
     if not any(n.op_type == op_type for n in out.graph.node):
         return out
-    info = _GraphInfo(out)
+    info = GraphInfo(out)
     nodes: list[onnx.NodeProto] = []
     for node in out.graph.node:
         replacement = None
@@ -161,13 +145,13 @@ def _rewrite(model: onnx.ModelProto, op_type: str, replace: Replacement) -> onnx
 
 
 def _unfold_one_batch_norm(
-    node: onnx.NodeProto, attrs: dict, info: _GraphInfo
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo
 ) -> list[onnx.NodeProto] | None:
     rank = info.rank.get(node.input[0])
     if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
         return None
     x, scale, bias, mean, var = node.input
-    name = _namer(f"{node.name or node.output[0]}/unfolded", info.taken)
+    name = namer(f"{node.name or node.output[0]}/unfolded", info.taken)
     eps, std, a, shift, b = (name(s) for s in ("epsilon", "std", "a", "shift", "b"))
     epsilon = np.array(attrs.get("epsilon", 1e-5), dtype=info.dtype(scale))
     # a = scale / sqrt(var + epsilon); b = bias - mean a
@@ -182,7 +166,7 @@ def _unfold_one_batch_norm(
     if rank > 2:  # (C,) -> (C, 1, ..., 1) to broadcast over the spatial axes
         axes, a_bc, b_bc = name("axes"), name("a_bc"), name("b_bc")
         nodes += [
-            _ints(axes, list(range(1, rank - 1))),
+            int_constant(axes, list(range(1, rank - 1))),
             helper.make_node("Unsqueeze", [a, axes], [a_bc]),
             helper.make_node("Unsqueeze", [b, axes], [b_bc]),
         ]
@@ -194,7 +178,7 @@ def _unfold_one_batch_norm(
 
 
 def _one_average_pool_as_conv(
-    node: onnx.NodeProto, attrs: dict, info: _GraphInfo
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo
 ) -> list[onnx.NodeProto]:
     if attrs.get("ceil_mode", 0):
         raise MissingGradientError(
@@ -204,7 +188,7 @@ def _one_average_pool_as_conv(
         )
     kernel = list(attrs["kernel_shape"])
     dtype = info.dtype(node.input[0])
-    name = _namer(f"{node.name or node.output[0]}/as_conv", info.taken)
+    name = namer(f"{node.name or node.output[0]}/as_conv", info.taken)
     x = node.input[0]
     lead, rest, flat_shape, flat = (name(s) for s in ("lead", "rest", "flat_shape", "flat"))
     weight, summed, averaged = name("weight"), name("summed"), name("averaged")
@@ -212,7 +196,7 @@ def _one_average_pool_as_conv(
     ones = numpy_helper.from_array(np.ones([1, 1, *kernel], dtype=dtype))
     # (N, C, ...) -> (N * C, 1, ...), a sum over each window by a kernel of ones
     nodes = [
-        _ints(lead, [-1, 1]),
+        int_constant(lead, [-1, 1]),
         helper.make_node("Shape", [x], [rest], start=2),
         helper.make_node("Concat", [lead, rest], [flat_shape], axis=0),
         helper.make_node("Reshape", [x, flat_shape], [flat]),
@@ -231,7 +215,7 @@ def _one_average_pool_as_conv(
         ones_lead, ones_shape, plane = name("ones_lead"), name("ones_shape"), name("plane")
         one = numpy_helper.from_array(np.ones(1, dtype=dtype))
         nodes += [
-            _ints(ones_lead, [1, 1]),
+            int_constant(ones_lead, [1, 1]),
             helper.make_node("Concat", [ones_lead, rest], [ones_shape], axis=0),
             helper.make_node("ConstantOfShape", [ones_shape], [plane], value=one),
             helper.make_node("Conv", [plane, weight], [divisor], kernel_shape=kernel, **conv),
@@ -245,28 +229,3 @@ def _one_average_pool_as_conv(
         helper.make_node("Reshape", [averaged, out_shape], [node.output[0]]),
     ]
     return nodes
-
-
-def _namer(base: str, taken: set[str]) -> Callable[[str], str]:
-    """Fresh tensor names under one prefix per rewritten node."""
-    prefix = fresh_name(base, taken)
-    return lambda suffix: fresh_name(f"{prefix}/{suffix}", taken)
-
-
-def _ints(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node(
-        "Constant", [], [name], value=numpy_helper.from_array(np.array(values, dtype=np.int64))
-    )
-
-
-def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
-    try:
-        return onnx.shape_inference.infer_shapes(model)
-    except Exception:  # inference is a help here; without it a rewrite is skipped
-        return model
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out

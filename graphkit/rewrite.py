@@ -41,6 +41,7 @@ from graphkit._graph import (
 )
 from graphkit.compat import DSL_OPSET, finalize, load_model, make_compatible
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
 
 # metadata keys of a training graph
@@ -147,9 +148,8 @@ def add_loss_output(
         >>> onx_loss = add_loss_output(onx, "elastic", l1_weight=0.1, l2_weight=0.9,
         ...                            penalty={"coef": {"l2": 0.01}})  # doctest: +SKIP
     """
-    model, prediction = select_prediction(
-        make_compatible(load_model(onx), min_opset=DSL_OPSET), output_index
-    )
+    compatible = make_compatible(load_model(onx), min_opset=DSL_OPSET)
+    model, prediction = select_prediction(linear_models_as_standard_ops(compatible), output_index)
     elem = prediction.type.tensor_type.elem_type
     dtype = ELEM_TO_DTYPE[elem]
     shape = named_shape(prediction)

@@ -22,6 +22,7 @@ from graphkit._ort import inference_session
 from graphkit.compat import load_model, make_compatible
 from graphkit.errors import MissingGradientError
 from graphkit.losses import LOSSES, Loss
+from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import (
     META_LABEL,
@@ -104,7 +105,11 @@ class OrtGradientOptimizer(BaseTrainer):
             return
         self._check_loop_params()
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
-        self._user_onnx = make_compatible(load_model(self.model_onnx))
+        # the graph exported with the trained weights: the user's, linear models written
+        # with standard operators (their coefficients are the weights)
+        self._user_onnx = linear_models_as_standard_ops(
+            make_compatible(load_model(self.model_onnx))
+        )
         self.train_onnx_, self.weights_to_train_ = prepare_for_training(
             self._user_onnx, self.weights_to_train
         )

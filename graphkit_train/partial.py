@@ -24,6 +24,7 @@ from graphkit import BaseLearningLoss, BaseLearningPenalty, losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import inference_session
 from graphkit.compat import load_model
+from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
@@ -234,7 +235,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         return self._per_sample(prediction, y, w)
 
     def _prediction_model(self) -> onnx.ModelProto:
-        return select_prediction(load_model(self.model_onnx), self.output_index)[0]
+        model = linear_models_as_standard_ops(load_model(self.model_onnx))
+        return select_prediction(model, self.output_index)[0]
 
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """``forward`` and ``gradient`` (from onnxruntime-training), ``loss`` (loss and its

@@ -143,15 +143,20 @@ def skl_mlp_classifier(activation: str, binary: bool, zipmap: bool) -> tuple[onn
 def skl_linear(kind: str) -> tuple[onnx.ModelProto, Data]:
     from skl2onnx import to_onnx
     from sklearn.linear_model import LogisticRegression, Ridge, SGDClassifier
+    from sklearn.svm import LinearSVC
 
+    options = {"zipmap": False}
     if kind == "ridge":
-        data, model = diabetes(), Ridge()
+        data, model, options = diabetes(), Ridge(alpha=1e4), None
     elif kind == "logistic":
-        data, model = breast_cancer(), LogisticRegression(max_iter=5)
+        data, model = breast_cancer(), LogisticRegression(max_iter=2)
+    elif kind == "logistic_multiclass":
+        data, model = digits(), LogisticRegression(max_iter=2)
+    elif kind == "svm":
+        data, model, options = breast_cancer(), LinearSVC(max_iter=5), None
     else:
         data, model = breast_cancer(), SGDClassifier(loss="log_loss", max_iter=5, random_state=0)
     _quiet_fit(model, data)
-    options = None if kind == "ridge" else {"zipmap": False}
     return to_onnx(model, data.X_train[:1], options=options), data
 
 
@@ -333,8 +338,22 @@ CASES: list[Case] = [
         "log",
         threshold=ACC,
     ),
-    _skl("Ridge", P(skl_linear, "ridge"), "squared_error", refused=_both("LinearRegressor")),
-    _skl("LogisticRegression", P(skl_linear, "logistic"), "log", refused=_both("LinearClassifier")),
+    _skl("Ridge", P(skl_linear, "ridge"), "squared_error", threshold=R2),
+    _skl("LogisticRegression(binary)", P(skl_linear, "logistic"), "log", threshold=0.9),
+    _skl(
+        "LogisticRegression(multiclass)",
+        P(skl_linear, "logistic_multiclass"),
+        "log",
+        output_index="probabilities",
+        threshold=ACC,
+    ),
+    _skl(
+        "LinearSVC (its positive-class score)",
+        P(skl_linear, "svm"),
+        "sigmoid_log_loss",
+        output_index=1,
+        threshold=0.9,
+    ),
     _skl("SGDClassifier(log_loss)", P(skl_linear, "sgd"), "log", threshold=0.9),
     *_torch("MLP(ReLU)", "mlp_relu", "cross_entropy", threshold=ACC),
     *_torch("MLP(GELU)", "mlp_gelu", "cross_entropy", threshold=ACC),
