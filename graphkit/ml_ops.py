@@ -3,9 +3,10 @@
 scikit-learn's linear models convert to ``ai.onnx.ml`` operators (``LinearRegressor``,
 ``LinearClassifier``, ``Normalizer``, ``ArrayFeatureExtractor``) that hold their
 coefficients in attributes or have no gradient in onnxruntime-training.
-:func:`linear_models_as_standard_ops` writes the same functions with ``Gemm``, ``Sigmoid``, ``Softmax``, ``ArgMax``, ``Gather`` and
-reductions, and the coefficients become initializers: Ridge, LinearRegression or
-LogisticRegression then train like any other model. ``add_loss_output`` and both
+:func:`linear_models_as_standard_ops` writes the same functions with ``Gemm``,
+``Sigmoid``, ``Softmax``, ``ArgMax``, ``Gather`` and reductions, and the coefficients
+become initializers: Ridge, LinearRegression, LogisticRegression or LinearSVC then
+train like any other model. ``add_loss_output`` and both
 trainers apply it.
 """
 
