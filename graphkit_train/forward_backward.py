@@ -220,8 +220,9 @@ class OrtGradientForwardBackward:
         ort = onnxruntime()
         if isinstance(value, ort.OrtValue):
             return value
+        # np.require, not np.ascontiguousarray, which turns a 0-d weight into shape (1,)
         return ort.OrtValue.ortvalue_from_numpy(
-            np.ascontiguousarray(value), self._ort_device, self._device_id
+            np.require(value, requirements="C"), self._ort_device, self._device_id
         )
 
     def _check_value(self, name: str, value: Any, expected: onnx.ValueInfoProto) -> None:

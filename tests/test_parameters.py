@@ -206,3 +206,35 @@ def test_log_loss_refuses_outputs_that_are_not_probabilities(rng):
         OrtGradientOptimizer(gk.add_loss_output(onx, "log")).fit(
             rng.normal(size=(10, 3)).astype(np.float32), np.zeros(10, np.int64)
         )
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+def test_a_scalar_weight_named_explicitly_trains(kind, rng):
+    """A 0-d initializer used to reach the update graph as shape (1,) in forward/backward
+    mode (a raw onnxruntime rank error). One full-batch SGD step against numpy."""
+    onx = _model(
+        [helper.make_node("MatMul", ["X", "W"], ["H"]), helper.make_node("Mul", ["H", "s"], ["Y"])],
+        {"W": np.full((3, 1), 0.3), "s": np.array(0.5)},
+        output=("Y", [None, 1]),
+    )
+    X = rng.normal(size=(40, 3)).astype(np.float32)
+    y = X.sum(axis=1).astype(np.float32)
+    settings = dict(
+        weights_to_train=["W", "s"],
+        max_iter=1,
+        batch_size=40,
+        shuffle=False,
+        learning_rate=gk.LearningRateSGD(eta0=0.1, learning_rate="constant"),
+    )
+    if kind == "full":
+        trainer = OrtGradientOptimizer(gk.add_loss_output(onx), **settings)
+    else:
+        trainer = OrtGradientForwardBackwardOptimizer(onx, **settings)
+    state = trainer.fit(X, y).get_state()
+    h = X.astype(np.float64) @ np.full(3, 0.3)
+    residual = 0.5 * h - y  # loss = mean (s X W - y)^2
+    grad_s = 2 * np.mean(residual * h)
+    grad_w = 2 * X.T.astype(np.float64) @ residual * 0.5 / len(X)
+    assert state["s"].shape == ()
+    np.testing.assert_allclose(state["s"], 0.5 - 0.1 * grad_s, rtol=1e-5)
+    np.testing.assert_allclose(state["W"][:, 0], 0.3 - 0.1 * grad_w, rtol=1e-5)
