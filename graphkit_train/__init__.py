@@ -7,14 +7,18 @@
 * :class:`OrtGradientForwardBackwardOptimizer`: forward/backward training with the
   seed's ``learning_loss``, ``learning_rate`` and ``learning_penalty``.
 * :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
+* :mod:`graphkit_train.distributed`: data-parallel training on ``torch.distributed``
+  (``distributed=True`` in both trainers, launched with ``torchrun``).
 """
 
+from graphkit_train import distributed
 from graphkit_train.forward_backward import OrtGradientForwardBackward
 from graphkit_train.full import OrtGradientOptimizer
 from graphkit_train.partial import OrtGradientForwardBackwardOptimizer
 from graphkit_train.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 
 __all__ = [
+    "distributed",
     "OrtGradientForwardBackward",
     "OrtGradientForwardBackwardOptimizer",
     "OrtGradientOptimizer",

@@ -36,8 +36,30 @@ from graphkit_train._base import (
     check_sample_weight,
     validation_period,
 )
+from graphkit_train.distributed import ProcessGroup, digest, shard
 from graphkit_train.progress import EpochProgress
-from graphkit_train.step import LOSS_SUM, STEP, UpdateStep, next_name
+from graphkit_train.step import LOSS, LOSS_SUM, STEP, UpdateStep, grad_name, next_name
+
+
+class BindingCache:
+    """Binds an OrtValue input only when its data pointer or shape changed (the seed's
+    cache): an IOBinding holds its own reference to what it binds, so an unchanged
+    pointer is the same live buffer."""
+
+    def __init__(self, binding: Any) -> None:
+        self.binding = binding
+        self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.hits = 0
+        self.binds = 0
+
+    def bind(self, name: str, value: Any) -> None:
+        key = (value.data_ptr(), tuple(value.shape()))
+        if self._bound.get(name) == key:
+            self.hits += 1
+            return
+        self.binding.bind_ortvalue_input(name, value)
+        self._bound[name] = key
+        self.binds += 1
 
 
 class BaseTrainer(ParamsMixin, ABC):
@@ -80,7 +102,8 @@ class BaseTrainer(ParamsMixin, ABC):
         return ort.OrtValue.ortvalue_from_numpy(np.array(array), self._ort_device, self._device_id)
 
     def _allocate(self, values: Mapping[str, np.ndarray]) -> None:
-        """Two buffer sets holding ``values``, and the two bindings that alternate."""
+        """Two buffer sets holding ``values``, the two bindings that alternate, and a
+        cache of what the update-step path binds in each."""
         step = self.update_step_
         self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
         self._bindings = []
@@ -91,6 +114,7 @@ class BaseTrainer(ParamsMixin, ABC):
                 binding.bind_ortvalue_output(next_name(name), self._buffers[1 - k][name])
             self._bind_scratch(binding)
             self._bindings.append(binding)
+        self._update_caches = [BindingCache(b) for b in self._bindings]
         self._current = 0
 
     def _bind_scratch(self, binding: Any) -> None:
@@ -180,48 +204,66 @@ class BaseTrainer(ParamsMixin, ABC):
             ValueError: class labels outside the model's classes, and other bad input.
         """
         self._build()
-        max_iter = check_loop_param("max_iter", self.max_iter)
-        batch_size = check_loop_param("batch_size", self.batch_size)
-        X, y, w = self._check(X, y, sample_weight)
+        group = self._group = ProcessGroup() if self.distributed else None
+        seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
+        failure: BaseException | None = None
+        try:  # in distributed training every rank must learn about a failure on one rank
+            max_iter = check_loop_param("max_iter", self.max_iter)
+            batch_size = check_loop_param("batch_size", self.batch_size)
+            X, y, w = self._check(X, y, sample_weight)
+            validation = None
+            if X_val is not None:
+                if y_val is None:
+                    raise ValueError("X_val is given without y_val.")
+                validation = self._check(X_val, y_val, None, "X_val", "y_val")
+            elif self.early_stopping:
+                X, y, w, validation = self._hold_out(X, y, w, seed)
+            if group is not None and len(X) < group.world_size:
+                raise ValueError(
+                    f"{len(X)} training rows for {group.world_size} ranks: every rank needs "
+                    "at least one row; use fewer processes."
+                )
+            self._check_probabilities(X[:batch_size])
+        except Exception as exc:
+            if group is None:
+                raise
+            failure = exc
+        if group is not None:
+            group.raise_if_any_failed(failure)
+            group.check_same(self._digest(), "the model and its initial weights")
         if X.ndim == 2:
             self.n_features_in_ = int(X.shape[1])
-        validation = None
-        if X_val is not None:
-            if y_val is None:
-                raise ValueError("X_val is given without y_val.")
-            validation = self._check(X_val, y_val, None, "X_val", "y_val")
-        elif self.early_stopping:
-            X, y, w, validation = self._hold_out(X, y, w)
-        self._check_probabilities(X[:batch_size])
         if not (self.warm_start and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
             self.validation_losses_ = []
-            self._rng = np.random.default_rng(self.random_state)
+            self._rng = np.random.default_rng(seed)
         if self._rng is None:  # state loaded with set_state()
-            self._rng = np.random.default_rng(self.random_state)
+            self._rng = np.random.default_rng(seed)
         n = len(X)
         period = 1 if self.early_stopping else validation_period(self.validation_every, max_iter)
         stopper = _EarlyStopping(self.n_iter_no_change, self.tol) if self.early_stopping else None
         zero = np.zeros_like(self.update_step_.initial[LOSS_SUM])
-        progress = EpochProgress(max_iter) if self.verbose else None
+        shows = self.verbose and (group is None or group.rank == 0)
+        progress = EpochProgress(max_iter) if shows else None
         self.n_iter_ = 0
         try:
             for epoch in range(max_iter):
                 snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
                 self._resident[LOSS_SUM].update_inplace(zero)
                 order = self._rng.permutation(n) if self.shuffle else None
+                if group is not None:
+                    order = shard(np.arange(n) if order is None else order, *group.place)
                 Xe, ye = (X, y) if order is None else (X[order], y[order])
                 we = None if w is None else (w if order is None else w[order])
                 n_batches = 0
-                for start in range(0, n, batch_size):
+                for start in range(0, len(Xe), batch_size):
                     stop = start + batch_size
-                    self._run_batch(
-                        self._bindings[self._current],
-                        Xe[start:stop],
-                        ye[start:stop],
-                        None if we is None else we[start:stop],
-                    )
+                    batch = (Xe[start:stop], ye[start:stop], None if we is None else we[start:stop])
+                    if group is None:
+                        self._run_batch(self._bindings[self._current], *batch)
+                    else:
+                        self._run_batch_distributed(group, *batch)
                     self._current = 1 - self._current
                     n_batches += 1
                 loss = float(self._resident[LOSS_SUM].numpy()) / n_batches
@@ -241,16 +283,18 @@ class BaseTrainer(ParamsMixin, ABC):
                 self.n_iter_ += 1
                 held_out = None
                 if validation is not None and period and (epoch + 1) % period == 0:
-                    held_out = self._loss(*validation)
+                    held_out = self._held_out_loss(validation, group)
                     self.validation_losses_.append(held_out)
                 if progress is not None:
                     lr = self.learning_rate_.value(int(self._resident[STEP].numpy()))
                     progress.update(epoch + 1, loss, held_out, lr)
                 if stopper is not None and stopper.done(held_out, self):  # type: ignore[arg-type]
                     break
-                if callback is not None and callback(
-                    epoch + 1, {"train": loss, "validation": held_out}, self
-                ):
+                stop = bool(
+                    callback is not None
+                    and callback(epoch + 1, {"train": loss, "validation": held_out}, self)
+                )
+                if stop if group is None else group.any(stop):
                     break
         finally:
             if progress is not None:
@@ -261,7 +305,7 @@ class BaseTrainer(ParamsMixin, ABC):
         return self
 
     def _hold_out(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, seed: int | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[Any, ...]]:
         """Split ``validation_fraction`` of the rows off for early stopping (seeded by
         ``random_state``, as scikit-learn's MLP does)."""
@@ -272,10 +316,61 @@ class BaseTrainer(ParamsMixin, ABC):
                 f"{len(X)} rows, which leaves {n_val} rows to validate on: pass more data, "
                 "another fraction, or X_val and y_val."
             )
-        order = np.random.default_rng(self.random_state).permutation(len(X))
+        order = np.random.default_rng(seed).permutation(len(X))
         val, train = order[:n_val], order[n_val:]
         held = (X[val], y[val], None if w is None else w[val])
         return X[train], y[train], None if w is None else w[train], held
+
+    # -- the update-step path: gradients, (all-reduce), update ------------------------------
+
+    @abstractmethod
+    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+        """``(loss, {weight: gradient})`` of one batch as OrtValues (weights unchanged)."""
+
+    def _apply_update(self, binding: Any, loss: Any, grads: Mapping[str, Any]) -> None:
+        """Run the update step on given gradients and loss (binding what changed)."""
+        cache = self._update_caches[self._current]
+        for name in self.update_step_.weights:
+            cache.bind(grad_name(name), grads[name])
+        cache.bind(LOSS, loss)
+        self._resident_session.run_with_iobinding(binding)
+
+    def _run_batch_distributed(
+        self, group: ProcessGroup, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+    ) -> None:
+        """Local gradients, one all-reduce of them (see :mod:`graphkit_train.distributed`),
+        the same update on every rank."""
+        from torch.utils.dlpack import from_dlpack, to_dlpack
+
+        loss, grads = self._gradients(X, y, w)
+        names = self.update_step_.weights
+        tensors = [from_dlpack(grads[n]._ortvalue.to_dlpack()) for n in names]
+        weight = len(X) if w is None else float(w.sum())
+        mean = self.loss_ is None or self.loss_.reduction != "sum"
+        reduced = group.average(tensors, from_dlpack(loss._ortvalue.to_dlpack()), weight, mean)
+        ort = onnxruntime()
+        C = ort.capi._pybind_state
+        values = [ort.OrtValue(C.OrtValue.from_dlpack(to_dlpack(t), False)) for t in reduced]
+        for value, tensor in zip(values, reduced):
+            value._graphkit_owner = tensor  # the OrtValue borrows the tensor's memory
+        self._apply_update(self._bindings[self._current], values[-1], dict(zip(names, values[:-1])))
+
+    def _held_out_loss(self, validation: tuple[Any, ...], group: ProcessGroup | None) -> float:
+        """The held-out loss; in distributed training each rank scores its share of the
+        rows and the shares are averaged by their weight."""
+        if group is None:
+            return self._loss(*validation)
+        X, y, w = validation
+        rows = np.array_split(np.arange(len(X)), group.world_size)[group.rank]
+        weight = float(len(rows) if w is None else w[rows].sum())
+        value = self._loss(X[rows], y[rows], None if w is None else w[rows]) if weight else 0.0
+        return group.weighted_mean(value, weight)
+
+    def _digest(self) -> str:
+        """A hash of the model and the initial weights (every rank must hold the same)."""
+        model = load_model(self.model_onnx).SerializeToString()
+        initial = self.update_step_.initial
+        return digest(model, *[initial[name] for name in self.update_step_.weights])
 
     def _loss_problem(self, loss: float) -> str:
         """Why an epoch's loss cannot be right ("" when it can)."""
@@ -469,9 +564,13 @@ class BaseTrainer(ParamsMixin, ABC):
 
         Returns:
             ``{name: path}`` or ``{name: serialized bytes}``; once trained, ``trained``
-            is the prediction graph with the trained weights.
+            is the prediction graph with the trained weights. In distributed training
+            only rank 0 writes files (the other ranks return ``{}``).
         """
         self._build()
+        group = getattr(self, "_group", None)
+        if group is not None and group.rank != 0 and export is not bytes:
+            return {}
         graphs = self._graphs()
         if self._fitted:
             graphs["trained"] = self.get_trained_onnx()

@@ -17,10 +17,11 @@ import numpy as np
 import onnx
 
 from graphkit import losses
-from graphkit._graph import named_shape
+from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import inference_session
 from graphkit.compat import load_model, make_compatible
 from graphkit.errors import MissingGradientError
+from graphkit.gradient import gradient_model
 from graphkit.losses import LOSSES, Loss
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.prepare import prepare_for_training
@@ -34,7 +35,7 @@ from graphkit.rewrite import (
 )
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
-from graphkit_train.step import TrainingStep, build_training_step
+from graphkit_train.step import TrainingStep, build_training_step, build_update_step, grad_name
 
 
 class OrtGradientOptimizer(BaseTrainer):
@@ -67,6 +68,10 @@ class OrtGradientOptimizer(BaseTrainer):
             ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
             convention).
         validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
+        distributed: data-parallel training over the ranks of an initialized
+            ``torch.distributed`` process group (see :mod:`graphkit_train.distributed`):
+            the fused step is split into a gradient graph and an update graph around
+            one all-reduce per step.
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -96,6 +101,7 @@ class OrtGradientOptimizer(BaseTrainer):
         validation_fraction: float = 0.1,
         n_iter_no_change: int = 10,
         tol: float = 1e-4,
+        distributed: bool = False,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -129,8 +135,11 @@ class OrtGradientOptimizer(BaseTrainer):
                 "LSTM among them): try it on the prediction graph."
             ) from exc
         step = self.update_step_ = self.training_step_
-        self._resident_session = inference_session(step.model, self._providers)
-        self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
+        if self.distributed:  # gradients and update apart, an all-reduce between them
+            self._build_distributed()
+        else:
+            self._resident_session = inference_session(step.model, self._providers)
+            self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
         self.loss_ = _recorded_loss(self.train_onnx_)
         prediction = metadata(self.train_onnx_).get(META_PREDICTION)
@@ -154,7 +163,37 @@ class OrtGradientOptimizer(BaseTrainer):
 
     def _bind_scratch(self, binding: Any) -> None:
         # the batch loss is accumulated in loss_sum; its own output goes to a scratch buffer
-        binding.bind_ortvalue_output(self.training_step_.loss, self._loss_scratch)
+        if not self.distributed:
+            binding.bind_ortvalue_output(self.training_step_.loss, self._loss_scratch)
+
+    def _build_distributed(self) -> None:
+        """The gradient graph of the loss and the update step, as two sessions."""
+        step = self.training_step_
+        weighted = initializers_to_inputs(self.train_onnx_, step.weights)
+        self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights)
+        self._gradient_session = inference_session(self.gradient_onnx_, self._providers)
+        self._gradient_outputs = [step.loss, *(grad_name(w) for w in step.weights)]
+        loss_value = next(o for o in self.gradient_onnx_.graph.output if o.name == step.loss)
+        loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
+        values = {w: step.initial[w] for w in step.weights}
+        self.update_step_ = build_update_step(values, self.learning_rate_, None, loss_dtype)
+        self._resident_session = inference_session(self.update_step_.model, self._providers)
+
+    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+        step = self.training_step_
+        binding = self._gradient_session.io_binding()
+        current = self._resident
+        for name in step.weights:
+            binding.bind_ortvalue_input(name, current[name])
+        binding.bind_cpu_input(step.features, X)
+        binding.bind_cpu_input(step.label, y)
+        if w is not None:
+            binding.bind_cpu_input(step.sample_weight, w)
+        for name in self._gradient_outputs:
+            binding.bind_output(name, self._ort_device, self._device_id)
+        self._gradient_session.run_with_iobinding(binding)
+        loss, *grads = binding.get_outputs()
+        return loss, dict(zip(step.weights, grads))
 
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
         step = self.training_step_
@@ -195,12 +234,16 @@ class OrtGradientOptimizer(BaseTrainer):
 
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """``training_step`` (the fused graph), ``evaluation`` (the loss, weights as
-        inputs) and ``prediction`` (weights as inputs)."""
-        return {
+        inputs) and ``prediction`` (weights as inputs); in distributed training also
+        ``gradient`` and ``update``, the two graphs run around the all-reduce."""
+        graphs = {
             "training_step": self.training_step_.model,
             "evaluation": self.evaluation_onnx_,
             "prediction": self.prediction_onnx_,
         }
+        if self.distributed:
+            graphs.update(gradient=self.gradient_onnx_, update=self.update_step_.model)
+        return graphs
 
 
 def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:

@@ -27,30 +27,9 @@ from graphkit.compat import load_model
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit_train._base import input_value, providers_for, select_learning_rate
-from graphkit_train._trainer import BaseTrainer
+from graphkit_train._trainer import BaseTrainer, BindingCache
 from graphkit_train.forward_backward import OrtGradientForwardBackward
-from graphkit_train.step import LOSS, build_update_step, grad_name
-
-
-class BindingCache:
-    """Binds an OrtValue input only when its data pointer or shape changed (the seed's
-    cache): an IOBinding holds its own reference to what it binds, so an unchanged
-    pointer is the same live buffer."""
-
-    def __init__(self, binding: Any) -> None:
-        self.binding = binding
-        self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.hits = 0
-        self.binds = 0
-
-    def bind(self, name: str, value: Any) -> None:
-        key = (value.data_ptr(), tuple(value.shape()))
-        if self._bound.get(name) == key:
-            self.hits += 1
-            return
-        self.binding.bind_ortvalue_input(name, value)
-        self._bound[name] = key
-        self.binds += 1
+from graphkit_train.step import build_update_step
 
 
 class OrtGradientForwardBackwardOptimizer(BaseTrainer):
@@ -82,6 +61,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
             convention).
         validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
+        distributed: data-parallel training over the ranks of an initialized
+            ``torch.distributed`` process group (:mod:`graphkit_train.distributed`).
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``learning_loss_``, ``loss_`` (the loss resolved for the prediction's shape),
@@ -110,6 +91,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         validation_fraction: float = 0.1,
         n_iter_no_change: int = 10,
         tol: float = 1e-4,
+        distributed: bool = False,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -168,10 +150,6 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             self._loss_runs[weighted] = (graph, session, BindingCache(session.io_binding()))
         return self._loss_runs[weighted]
 
-    def _allocate(self, values: Any) -> None:
-        super()._allocate(values)
-        self._update_caches = [BindingCache(b) for b in self._bindings]
-
     def _bind_scratch(self, binding: Any) -> None:
         """The update step has no output besides the resident ones."""
 
@@ -204,15 +182,13 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         session.run_with_iobinding(cache.binding)
         return cache.binding.get_outputs()
 
-    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         prediction, pending = self._forward(X, training=True)
         loss, prediction_grad = self._loss_and_grad(prediction, y, w)
-        grads = self.forward_backward_.run_backward(pending, [prediction_grad._ortvalue])
-        cache = self._update_caches[self._current]
-        for name in self.update_step_.weights:
-            cache.bind(grad_name(name), grads[name])
-        cache.bind(LOSS, loss)
-        self._resident_session.run_with_iobinding(binding)
+        return loss, self.forward_backward_.run_backward(pending, [prediction_grad._ortvalue])
+
+    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+        self._apply_update(binding, *self._gradients(X, y, w))
 
     # -- using the trained weights ---------------------------------------------------------
 
@@ -249,4 +225,4 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         }
 
 
-__all__ = ["BindingCache", "OrtGradientForwardBackwardOptimizer"]
+__all__ = ["BindingCache", "OrtGradientForwardBackwardOptimizer"]  # BindingCache: seed API
