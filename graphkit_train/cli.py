@@ -113,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights", default=None, help="comma-separated weights to train (default: all)"
     )
     parser.add_argument("--output", default="graphkit-out", help="folder for the results")
+    parser.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="train data-parallel in N processes on this machine (relaunches itself with "
+        "torchrun; needs torch)",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="this process is one rank of a torchrun launch (torchrun ... -m graphkit_train.cli "
+        "--distributed ...): train data-parallel, rank 0 prints and writes",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
     return parser
 
@@ -256,7 +269,13 @@ def r2(y: np.ndarray, prediction: np.ndarray) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say; return the report (also written to the output folder)."""
-    say = (lambda *a: None) if args.quiet else print
+    rank, world_size = 0, 1
+    if args.distributed:
+        from graphkit_train import distributed
+
+        rank, world_size = distributed.init().place
+    quiet = args.quiet or rank != 0
+    say = (lambda *a: None) if quiet else print
     default_job = args.model is None and args.data is None
     if default_job:
         from sklearn.datasets import load_diabetes
@@ -302,7 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         learning_rate=(optimizers.get(args.optimizer), schedule),
         validation_every=1,
         random_state=args.seed,
-        verbose=0 if args.quiet else 1,
+        verbose=0 if quiet else 1,
+        distributed=args.distributed,
     )
     say(
         f"graphkit-train: {dataset}, {len(train_rows)} training rows, {len(test_rows)} held out; "
@@ -326,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": {"train": int(len(train_rows)), "held_out": int(len(test_rows))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("quiet",)},
         "weights_trained": trainer.weights_to_train_,
+        "processes": world_size,
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
@@ -339,6 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             report["held_out_accuracy"] = float((prediction == y[test_rows]).mean())
             say(f"held-out accuracy (graphkit): {report['held_out_accuracy']:.4f}")
+    if rank != 0:  # rank 0 compares and writes
+        return report
     if default_job and len(test_rows):
         report["sklearn"] = _sklearn_reference(X, y, train_rows, test_rows, args)
         say(
@@ -418,14 +441,42 @@ def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; every error is one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        if args.nproc > 1 and not args.distributed:
+            return _relaunch(argv, args.nproc)
+        run(args)
     except CliError as exc:
         return _fail(f"error: {exc}")
     except (gk.GraphkitError, FileNotFoundError) as exc:
         return _fail(f"{type(exc).__name__}: {exc}")
     except (ValueError, TypeError, OSError) as exc:  # graphkit's input checks and the OS
         return _fail(f"{type(exc).__name__}: {exc}")
+    return 0
+
+
+def _relaunch(argv: list[str], nproc: int) -> int:
+    """This command again in ``nproc`` processes under torchrun, each a rank."""
+    import subprocess
+
+    kept, skip = [], False
+    for arg in argv:  # drop --nproc N: each rank runs with --distributed instead
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc_per_node={nproc}", "-m", "graphkit_train.cli", *kept, "--distributed"]
+    try:
+        import torch  # noqa: F401 - torchrun needs it
+    except ImportError:
+        raise CliError("--nproc needs torch: pip install 'graphkit[torch]'") from None
+    done = subprocess.run(command)
+    if done.returncode:
+        return _fail(f"error: {nproc} processes failed (exit code {done.returncode}); see above")
     return 0
 
 

@@ -93,6 +93,10 @@ def errors(out: Path, rank: int) -> None:
             mlp(seed=rank), distributed=True
         ).fit(X, y),
         "more_ranks_than_rows": lambda: trainer("full", "sgd", False, True, 8).fit(X[:1], y[:1]),
+        # rank 1's targets overflow the squared error: the all-reduced loss is infinite
+        "overflow_on_rank_1": lambda: trainer("forward_backward", "sgd", False, True, 8).fit(
+            X, y * (1e200 if rank == 1 else 1.0)
+        ),
     }
     for name, case in cases.items():
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,20 +21,15 @@ from graphkit_train import OrtGradientOptimizer  # noqa: E402
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def launch(scenario: str, out: Path) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(WORKER),
-        scenario,
-        str(out),
-    ]
+def launch(scenario: str, out: Path, script: Path = WORKER) -> str:
+    """Run ``script`` in 2 processes under torchrun (in ``out``); return what it printed."""
+    arguments = [scenario, str(out)] if script == WORKER else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node=2", str(script), *arguments]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent)}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +75,8 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_same_error(tmp_path):
     assert "rank 0:" not in bad
     assert "disagree on the model" in messages[0]["different_models"]
     assert "1 training rows for 2 ranks" in messages[0]["more_ranks_than_rows"]
+    overflow = messages[0]["overflow_on_rank_1"]
+    assert re.match(r"ConvergenceError: The loss became (nan|inf) during epoch 1", overflow)
 
 
 def test_onnx_module_inside_distributed_data_parallel(tmp_path, worker):
@@ -108,3 +106,20 @@ def test_distributed_without_a_process_group_says_how_to_launch(rng):
         gk.GraphkitError, match="initialized torch.distributed process group.*torchrun"
     ):
         trainer.fit(rng.normal(size=(10, 3)), rng.normal(size=10))
+
+
+def test_the_launcher_example_runs(tmp_path):
+    example = WORKER.parents[1] / "examples" / "ddp_train.py"
+    out = launch("", tmp_path, script=example)
+    score = float(out.split("held-out R^2")[-1])
+    assert "2 processes" in out and score > 0.2
+    assert (tmp_path / "diabetes_mlp.onnx").exists()  # written once, by rank 0
+
+
+def test_command_line_trains_in_n_processes(tmp_path):
+    from graphkit_train.cli import main
+
+    out = tmp_path / "out"
+    assert main(["--nproc", "2", "--epochs", "3", "--quiet", "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["processes"] == 2 and len(report["train_losses"]) == 3
