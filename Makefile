@@ -32,6 +32,7 @@ zoo-table: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py
 	$(BIN)/python benchmarks/forward_backward.py
+	$(BIN)/python benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
