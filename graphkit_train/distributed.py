@@ -66,14 +66,17 @@ def init(backend: str = "gloo", timeout_seconds: float = 300.0) -> ProcessGroup:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds))
         # a group left alive at exit aborts the process ("terminate called without an
         # active exception" from its threads)
-        atexit.register(_destroy)
+        atexit.register(shutdown)
     return ProcessGroup()
 
 
-def _destroy() -> None:
+def shutdown() -> None:
+    """Destroy the default process group (a barrier first, so no rank leaves early);
+    :func:`init` registers it to run at exit."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -201,4 +204,4 @@ def digest(*parts: bytes | np.ndarray) -> str:
     return h.hexdigest()
 
 
-__all__ = ["DistributedError", "ProcessGroup", "digest", "init", "shard"]
+__all__ = ["DistributedError", "ProcessGroup", "digest", "init", "shard", "shutdown"]

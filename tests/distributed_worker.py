@@ -3,6 +3,7 @@ every rank ended with into the output folder, for the test to compare."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -124,12 +125,17 @@ def ddp(out: Path, rank: int) -> None:
         out / f"ddp-rank{rank}.npz",
         **{n: p.detach().numpy() for n, p in net.module.named_parameters()},
     )
+    # DDP's reducer holds the process group: release it before the group is destroyed
+    torch.distributed.barrier()
+    del net, optimizer, loss
+    gc.collect()
 
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     group = distributed.init(timeout_seconds=60)
     {"equivalence": equivalence, "errors": errors, "ddp": ddp}[scenario](out, group.rank)
+    distributed.shutdown()
 
 
 if __name__ == "__main__":
