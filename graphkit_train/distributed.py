@@ -113,6 +113,19 @@ class ProcessGroup:
 
     # -- collectives ---------------------------------------------------------------------
 
+    def _collective(self, operation: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a collective; a rank that failed, stopped or timed out becomes one clear
+        error here instead of torch's transport message (or a wait without end)."""
+        try:
+            operation(*args, **kwargs)
+        except Exception as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DistributedError(
+                f"Rank {self.rank} lost the other ranks during training: one of them failed "
+                "or stopped (see its own error), or did not answer within the process "
+                f"group's timeout. torch.distributed said: {first_line[:200]}"
+            ) from exc
+
     def average(self, tensors: Sequence[Any], loss: Any, weight: float, mean: bool) -> list[Any]:
         """``[g_1, ..., g_k, loss]`` averaged over the global batch in one all-reduce.
 
@@ -128,7 +141,7 @@ class ProcessGroup:
             [t.reshape(-1).to(dtype) * scale for t in tensors]
             + [loss.reshape(-1) * scale, torch.tensor([scale], dtype=dtype)]
         )
-        self._dist.all_reduce(flat)
+        self._collective(self._dist.all_reduce, flat)
         if mean:
             flat = flat[:-1] / flat[-1]
         pieces, start = [], 0
@@ -142,7 +155,7 @@ class ProcessGroup:
         import torch
 
         pair = torch.tensor([value * weight, weight], dtype=torch.float64)
-        self._dist.all_reduce(pair)
+        self._collective(self._dist.all_reduce, pair)
         return float(pair[0] / pair[1])
 
     def any(self, flag: bool) -> bool:
@@ -150,7 +163,7 @@ class ProcessGroup:
         import torch
 
         value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        self._dist.all_reduce(value, op=self._dist.ReduceOp.MAX)
+        self._collective(self._dist.all_reduce, value, op=self._dist.ReduceOp.MAX)
         return bool(value.item())
 
     def broadcast_seed(self, seed: int | None) -> int:
@@ -161,7 +174,7 @@ class ProcessGroup:
             [seed if seed is not None else int(np.random.SeedSequence().entropy % 2**62)],
             dtype=torch.int64,
         )
-        self._dist.broadcast(value, src=0)
+        self._collective(self._dist.broadcast, value, src=0)
         return int(value.item())
 
     def raise_if_any_failed(self, error: BaseException | None) -> None:
@@ -169,7 +182,7 @@ class ProcessGroup:
         rank failed, naming the ranks and their messages."""
         messages: list[Any] = [None] * self.world_size
         mine = None if error is None else f"{type(error).__name__}: {error}"
-        self._dist.all_gather_object(messages, mine)
+        self._collective(self._dist.all_gather_object, messages, mine)
         failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
         if not failed:
             return
@@ -179,7 +192,7 @@ class ProcessGroup:
     def check_same(self, digest: str, what: str) -> None:
         """Refuse to train when the ranks hold different ``what`` (compared by digest)."""
         digests: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(digests, digest)
+        self._collective(self._dist.all_gather_object, digests, digest)
         different = [rank for rank, d in enumerate(digests) if d != digests[0]]
         if different:
             raise DistributedError(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +110,28 @@ def errors(out: Path, rank: int) -> None:
     (out / f"errors-rank{rank}.json").write_text(json.dumps(messages))
 
 
+def timeout(out: Path, rank: int) -> None:
+    """Rank 1 fails in the middle of training (after its first epoch): rank 0, waiting
+    in the next collective, fails when the process group's timeout expires."""
+
+    def fail_on_rank_1(epoch, losses, model):
+        if rank == 1:
+            raise RuntimeError("rank 1 lost its data")
+
+    X, y, _ = data()
+    start = time.perf_counter()
+    try:
+        trainer("full", "sgd", False, True, 8).fit(X, y, callback=fail_on_rank_1)
+        message = None
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    seconds = time.perf_counter() - start
+    (out / f"timeout-rank{rank}.json").write_text(json.dumps([message, seconds]))
+    if rank == 1:
+        time.sleep(8)  # alive but silent: rank 0 must give up on its own, by the timeout
+    os._exit(0)  # the group is broken: leave without the barrier of shutdown()
+
+
 def ddp(out: Path, rank: int) -> None:
     """OnnxModule inside DistributedDataParallel: one SGD step on each rank's half."""
     import torch
@@ -133,8 +157,9 @@ def ddp(out: Path, rank: int) -> None:
 
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    group = distributed.init(timeout_seconds=60)
-    {"equivalence": equivalence, "errors": errors, "ddp": ddp}[scenario](out, group.rank)
+    group = distributed.init(timeout_seconds=5 if scenario == "timeout" else 60)
+    scenarios = {"equivalence": equivalence, "errors": errors, "ddp": ddp, "timeout": timeout}
+    scenarios[scenario](out, group.rank)
     distributed.shutdown()
 
 

@@ -79,6 +79,16 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_same_error(tmp_path):
     assert re.match(r"ConvergenceError: The loss became (nan|inf) during epoch 1", overflow)
 
 
+def test_a_rank_that_dies_mid_training_does_not_leave_the_others_waiting(tmp_path):
+    launch("timeout", tmp_path)
+    (message_0, seconds_0), (message_1, _) = [
+        json.loads((tmp_path / f"timeout-rank{r}.json").read_text()) for r in (0, 1)
+    ]
+    assert message_1 == "RuntimeError: rank 1 lost its data"
+    assert message_0.startswith("DistributedError: Rank 0 lost the other ranks")
+    assert seconds_0 < 8  # the group's 5 s timeout, while rank 1 is still alive
+
+
 def test_onnx_module_inside_distributed_data_parallel(tmp_path, worker):
     torch = pytest.importorskip("torch")
     from graphkit_train.torch_module import OnnxModule
