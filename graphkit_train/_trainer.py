@@ -340,17 +340,16 @@ class BaseTrainer(ParamsMixin, ABC):
     ) -> None:
         """Local gradients, one all-reduce of them (see :mod:`graphkit_train.distributed`),
         the same update on every rank."""
-        from torch.utils.dlpack import from_dlpack, to_dlpack
+        from graphkit_train.torch_module import _to_ortvalue, _to_tensor
 
         loss, grads = self._gradients(X, y, w)
         names = self.update_step_.weights
-        tensors = [from_dlpack(grads[n]._ortvalue.to_dlpack()) for n in names]
         weight = len(X) if w is None else float(w.sum())
         mean = self.loss_ is None or self.loss_.reduction != "sum"
-        reduced = group.average(tensors, from_dlpack(loss._ortvalue.to_dlpack()), weight, mean)
+        tensors = [_to_tensor(grads[n]) for n in names]  # DLPack views, as OnnxModule's
+        reduced = group.average(tensors, _to_tensor(loss), weight, mean)
         ort = onnxruntime()
-        C = ort.capi._pybind_state
-        values = [ort.OrtValue(C.OrtValue.from_dlpack(to_dlpack(t), False)) for t in reduced]
+        values = [ort.OrtValue(_to_ortvalue(t)) for t in reduced]
         for value, tensor in zip(values, reduced):
             value._graphkit_owner = tensor  # the OrtValue borrows the tensor's memory
         self._apply_update(self._bindings[self._current], values[-1], dict(zip(names, values[:-1])))
