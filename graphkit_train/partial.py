@@ -56,13 +56,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
         exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
-        early_stopping: hold out ``validation_fraction`` of the rows (or use ``X_val``,
-            ``y_val``), stop when the held-out loss has not improved by ``tol`` for
-            ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
-            convention).
-        validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
-        distributed: data-parallel training over the ranks of an initialized
-            ``torch.distributed`` process group (:mod:`graphkit_train.distributed`).
+        early_stopping, validation_fraction, n_iter_no_change, tol, distributed: as in
+            :class:`~graphkit_train.OrtGradientOptimizer` (distributed training all-reduces
+            the gradients that the backward pass returns).
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``learning_loss_``, ``loss_`` (the loss resolved for the prediction's shape),
