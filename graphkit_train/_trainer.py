@@ -206,31 +206,11 @@ class BaseTrainer(ParamsMixin, ABC):
         self._build()
         group = self._group = ProcessGroup() if self.distributed else None
         seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
-        failure: BaseException | None = None
-        try:  # in distributed training every rank must learn about a failure on one rank
-            max_iter = check_loop_param("max_iter", self.max_iter)
-            batch_size = check_loop_param("batch_size", self.batch_size)
-            X, y, w = self._check(X, y, sample_weight)
-            validation = None
-            if X_val is not None:
-                if y_val is None:
-                    raise ValueError("X_val is given without y_val.")
-                validation = self._check(X_val, y_val, None, "X_val", "y_val")
-            elif self.early_stopping:
-                X, y, w, validation = self._hold_out(X, y, w, seed)
-            if group is not None and len(X) < group.world_size:
-                raise ValueError(
-                    f"{len(X)} training rows for {group.world_size} ranks: every rank needs "
-                    "at least one row; use fewer processes."
-                )
-            self._check_probabilities(X[:batch_size])
-        except Exception as exc:
-            if group is None:
-                raise
-            failure = exc
-        if group is not None:
-            group.raise_if_any_failed(failure)
-            group.check_same(self._digest(), "the model and its initial weights")
+        max_iter = check_loop_param("max_iter", self.max_iter)
+        batch_size = check_loop_param("batch_size", self.batch_size)
+        X, y, w, validation = self._checked_data(
+            (X, y, sample_weight), (X_val, y_val), group, seed, batch_size
+        )
         if X.ndim == 2:
             self.n_features_in_ = int(X.shape[1])
         if not (self.warm_start and self._fitted):
@@ -240,7 +220,6 @@ class BaseTrainer(ParamsMixin, ABC):
             self._rng = np.random.default_rng(seed)
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(seed)
-        n = len(X)
         period = 1 if self.early_stopping else validation_period(self.validation_every, max_iter)
         stopper = _EarlyStopping(self.n_iter_no_change, self.tol) if self.early_stopping else None
         zero = np.zeros_like(self.update_step_.initial[LOSS_SUM])
@@ -251,22 +230,7 @@ class BaseTrainer(ParamsMixin, ABC):
             for epoch in range(max_iter):
                 snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
                 self._resident[LOSS_SUM].update_inplace(zero)
-                order = self._rng.permutation(n) if self.shuffle else None
-                if group is not None:
-                    order = shard(np.arange(n) if order is None else order, *group.place)
-                Xe, ye = (X, y) if order is None else (X[order], y[order])
-                we = None if w is None else (w if order is None else w[order])
-                n_batches = 0
-                for start in range(0, len(Xe), batch_size):
-                    stop = start + batch_size
-                    batch = (Xe[start:stop], ye[start:stop], None if we is None else we[start:stop])
-                    if group is None:
-                        self._run_batch(self._bindings[self._current], *batch)
-                    else:
-                        self._run_batch_distributed(group, *batch)
-                    self._current = 1 - self._current
-                    n_batches += 1
-                loss = float(self._resident[LOSS_SUM].numpy()) / n_batches
+                loss = self._run_epoch(X, y, w, batch_size, group)
                 problem = self._loss_problem(loss)
                 if problem:
                     self._restore(snapshot)
@@ -303,6 +267,68 @@ class BaseTrainer(ParamsMixin, ABC):
             self._restore(stopper.best)
             self.best_loss_ = stopper.best_loss
         return self
+
+    def _checked_data(
+        self,
+        train: tuple[Any, Any, Any],
+        held_out: tuple[Any, Any],
+        group: ProcessGroup | None,
+        seed: int | None,
+        batch_size: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[Any, ...] | None]:
+        """``(X, y, w, validation)`` checked; in distributed training a failure on one
+        rank stops every rank with that rank's message."""
+        failure: BaseException | None = None
+        try:
+            X, y, w = self._check(*train)
+            validation = None
+            X_val, y_val = held_out
+            if X_val is not None:
+                if y_val is None:
+                    raise ValueError("X_val is given without y_val.")
+                validation = self._check(X_val, y_val, None, "X_val", "y_val")
+            elif self.early_stopping:
+                X, y, w, validation = self._hold_out(X, y, w, seed)
+            if group is not None and len(X) < group.world_size:
+                raise ValueError(
+                    f"{len(X)} training rows for {group.world_size} ranks: every rank needs "
+                    "at least one row; use fewer processes."
+                )
+            self._check_probabilities(X[:batch_size])
+        except Exception as exc:
+            if group is None:
+                raise
+            failure = exc
+        if group is not None:
+            group.raise_if_any_failed(failure)
+            group.check_same(self._digest(), "the model and its initial weights")
+        return X, y, w, validation
+
+    def _run_epoch(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        batch_size: int,
+        group: ProcessGroup | None,
+    ) -> float:
+        """One pass over the rows (this rank's share of them); the mean batch loss."""
+        order = self._rng.permutation(len(X)) if self.shuffle else None  # type: ignore[union-attr]
+        if group is not None:
+            order = shard(np.arange(len(X)) if order is None else order, *group.place)
+        if order is not None:
+            X, y, w = X[order], y[order], None if w is None else w[order]
+        n_batches = 0
+        for start in range(0, len(X), batch_size):
+            stop = start + batch_size
+            batch = (X[start:stop], y[start:stop], None if w is None else w[start:stop])
+            if group is None:
+                self._run_batch(self._bindings[self._current], *batch)
+            else:
+                self._run_batch_distributed(group, *batch)
+            self._current = 1 - self._current
+            n_batches += 1
+        return float(self._resident[LOSS_SUM].numpy()) / n_batches
 
     def _hold_out(
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, seed: int | None
