@@ -318,17 +318,17 @@ class BaseTrainer(ParamsMixin, ABC):
             order = shard(np.arange(len(X)) if order is None else order, *group.place)
         if order is not None:
             X, y, w = X[order], y[order], None if w is None else w[order]
-        n_batches = 0
-        for start in range(0, len(X), batch_size):
+        starts = range(0, len(X), batch_size)
+        bindings, run_batch = self._bindings, self._run_batch  # the hot loop: no lookups
+        for start in starts:
             stop = start + batch_size
-            batch = (X[start:stop], y[start:stop], None if w is None else w[start:stop])
+            weights = None if w is None else w[start:stop]
             if group is None:
-                self._run_batch(self._bindings[self._current], *batch)
+                run_batch(bindings[self._current], X[start:stop], y[start:stop], weights)
             else:
-                self._run_batch_distributed(group, *batch)
+                self._run_batch_distributed(group, X[start:stop], y[start:stop], weights)
             self._current = 1 - self._current
-            n_batches += 1
-        return float(self._resident[LOSS_SUM].numpy()) / n_batches
+        return float(self._resident[LOSS_SUM].numpy()) / len(starts)
 
     def _hold_out(
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, seed: int | None

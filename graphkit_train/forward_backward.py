@@ -220,10 +220,10 @@ class OrtGradientForwardBackward:
         ort = onnxruntime()
         if isinstance(value, ort.OrtValue):
             return value
-        # np.require, not np.ascontiguousarray, which turns a 0-d weight into shape (1,)
-        return ort.OrtValue.ortvalue_from_numpy(
-            np.require(value, requirements="C"), self._ort_device, self._device_id
-        )
+        array = np.asarray(value)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d weight 1-d)
+            array = np.ascontiguousarray(array)
+        return ort.OrtValue.ortvalue_from_numpy(array, self._ort_device, self._device_id)
 
     def _check_value(self, name: str, value: Any, expected: onnx.ValueInfoProto) -> None:
         elem = expected.type.tensor_type.elem_type

@@ -165,7 +165,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         return pending.outputs[0], pending
 
     def _loss_and_grad(self, prediction: Any, y: np.ndarray, w: np.ndarray | None) -> list[Any]:
-        _, session, cache = self._loss_run(weighted=w is not None)
+        weighted = w is not None
+        runs = self._loss_runs
+        _, session, cache = runs[weighted] if weighted in runs else self._loss_run(weighted)
         fb = self.forward_backward_
         cache.bind("prediction", prediction)
         cache.bind("label", fb.to_ortvalue(y))
