@@ -35,6 +35,7 @@ from graphkit.rewrite import (
 )
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
+from graphkit_train.forward_backward import binding_outputs
 from graphkit_train.step import TrainingStep, build_training_step, build_update_step, grad_name
 
 
@@ -192,7 +193,7 @@ class OrtGradientOptimizer(BaseTrainer):
         for name in self._gradient_outputs:
             binding.bind_output(name, self._ort_device, self._device_id)
         self._gradient_session.run_with_iobinding(binding)
-        loss, *grads = binding.get_outputs()
+        loss, *grads = binding_outputs(binding)
         return loss, dict(zip(step.weights, grads))
 
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:

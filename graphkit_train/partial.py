@@ -28,7 +28,7 @@ from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, BindingCache
-from graphkit_train.forward_backward import OrtGradientForwardBackward
+from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.step import build_update_step
 
 
@@ -178,7 +178,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         for name in ("loss", "prediction_grad"):
             cache.binding.bind_output(name, self._ort_device, self._device_id)
         session.run_with_iobinding(cache.binding)
-        return cache.binding.get_outputs()
+        return binding_outputs(cache.binding)
 
     def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         prediction, pending = self._forward(X, training=True)
