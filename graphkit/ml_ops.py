@@ -77,7 +77,9 @@ def _affine(
     return scores, nodes, name
 
 
-def _linear_regressor(node, attrs, info, model):  # noqa: ANN001, ANN202
+def _linear_regressor(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, model: onnx.ModelProto
+) -> list[onnx.NodeProto] | None:
     if _post_transform(attrs) != "NONE":
         return None
     scores, nodes, _ = _affine(node, attrs, info, model, int(attrs.get("targets", 1)))
@@ -85,7 +87,9 @@ def _linear_regressor(node, attrs, info, model):  # noqa: ANN001, ANN202
     return nodes
 
 
-def _linear_classifier(node, attrs, info, model):  # noqa: ANN001, ANN202
+def _linear_classifier(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, model: onnx.ModelProto
+) -> list[onnx.NodeProto] | None:
     labels = attrs.get("classlabels_ints") or attrs.get("classlabels_strings")
     rows = len(attrs["intercepts"]) if attrs.get("intercepts") else None
     post = _post_transform(attrs)
@@ -112,7 +116,9 @@ def _linear_classifier(node, attrs, info, model):  # noqa: ANN001, ANN202
     return nodes
 
 
-def _normalizer(node, attrs, info, model):  # noqa: ANN001, ANN202
+def _normalizer(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, model: onnx.ModelProto
+) -> list[onnx.NodeProto] | None:
     norm = attrs.get("norm", b"MAX")
     norm = norm.decode() if isinstance(norm, bytes) else norm
     if norm not in ("L1", "L2", "MAX"):
@@ -136,7 +142,9 @@ def _normalizer(node, attrs, info, model):  # noqa: ANN001, ANN202
     return nodes
 
 
-def _array_feature_extractor(node, attrs, info, model):  # noqa: ANN001, ANN202
+def _array_feature_extractor(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, model: onnx.ModelProto
+) -> list[onnx.NodeProto] | None:
     """Columns of a float (N, C) tensor: ``Gather(X, flatten(indices), axis=1)``."""
     x = node.input[0]
     float_types = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)

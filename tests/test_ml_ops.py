@@ -125,3 +125,26 @@ def test_a_variant_without_formula_is_left_alone_and_refused():
         OrtGradientOptimizer(gk.add_loss_output(onx, output_index="scores")).fit(
             np.ones((4, 2), np.float32), np.ones(4, np.float32)
         )
+
+
+@pytest.mark.parametrize("norm", ["L1", "L2", "MAX"])
+def test_normalizer_matches_onnxruntime(norm, rng):
+    node = helper.make_node("Normalizer", ["X"], ["Y"], domain="ai.onnx.ml", norm=norm)
+    graph = helper.make_graph(
+        [node],
+        "normalizer",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 4])],
+    )
+    onx = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.ml", 3)],
+        ir_version=10,
+    )
+    X = rng.uniform(0.1, 2.0, size=(6, 4)).astype(np.float32)
+    X[0] *= -1  # a row of negative values: the norms take absolute values, the maximum not
+    rewritten = linear_models_as_standard_ops(onx)
+    assert "Normalizer" not in {n.op_type for n in rewritten.graph.node}
+    np.testing.assert_allclose(
+        gk.run(rewritten, {"X": X})["Y"], gk.run(onx, {"X": X})["Y"], rtol=1e-6
+    )
