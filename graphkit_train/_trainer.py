@@ -81,6 +81,7 @@ class BaseTrainer(ParamsMixin, ABC):
         self._buffers: list[dict[str, Any]] | None = None
         self._current = 0
         self._rng: np.random.Generator | None = None
+        self._probed_classes: int | None = None
 
     @abstractmethod
     def _build(self) -> None:
@@ -461,7 +462,11 @@ class BaseTrainer(ParamsMixin, ABC):
         the probabilities or logits; for one column, probability > 0.5 or score > 0).
         """
         self._build()
-        output = self._predict_outputs(self._features(X))
+        return self._predict_checked(self._features(X))
+
+    def _predict_checked(self, X: np.ndarray) -> np.ndarray:
+        """``predict`` on features already checked by :meth:`_features`."""
+        output = self._predict_outputs(X)
         if self._is_classifier() and self.loss_ is not None:
             return self._labels(output)
         return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
@@ -529,8 +534,10 @@ class BaseTrainer(ParamsMixin, ABC):
         columns = self._prediction_shape[1] if len(self._prediction_shape) == 2 else None
         if isinstance(columns, int):
             return columns
-        probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
-        return int(self._probe(probe).shape[1])
+        if self._probed_classes is None:  # a dynamic class axis: one forward, once per build
+            probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
+            self._probed_classes = int(self._probe(probe).shape[1])
+        return self._probed_classes
 
     def _probe(self, X: np.ndarray) -> np.ndarray:
         """The prediction with the current weights, or the initial ones before ``fit``
@@ -561,7 +568,7 @@ class BaseTrainer(ParamsMixin, ABC):
         if len(y) != len(X):
             raise ShapeError(f"X has {len(X)} rows but y has {len(y)}; they must match.")
         w = None if sample_weight is None else check_sample_weight(sample_weight, len(X), float)
-        prediction = self.predict(X)
+        prediction = self._predict_checked(X)
         if self._is_classifier():
             return float(np.average(prediction.reshape(-1) == y.reshape(-1), weights=w))
         return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
@@ -569,8 +576,7 @@ class BaseTrainer(ParamsMixin, ABC):
     def compute_loss(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """The training loss on ``(X, y)`` with the current weights (lower is better)."""
         self._build()
-        self._features(X)
-        return self._loss(*self._check(X, y, sample_weight))
+        return self._loss(*self._check(self._features(X), y, sample_weight))
 
     def get_trained_onnx(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
         """The prediction graph (or ``model``, e.g. the original one) with the trained weights."""
