@@ -288,6 +288,9 @@ class Loss:
             ``"none"`` (one value per sample; the gradient is then that of their sum);
             None for a custom loss, which reduces the samples itself.
         params: the hyper-parameters the loss was built with.
+        prediction: what a classification loss reads from the model: ``"probabilities"``,
+            ``"logits"`` or a raw ``"score"`` (None for regression and custom losses);
+            :meth:`labels` and :meth:`probabilities` follow it.
     """
 
     def __init__(
@@ -301,6 +304,7 @@ class Loss:
         params: dict[str, Any] | None = None,
         multiclass: bool = False,
         resolve: Callable[[Shape], Loss] | None = None,
+        prediction: str | None = None,
     ) -> None:
         if function is None and reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, not {reduction!r}.")
@@ -313,6 +317,7 @@ class Loss:
         self.custom = function
         self.params = dict(params or {})
         self.multiclass = multiclass
+        self.prediction = prediction
         self._resolve = resolve
         self._runners: dict[tuple[Any, ...], Runner] = {}
 
@@ -338,6 +343,29 @@ class Loss:
         if self._resolve is None:
             return self
         return self._resolve(tuple(prediction_shape))
+
+    def labels(self, output: np.ndarray) -> np.ndarray:
+        """Class labels from the model's output: the argmax of (N, K) columns; for one
+        column, probability > 0.5 or score > 0."""
+        if output.ndim == 2 and output.shape[1] > 1:
+            return output.argmax(axis=1)
+        threshold = 0.5 if self.prediction == "probabilities" else 0.0
+        return (output.reshape(-1) > threshold).astype(np.int64)
+
+    def probabilities(self, output: np.ndarray) -> np.ndarray:
+        """(N, K) class probabilities from the model's output: the output itself, its
+        softmax (logits), or ``[1 - sigmoid(s), sigmoid(s)]`` (one score column)."""
+        if self.prediction is None:
+            raise TypeError(f"Loss {self.name!r} does not say what its prediction is.")
+        if output.ndim == 2 and output.shape[1] > 1:
+            if self.prediction == "logits":
+                shifted = np.exp(output - output.max(axis=1, keepdims=True))
+                return shifted / shifted.sum(axis=1, keepdims=True)
+            return output
+        p = output.reshape(-1)
+        if self.prediction == "score":
+            p = 1 / (1 + np.exp(-p))
+        return np.stack([1 - p, p], axis=1)
 
     @property
     def is_custom(self) -> bool:
@@ -593,7 +621,9 @@ def sigmoid_log_loss(reduction: str = "mean") -> Loss:
     Stable for any score (no NaN or inf at |s| = 1e4).
     """
     kernels = (sigmoid_log_loss_loss, sigmoid_log_loss_grad)
-    return Loss("sigmoid_log_loss", CLASSIFICATION, kernels=kernels, reduction=reduction)
+    return Loss(
+        "sigmoid_log_loss", CLASSIFICATION, kernels=kernels, reduction=reduction, prediction="score"
+    )
 
 
 @LOSSES.register("log_loss", "log", "nll")
@@ -615,6 +645,7 @@ def log_loss(eps: float = 1e-15, binary: bool | None = None, reduction: str = "m
             params={"eps": eps, "binary": None},
             multiclass=True,
             resolve=lambda shape: log_loss(eps, _one_column(shape), reduction),
+            prediction="probabilities",
         )
     kernels = _binary_log_loss(eps) if binary else _log_loss(eps)
     params = {"eps": eps, "binary": binary}
@@ -625,6 +656,7 @@ def log_loss(eps: float = 1e-15, binary: bool | None = None, reduction: str = "m
         reduction=reduction,
         params=params,
         multiclass=not binary,
+        prediction="probabilities",
     )
 
 
@@ -655,7 +687,12 @@ def cross_entropy(reduction: str = "mean") -> Loss:
     """
     kernels = (cross_entropy_loss, cross_entropy_grad)
     return Loss(
-        "cross_entropy", CLASSIFICATION, kernels=kernels, reduction=reduction, multiclass=True
+        "cross_entropy",
+        CLASSIFICATION,
+        kernels=kernels,
+        reduction=reduction,
+        multiclass=True,
+        prediction="logits",
     )
 
 

@@ -415,7 +415,7 @@ class BaseTrainer(ParamsMixin, ABC):
         """A log loss on probabilities refuses outputs that are not probabilities (logits
         or scores would be clipped at eps silently); checked on one batch."""
         resolved = self.loss_
-        if resolved is None or resolved.name != "log_loss" or not len(X):
+        if resolved is None or resolved.prediction != "probabilities" or not len(X):
             return
         output = self._probe(X)
         low, high = float(output.min()), float(output.max())
@@ -468,7 +468,7 @@ class BaseTrainer(ParamsMixin, ABC):
         """``predict`` on features already checked by :meth:`_features`."""
         output = self._predict_outputs(X)
         if self._is_classifier() and self.loss_ is not None:
-            return self._labels(output)
+            return self.loss_.labels(output)
         return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
 
     def _features(self, X: Any, what: str = "X") -> np.ndarray:
@@ -486,39 +486,25 @@ class BaseTrainer(ParamsMixin, ABC):
             )
         return X
 
-    def _labels(self, output: np.ndarray) -> np.ndarray:
-        if output.ndim == 2 and output.shape[1] > 1:
-            return output.argmax(axis=1)
-        threshold = 0.5 if self.loss_.name == "log_loss" else 0.0  # type: ignore[union-attr]
-        return (output.reshape(-1) > threshold).astype(np.int64)
-
     @property
     def predict_proba(self) -> Callable[[Any], np.ndarray]:
         """``predict_proba(X)``: class probabilities (N, n_classes), for classification
         graphs only (a regression graph has no such attribute, as in scikit-learn).
 
-        Probabilities are the output itself for ``log``, its softmax for
-        ``cross_entropy``, and ``[1 - sigmoid(s), sigmoid(s)]`` for ``sigmoid_log_loss``.
+        The loss says how (:meth:`graphkit.losses.Loss.probabilities`): the output itself
+        for ``log``, its softmax for ``cross_entropy``, ``[1 - sigmoid(s), sigmoid(s)]``
+        for ``sigmoid_log_loss``.
         """
-        if not (self._is_classifier() and self.loss_ is not None):
+        if not (self._is_classifier() and self.loss_ is not None and self.loss_.prediction):
             raise AttributeError(
-                f"predict_proba: this {type(self).__name__} trains a regression loss."
+                f"predict_proba: the loss of this {type(self).__name__} gives no class "
+                "probabilities (a regression loss, or a custom one)."
             )
         return self._predict_proba
 
     def _predict_proba(self, X: Any) -> np.ndarray:
         self._build()
-        output = self._predict_outputs(self._features(X))
-        name = self.loss_.name  # type: ignore[union-attr]
-        if output.ndim == 2 and output.shape[1] > 1:
-            if name == "cross_entropy":
-                shifted = np.exp(output - output.max(axis=1, keepdims=True))
-                return shifted / shifted.sum(axis=1, keepdims=True)
-            return output
-        p = output.reshape(-1)
-        if name == "sigmoid_log_loss":
-            p = 1 / (1 + np.exp(-p))
-        return np.stack([1 - p, p], axis=1)
+        return self.loss_.probabilities(self._predict_outputs(self._features(X)))  # type: ignore[union-attr]
 
     @property
     def classes_(self) -> np.ndarray:
