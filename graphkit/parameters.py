@@ -74,7 +74,9 @@ class _Uses:
     def __init__(self, graph: onnx.GraphProto) -> None:
         self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         self.producer: dict[str, onnx.NodeProto] = {}
-        for node in graph.node:
+        self.index: dict[int, int] = {}  # id of a node object held here -> its position
+        for i, node in enumerate(graph.node):
+            self.index[id(node)] = i
             for position, name in enumerate(node.input):
                 if name:
                     self.readers[name].append((node, position))
@@ -159,7 +161,6 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
     model.CopyFrom(onx)
     taken = graph_names(model.graph)
     values = {i.name: i for i in model.graph.initializer}
-    by_identity = {id(n): i for i, n in enumerate(onx.graph.node)}
     for name in sorted(trained & set(values)):
         direct_constant_readers = []
         for node, position in uses.readers.get(name, []):
@@ -174,7 +175,7 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
         frozen = numpy_helper.from_array(numpy_helper.to_array(values[name]), copy)
         model.graph.initializer.append(frozen)
         for node, position in direct_constant_readers:
-            model.graph.node[by_identity[id(node)]].input[position] = copy
+            model.graph.node[uses.index[id(node)]].input[position] = copy
     return model
 
 
