@@ -6,7 +6,16 @@ Losses, penalties, optimizers and learning-rate schedules are onnxscript functio
 training graph. The training runtime lives in ``graphkit_train``.
 """
 
-from graphkit import compat, dsl, losses, optimizers, parameters, penalties, schedules
+from graphkit import (
+    compat,
+    dsl,
+    losses,
+    optimizers,
+    parameters,
+    penalties,
+    schedules,
+    transforms,
+)
 from graphkit._ort import run
 from graphkit.errors import (
     ConvergenceError,
@@ -41,6 +50,7 @@ from graphkit.learning import (
 )
 from graphkit.losses import Loss, custom_loss
 from graphkit.optimizers import Optimizer
+from graphkit.transforms import GradientTransformation, chain
 from graphkit.penalties import Penalty, custom_penalty
 from graphkit.rewrite import (
     add_loss_output,
@@ -78,6 +88,7 @@ __all__ = [
     "NegLogLearningLoss",
     "NoLearningPenalty",
     "NotFittedError",
+    "GradientTransformation",
     "Optimizer",
     "Penalty",
     "Schedule",
@@ -86,6 +97,7 @@ __all__ = [
     "SquareLearningLoss",
     "UnknownNameError",
     "add_loss_output",
+    "chain",
     "compat",
     "custom_loss",
     "custom_penalty",
@@ -101,5 +113,6 @@ __all__ = [
     "rename_weights",
     "run",
     "schedules",
+    "transforms",
     "set_weights",
 ]

@@ -29,6 +29,7 @@ from graphkit import losses as _losses
 from graphkit import optimizers as _optimizers
 from graphkit import penalties as _penalties
 from graphkit import schedules as _schedules
+from graphkit import transforms as _transforms
 from graphkit._graph import Dim
 from graphkit.errors import UnknownNameError
 
@@ -246,11 +247,16 @@ class ElasticLearningPenalty(BaseLearningPenalty):
 
 
 class BaseLearningRate(BaseLearningOnnx):
-    """An optimizer with its learning-rate schedule."""
+    """An optimizer with its learning-rate schedule: a thin adapter whose
+    :meth:`to_transformation` is the graphkit transformation the runtime trains with."""
 
     default = "SGD"
 
-    def __init__(self, optimizer: _optimizers.Optimizer, schedule: _schedules.Schedule) -> None:
+    def __init__(
+        self, optimizer: _transforms.GradientTransformation, schedule: _schedules.Schedule
+    ) -> None:
+        if not optimizer.has_open_learning_rate:
+            raise ValueError(f"{optimizer!r} already has its learning rate; use it directly.")
         self.optimizer = optimizer
         self.schedule = schedule
 
@@ -267,6 +273,10 @@ class BaseLearningRate(BaseLearningOnnx):
     def _describe(self) -> str:
         return f"{self.optimizer!r}, {self.schedule!r}"
 
+    def to_transformation(self) -> _transforms.GradientTransformation:
+        """The optimizer with this schedule filled in."""
+        return self.optimizer.with_learning_rate(self.schedule)
+
     def value(self, step: int) -> float:
         """The learning rate at ``step`` (0-based)."""
         return self.schedule(step)
@@ -275,10 +285,10 @@ class BaseLearningRate(BaseLearningOnnx):
         return self.optimizer.init(params)
 
     def build_onnx_function(
-        self, name: str = "weight", dtype: object = np.float32, shape: Sequence[Dim] = ("N",)
+        self, name: str = "weight", dtype: object = np.float32, shape: Sequence[int] = (1,)
     ) -> onnx.ModelProto:
         """``(param, grad, <state>, step) -> (param.new, <state>.new)`` for weight ``name``."""
-        return _optimizers.scheduled_update_model(self.optimizer, self.schedule, name, dtype, shape)
+        return _optimizers.update_model(self.to_transformation(), name, dtype, tuple(shape))
 
 
 def _sgd_schedule(learning_rate: str, eta0: float, alpha: float, power_t: float) -> Any:
@@ -396,6 +406,23 @@ class LearningRateRMSProp(BaseLearningRate):
         learning_rate: Any = "constant",
     ) -> None:
         super().__init__(_optimizers.rmsprop(alpha, eps), _schedule(learning_rate, eta0))
+
+
+def _register_presets() -> None:
+    """Make the seed's learning-rate names mean the same to the runtime
+    (:func:`graphkit.optimizers.resolve`) as to :meth:`BaseLearningRate.select`."""
+    for cls in [BaseLearningRate, *_subclasses(BaseLearningRate)]:
+        if cls is BaseLearningRate:
+            continue
+
+        def preset(cls: type = cls, **kwargs: Any) -> _transforms.GradientTransformation:
+            return cls(**kwargs).to_transformation()
+
+        name, *aliases = dict.fromkeys(cls._seed_names())
+        _optimizers.PRESETS.register(name, *aliases)(preset)
+
+
+_register_presets()
 
 
 __all__ = [

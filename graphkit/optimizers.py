@@ -1,200 +1,459 @@
-"""Optimizers, optax-style: ``init`` declares the state, ``update`` is an onnxscript function.
+"""Optimizers: named chains of gradient transformations (:mod:`graphkit.transforms`).
 
-For each weight, an optimizer's scripted ``update_fn`` maps::
+Each optimizer is a few lines: the ``scale_by_*`` transformation that holds its rule,
+coupled or decoupled weight decay where it has one, and the learning rate::
 
-    (param, grad, *state, lr, step) -> (new_param, *new_state)
+    adam = chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))
+    adamw = chain(scale_by_adam(...), add_decayed_weights(wd), scale_by_learning_rate(lr))
 
-``lr`` is a scalar of the weights' dtype, ``step`` an int64 scalar counting the updates
-already applied (0 at the first update; Adam's bias correction uses t = step + 1).
-State tensors have the weight's shape and are named ``"{param}.{optimizer}.{field}"``::
+``learning_rate`` is a schedule, its name or a number; left ``None`` it stays *open* and
+the trainers (or :meth:`~graphkit.transforms.GradientTransformation.with_learning_rate`)
+fill it. Per-weight state is named ``"{weight}.{rule}.{field}"`` (``"coef.adam.m"``)::
 
-    opt = graphkit.optimizers.adam(b1=0.9, b2=0.999)
-    state = opt.init({"coef": w})            # {"coef.adam.m": 0, "coef.adam.v": 0}
-    params, state = opt.update({"coef": w}, {"coef": g}, state, lr=0.01, step=0)
-    opt.update_model("coef", numpy.float32, w.shape)   # the ONNX graph doing it
+    opt = graphkit.optimizers.adam()
+    state = opt.init({"coef": w})
+    updates, state = opt.update({"coef": g}, state, {"coef": w}, step=0, learning_rate=0.01)
+    w = apply_updates({"coef": w}, updates)["coef"]
 
-Where frameworks disagree the choice is an argument, documented on each factory.
+Where frameworks disagree the choice is an argument, documented on each factory; each
+optimizer is checked against torch.optim where torch has it, else against numpy written
+from the paper.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx
-import onnxscript
 
-from graphkit._graph import Dim, compile_function, elem_type, float_dtype, splice
-from graphkit._ort import Runner
-from graphkit.compat import finalize
 from graphkit.dsl import FLOAT, INT64, op, script
-from graphkit.errors import ShapeError, UnknownNameError
+from graphkit.errors import UnknownNameError
 from graphkit.registry import Registry
+from graphkit.transforms import (
+    OPEN,
+    Chain,
+    Field,
+    GradientTransformation,
+    Partition,
+    Scripted,
+    WeightInfo,
+    add_decayed_weights,
+    apply_updates,
+    check_learning_rate,
+    factory,
+    scale_by_learning_rate,
+)
+
+Optimizer = GradientTransformation
+"""An optimizer is a gradient transformation (a chain ending with the learning rate)."""
+
+OPTIMIZERS: Registry[GradientTransformation] = Registry("optimizer")
 
 
 def _f64(value: float) -> np.ndarray:
     return np.array(value, dtype=np.float64)
 
 
-@dataclass(eq=False)
-class Optimizer:
-    """A gradient transformation: named state and a scripted per-tensor update.
+def _named(name: str, parts: list[GradientTransformation | None], **params: Any) -> Chain:
+    return Chain(*(p for p in parts if p is not None), name=name, params=params)
 
-    Attributes:
-        name: registered name, used in state tensor names.
-        fields: names of the state tensors kept per weight, with their initial value.
-        update_fn: ``(param, grad, *state, lr, step) -> (new_param, *new_state)``.
-        params: the hyper-parameters it was built with.
+
+def _decay(weight_decay: float) -> GradientTransformation | None:
+    return add_decayed_weights(weight_decay) if weight_decay else None
+
+
+def _unit_interval(**values: float) -> None:
+    for key, value in values.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{key} must lie in [0, 1), got {value}.")
+
+
+# -- rules: the scale_by_* transformations ----------------------------------------------
+
+
+@factory
+def trace(
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+    convention: str = "torch",
+) -> Scripted:
+    """A momentum buffer over the updates (state ``momentum.buffer`` or ``.velocity``).
+
+    ``convention="torch"`` (torch.optim.SGD; the buffer starts at the first update)::
+
+        b <- u at step 0, then momentum b + (1 - dampening) u
+        u' = u + momentum b if nesterov, else b
+
+    ``convention="sklearn"`` (scikit-learn's MLP; put it after the learning rate, so
+    that the rate sits inside the velocity)::
+
+        v <- momentum v + u;  u' = u + momentum v if nesterov, else v
     """
+    _unit_interval(momentum=momentum)
+    if convention not in ("torch", "sklearn"):
+        raise ValueError(f"convention must be 'torch' or 'sklearn', got {convention!r}.")
+    mu, damp = _f64(momentum), _f64(1.0 - dampening)
+    params = dict(momentum=momentum, nesterov=nesterov, dampening=dampening)
 
-    name: str
-    fields: tuple[tuple[str, float], ...]
-    update_fn: onnxscript.OnnxFunction
-    params: dict[str, Any] = field(default_factory=dict)
-    _runners: dict[tuple[Any, ...], Runner] = field(default_factory=dict, repr=False)
+    if convention == "sklearn":
+        if dampening:
+            raise ValueError("dampening is a torch option; use convention='torch'.")
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
-        return f"Optimizer({self.name!r}{', ' + args if args else ''})"
+        @script()
+        def velocity_trace(
+            update: FLOAT, param: FLOAT, velocity: FLOAT, step: INT64
+        ) -> tuple[FLOAT, FLOAT]:
+            v = op.CastLike(mu, update) * velocity + update
+            return v, v
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickle as "rebuild from the registry" (scripted closures do not pickle)."""
-        return (_rebuild, (self.name, self.params))
+        @script()
+        def velocity_nesterov(
+            update: FLOAT, param: FLOAT, velocity: FLOAT, step: INT64
+        ) -> tuple[FLOAT, FLOAT]:
+            m = op.CastLike(mu, update)
+            v = m * velocity + update
+            return m * v + update, v
 
-    def state_names(self, param: str) -> list[str]:
-        """Names of the state tensors of weight ``param``, in ``update_fn`` order."""
-        return [f"{param}.{self.name}.{f}" for f, _ in self.fields]
+        fn = velocity_nesterov if nesterov else velocity_trace
+        return Scripted("momentum", fn, (Field("velocity"),), params=params)
 
-    def init(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The initial state: one tensor per weight and field, shaped like the weight."""
-        state = {}
-        for name, value in params.items():
-            value = np.asarray(value)
-            float_dtype(value.dtype)
-            for state_name, (_, init) in zip(self.state_names(name), self.fields):
-                state[state_name] = np.full_like(value, init)
-        return state
+    @script()
+    def buffer_trace(
+        update: FLOAT, param: FLOAT, buffer: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT]:
+        b = op.Where(
+            step == 0, update, op.CastLike(mu, update) * buffer + op.CastLike(damp, update) * update
+        )
+        return b, b
 
-    def update_model(self, param: str, dtype: object, shape: Sequence[Dim]) -> onnx.ModelProto:
-        """The update of one weight as an ONNX model.
+    @script()
+    def buffer_nesterov(
+        update: FLOAT, param: FLOAT, buffer: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT]:
+        m = op.CastLike(mu, update)
+        b = op.Where(step == 0, update, m * buffer + op.CastLike(damp, update) * update)
+        return update + m * b, b
 
-        Inputs ``param, grad, <state names>, lr, step``; outputs ``param.new``,
-        ``<state name>.new``.
-        """
-        shape = tuple(shape)
-        states = self.state_names(param)
-        fn_inputs = [i.name for i in self.update_fn.function_ir.inputs]
-        shapes: dict[str, tuple[Dim, ...]] = {n: shape for n in fn_inputs}
-        shapes.update(lr=(), step=())
-        outputs = ["param.new", *(f"{s}.new" for s in states)]
-        shapes.update({o: shape for o in outputs})
-        model = compile_function(self.update_fn, dtype, shapes, int64=["step"], outputs=outputs)
-        # name the state inputs after the weight
-        mapping = dict(zip(fn_inputs[2 : 2 + len(states)], states))
-        for value in model.graph.input:
-            value.name = mapping.get(value.name, value.name)
-        for node in model.graph.node:
-            node.input[:] = [mapping.get(n, n) for n in node.input]
-        return model
-
-    def update(
-        self,
-        params: Mapping[str, np.ndarray],
-        grads: Mapping[str, np.ndarray],
-        state: Mapping[str, np.ndarray],
-        lr: float,
-        step: int,
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """One update of every weight, computed by the compiled ONNX graphs.
-
-        Returns:
-            ``(new_params, new_state)``; the inputs are not modified.
-        """
-        missing = sorted(set(params) - set(grads))
-        if missing:
-            raise UnknownNameError(f"No gradient given for weights {missing}.")
-        new_params, new_state = {}, {}
-        for name, value in params.items():
-            value = np.asarray(value)
-            dtype = float_dtype(value.dtype)
-            grad = np.asarray(grads[name], dtype=dtype)
-            if grad.shape != value.shape:
-                raise ShapeError(
-                    f"Gradient of {name!r} has shape {grad.shape}, the weight {value.shape}."
-                )
-            names = self.state_names(name)
-            absent = [n for n in names if n not in state]
-            if absent:
-                raise UnknownNameError(
-                    f"State {absent} missing: build the state with {self.name}.init(params)."
-                )
-            key = (name, dtype, value.shape)
-            if key not in self._runners:
-                self._runners[key] = Runner(self.update_model(name, dtype, value.shape))
-            feeds = {"param": value, "grad": grad, "lr": np.array(lr, dtype=dtype)}
-            feeds["step"] = np.array(step, dtype=np.int64)
-            feeds.update({n: np.asarray(state[n], dtype=dtype) for n in names})
-            out = self._runners[key](feeds)
-            new_params[name] = out[0]
-            new_state.update(zip(names, out[1:]))
-        return new_params, new_state
+    fn = buffer_nesterov if nesterov else buffer_trace
+    return Scripted("momentum", fn, (Field("buffer"),), params=params)
 
 
-OPTIMIZERS: Registry[Optimizer] = Registry("optimizer")
+@factory
+def scale_by_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_mode: str = "corrected"
+) -> Scripted:
+    """Adam's direction (Kingma & Ba). m <- b1 m + (1 - b1) u; v <- b2 v + (1 - b2) u^2;
+    t = step + 1, c1 = 1 - b1^t, c2 = 1 - b2^t.
+
+    ``eps_mode="corrected"`` (torch, the paper): u' = (m / c1) / (sqrt(v / c2) + eps).
+    ``eps_mode="uncorrected"`` (scikit-learn, TensorFlow): u' = sqrt(c2) / c1 m /
+    (sqrt(v) + eps); eps then weighs more early on.
+    """
+    _unit_interval(b1=b1, b2=b2)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}.")
+    if eps_mode not in ("corrected", "uncorrected"):
+        raise ValueError(f"eps_mode must be 'corrected' or 'uncorrected', got {eps_mode!r}.")
+    beta1, beta2, e, one = _f64(b1), _f64(b2), _f64(eps), _f64(1.0)
+    params = dict(b1=b1, b2=b2, eps=eps, eps_mode=eps_mode)
+
+    @script()
+    def adam_moments(
+        update: FLOAT, m: FLOAT, v: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT, FLOAT]:
+        """m, v the new moments; c1, c2 = 1 - b1^t, 1 - b2^t"""
+        b_1, b_2 = op.CastLike(beta1, update), op.CastLike(beta2, update)
+        m_new = b_1 * m + (op.CastLike(one, update) - b_1) * update
+        v_new = b_2 * v + (op.CastLike(one, update) - b_2) * update * update
+        t = op.CastLike(step + 1, update)
+        c1 = op.CastLike(one, update) - op.Pow(b_1, t)
+        c2 = op.CastLike(one, update) - op.Pow(b_2, t)
+        return m_new, v_new, c1, c2
+
+    @script()
+    def adam_corrected(
+        update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT]:
+        m_new, v_new, c1, c2 = adam_moments(update, m, v, step)
+        return (m_new / c1) / (op.Sqrt(v_new / c2) + op.CastLike(e, update)), m_new, v_new
+
+    @script()
+    def adam_uncorrected(
+        update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT]:
+        m_new, v_new, c1, c2 = adam_moments(update, m, v, step)
+        scale = op.Sqrt(c2) / c1
+        return scale * m_new / (op.Sqrt(v_new) + op.CastLike(e, update)), m_new, v_new
+
+    fn = adam_corrected if eps_mode == "corrected" else adam_uncorrected
+    return Scripted("adam", fn, (Field("m"), Field("v")), params=params)
 
 
-def _rebuild(name: str, params: dict[str, Any]) -> Optimizer:
-    return OPTIMIZERS.get(name, **params)
+@factory
+def scale_by_adagrad(
+    eps: float = 1e-10, lr_decay: float = 0.0, initial_accumulator_value: float = 0.0
+) -> Scripted:
+    """s <- s + u^2;  u' = u / (1 + step lr_decay) / (sqrt(s) + eps)  (torch's Adagrad)"""
+    if eps < 0 or lr_decay < 0 or initial_accumulator_value < 0:
+        raise ValueError("eps, lr_decay and initial_accumulator_value must be >= 0.")
+    e, decay, one = _f64(eps), _f64(lr_decay), _f64(1.0)
+
+    @script()
+    def adagrad(update: FLOAT, param: FLOAT, sum_sq: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
+        s = sum_sq + update * update
+        slow = op.CastLike(one, update) + op.CastLike(step, update) * op.CastLike(decay, update)
+        return update / slow / (op.Sqrt(s) + op.CastLike(e, update)), s
+
+    params = dict(eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
+    return Scripted("adagrad", adagrad, (Field("sum_sq", initial_accumulator_value),), params=params)
+
+
+@factory
+def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8) -> Scripted:
+    """v <- alpha v + (1 - alpha) u^2;  u' = u / (sqrt(v) + eps)  (torch's RMSprop)"""
+    _unit_interval(alpha=alpha)
+    a, e, one = _f64(alpha), _f64(eps), _f64(1.0)
+
+    @script()
+    def rms(update: FLOAT, param: FLOAT, square_avg: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
+        a_ = op.CastLike(a, update)
+        v = a_ * square_avg + (op.CastLike(one, update) - a_) * update * update
+        return update / (op.Sqrt(v) + op.CastLike(e, update)), v
+
+    return Scripted("rmsprop", rms, (Field("square_avg"),), params=dict(alpha=alpha, eps=eps))
+
+
+@factory
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> Scripted:
+    """Lion (Chen et al. 2023): u' = sign(b1 m + (1 - b1) u);  m <- b2 m + (1 - b2) u"""
+    _unit_interval(b1=b1, b2=b2)
+    beta1, beta2, one = _f64(b1), _f64(b2), _f64(1.0)
+
+    @script()
+    def lion(update: FLOAT, param: FLOAT, m: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
+        b_1, b_2 = op.CastLike(beta1, update), op.CastLike(beta2, update)
+        direction = op.Sign(b_1 * m + (op.CastLike(one, update) - b_1) * update)
+        return direction, b_2 * m + (op.CastLike(one, update) - b_2) * update
+
+    return Scripted("lion", lion, (Field("m"),), params=dict(b1=b1, b2=b2))
+
+
+@factory
+def scale_by_trust_ratio() -> Scripted:
+    """LAMB's layer-wise trust ratio: u' = u ||p|| / ||u|| (u' = u when a norm is 0)."""
+
+    @script()
+    def trust_ratio(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
+        p_norm = op.Sqrt(op.ReduceSumSquare(param, keepdims=0))
+        u_norm = op.Sqrt(op.ReduceSumSquare(update, keepdims=0))
+        zero = op.CastLike(0.0, update)
+        degenerate = op.Or(p_norm == zero, u_norm == zero)
+        ratio = op.Where(degenerate, op.CastLike(1.0, update), p_norm / u_norm)
+        return update * ratio
+
+    return Scripted("trust_ratio", trust_ratio)
+
+
+@factory
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scripted:
+    """RAdam (Liu et al. 2020), torch.optim.RAdam's form. With Adam's m, v and
+    t = step + 1: rho_inf = 2 / (1 - b2) - 1, rho_t = rho_inf - 2 t b2^t / (1 - b2^t);
+
+        u' = m_hat r sqrt(1 - b2^t) / (sqrt(v) + eps)   if rho_t > 5
+        u' = m_hat                                        otherwise
+
+    with m_hat = m / (1 - b1^t), r = sqrt((rho_t - 4)(rho_t - 2) rho_inf /
+    ((rho_inf - 4)(rho_inf - 2) rho_t)).
+    """
+    _unit_interval(b1=b1, b2=b2)
+    beta1, beta2, e, one = _f64(b1), _f64(b2), _f64(eps), _f64(1.0)
+    rho_inf = _f64(2.0 / (1.0 - b2) - 1.0)
+
+    @script()
+    def radam(
+        update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT]:
+        b_1, b_2, o = op.CastLike(beta1, update), op.CastLike(beta2, update), op.CastLike(one, update)
+        m_new = b_1 * m + (o - b_1) * update
+        v_new = b_2 * v + (o - b_2) * update * update
+        t = op.CastLike(step + 1, update)
+        c1 = o - op.Pow(b_1, t)
+        c2 = o - op.Pow(b_2, t)
+        m_hat = m_new / c1
+        r_inf = op.CastLike(rho_inf, update)
+        rho = r_inf - op.CastLike(2.0, update) * t * op.Pow(b_2, t) / c2
+        four, two = op.CastLike(4.0, update), op.CastLike(2.0, update)
+        safe = op.Max(rho, op.CastLike(5.0, update))  # the rectified branch is only read there
+        rect = op.Sqrt(
+            (safe - four) * (safe - two) * r_inf / ((r_inf - four) * (r_inf - two) * safe)
+        )
+        adaptive = op.Sqrt(c2) / (op.Sqrt(v_new) + op.CastLike(e, update))
+        rectified = m_hat * rect * adaptive
+        return op.Where(rho > op.CastLike(5.0, update), rectified, m_hat), m_new, v_new
+
+    return Scripted("radam", radam, (Field("m"), Field("v")), params=dict(b1=b1, b2=b2, eps=eps))
+
+
+@factory
+def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
+    """Adadelta (Zeiler 2012), torch.optim.Adadelta's form::
+
+        v <- rho v + (1 - rho) u^2
+        u' = sqrt(d + eps) / sqrt(v + eps) u
+        d <- rho d + (1 - rho) u'^2
+    """
+    _unit_interval(rho=rho)
+    r, e, one = _f64(rho), _f64(eps), _f64(1.0)
+
+    @script()
+    def adadelta(
+        update: FLOAT, param: FLOAT, square_avg: FLOAT, acc_delta: FLOAT, step: INT64
+    ) -> tuple[FLOAT, FLOAT, FLOAT]:
+        r_, e_ = op.CastLike(r, update), op.CastLike(e, update)
+        v = r_ * square_avg + (op.CastLike(one, update) - r_) * update * update
+        delta = op.Sqrt(acc_delta + e_) / op.Sqrt(v + e_) * update
+        d = r_ * acc_delta + (op.CastLike(one, update) - r_) * delta * delta
+        return delta, v, d
+
+    fields = (Field("square_avg"), Field("acc_delta"))
+    return Scripted("adadelta", adadelta, fields, params=dict(rho=rho, eps=eps))
+
+
+@factory
+def scale_by_adafactor(
+    learning_rate: Any = None,
+    beta2_decay: float = -0.8,
+    eps1: float | None = None,
+    eps2: float = 1e-3,
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+) -> Partition:
+    """Adafactor (Shazeer & Stern 2018), torch.optim.Adafactor's form, learning rate and
+    decay included (its step size depends on the rate non-linearly). t = step + 1::
+
+        beta_t = t^beta2_decay;  rho_t = min(lr, 1 / sqrt(t))
+        alpha_t = max(eps2, RMS(p)) rho_t
+        matrices (factored over the last two axes):
+            R <- (1 - beta_t) R + beta_t mean_cols(u^2);  C <- (1 - beta_t) C + beta_t mean_rows(u^2)
+            V = R C / max(mean(R), eps1)
+        vectors: V <- (1 - beta_t) V + beta_t u^2
+        U = u / sqrt(max(V, eps1^2));  U_hat = U / max(1, RMS(U) / d)
+        u' = -alpha_t U_hat - lr weight_decay p
+
+    ``eps1`` defaults to the machine epsilon of the weights' dtype. The state of a
+    matrix weight is two vectors (``row``, ``col``), not a tensor of its size.
+    """
+    if not beta2_decay <= 0:
+        raise ValueError(f"beta2_decay must be <= 0, got {beta2_decay}.")
+    if eps1 is not None and eps1 < 0 or eps2 < 0 or d <= 0 or weight_decay < 0:
+        raise ValueError("eps1, eps2 and weight_decay must be >= 0, and d > 0.")
+    decay, e2, clip_d, wd = _f64(beta2_decay), _f64(eps2), _f64(d), _f64(weight_decay)
+    one, half = _f64(1.0), _f64(-0.5)
+
+    @script()
+    def adafactor_scale(update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT) -> tuple[FLOAT, FLOAT]:
+        """beta_t and alpha_t for this step and weight"""
+        t = op.CastLike(step + 1, update)
+        beta = op.Pow(t, op.CastLike(decay, update))
+        rho = op.Min(lr, op.Pow(t, op.CastLike(half, update)))
+        rms_p = op.Sqrt(op.ReduceMean(param * param, keepdims=0))
+        return beta, op.Max(op.CastLike(e2, update), rms_p) * rho
+
+    @script()
+    def adafactor_finish(
+        update: FLOAT, param: FLOAT, var: FLOAT, alpha: FLOAT, eps: FLOAT, lr: FLOAT
+    ) -> FLOAT:
+        u = update / op.Sqrt(op.Max(var, eps * eps))
+        rms_u = op.Sqrt(op.ReduceMean(u * u, keepdims=0))
+        denom = op.Max(op.CastLike(one, update), rms_u / op.CastLike(clip_d, update))
+        return op.Neg(alpha / denom) * u - lr * op.CastLike(wd, update) * param
+
+    def rules(dtype: type) -> dict[str, Scripted]:
+        # eps1 defaults to the machine epsilon of the weight's dtype
+        e1 = _f64(eps1 if eps1 is not None else np.finfo(dtype).eps)
+
+        @script()
+        def adafactor_matrix(
+            update: FLOAT, param: FLOAT, row: FLOAT, col: FLOAT, step: INT64, lr: FLOAT
+        ) -> tuple[FLOAT, FLOAT, FLOAT]:
+            beta, alpha = adafactor_scale(update, param, step, lr)
+            eps = op.CastLike(e1, update)
+            keep = op.CastLike(one, update) - beta
+            sq = update * update
+            row_new = keep * row + beta * op.ReduceMean(sq, [-1], keepdims=1)
+            col_new = keep * col + beta * op.ReduceMean(sq, [-2], keepdims=1)
+            norm = op.Max(op.ReduceMean(row_new, [-2], keepdims=1), eps)
+            var = op.MatMul(row_new, col_new) / norm
+            return adafactor_finish(update, param, var, alpha, eps, lr), row_new, col_new
+
+        @script()
+        def adafactor_vector(
+            update: FLOAT, param: FLOAT, variance: FLOAT, step: INT64, lr: FLOAT
+        ) -> tuple[FLOAT, FLOAT]:
+            beta, alpha = adafactor_scale(update, param, step, lr)
+            var = (op.CastLike(one, update) - beta) * variance + beta * update * update
+            eps = op.CastLike(e1, update)
+            return adafactor_finish(update, param, var, alpha, eps, lr), var
+
+        rows = Field("row", lambda p: np.zeros((*p.shape[:-1], 1)))
+        cols = Field("col", lambda p: np.zeros((*p.shape[:-2], 1, p.shape[-1])))
+        name = np.dtype(dtype).name
+        return {
+            f"matrix/{name}": Scripted("adafactor", adafactor_matrix, (rows, cols), learning_rate=rate),
+            f"vector/{name}": Scripted(
+                "adafactor", adafactor_vector, (Field("variance"),), learning_rate=rate
+            ),
+        }
+
+    rate = check_learning_rate(learning_rate)
+
+    def kind(name: str, info: WeightInfo) -> str:
+        return f"{'matrix' if info.ndim >= 2 else 'vector'}/{info.dtype.name}"
+
+    out = Partition({**rules(np.float32), **rules(np.float64)}, kind)
+    out.name = "adafactor"
+    out.params = dict(beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, weight_decay=weight_decay)
+    return out
+
+
+# -- optimizers -----------------------------------------------------------------------------
 
 
 @OPTIMIZERS.register("sgd")
-def sgd(weight_decay: float = 0.0) -> Optimizer:
-    """p <- p - lr (g + weight_decay p)
-
-    ``weight_decay`` is a coupled L2 term added to the gradient (as torch's SGD).
-    """
-    wd = _f64(weight_decay)
-
-    @script()
-    def sgd_update(param: FLOAT, grad: FLOAT, lr: FLOAT, step: INT64) -> tuple[FLOAT]:
-        g = grad + op.CastLike(wd, param) * param
-        return param - lr * g
-
-    return Optimizer("sgd", (), sgd_update, {"weight_decay": weight_decay})
+@factory
+def sgd(learning_rate: Any = None, weight_decay: float = 0.0) -> Chain:
+    """p <- p - lr (g + weight_decay p)  (coupled L2, as torch's SGD)"""
+    return _named(
+        "sgd", [_decay(weight_decay), scale_by_learning_rate(learning_rate)],
+        weight_decay=weight_decay,
+    )
 
 
 @OPTIMIZERS.register("momentum", "sgd_momentum")
+@factory
 def momentum(
     momentum: float = 0.9,
     nesterov: bool = False,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     convention: str = "torch",
-) -> Optimizer:
-    """SGD with momentum, heavy-ball or Nesterov.
+    learning_rate: Any = None,
+) -> Chain:
+    """SGD with momentum, heavy-ball or Nesterov (see :func:`trace`).
 
-    ``convention="torch"`` (torch.optim.SGD; the buffer starts at the first gradient)::
-
-        b <- g                                  at step 0
-        b <- momentum b + (1 - dampening) g     afterwards
-        p <- p - lr (g + momentum b)            if nesterov, else p - lr b
-
-    ``convention="sklearn"`` (scikit-learn's MLP and the seed library: the learning rate
-    sits inside the velocity, which matters when it changes over time)::
-
-        v <- momentum v - lr g
-        p <- p + momentum v - lr g              if nesterov, else p + v
-
+    ``convention="torch"``: p <- p - lr trace(g); ``convention="sklearn"`` (scikit-learn's
+    MLP and the seed library): the learning rate sits inside the velocity,
+    v <- momentum v - lr g, which matters when it changes over time.
     ``weight_decay`` adds a coupled L2 term to g in both.
     """
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must lie in [0, 1), got {momentum}.")
-    if convention not in ("torch", "sklearn"):
-        raise ValueError(f"convention must be 'torch' or 'sklearn', got {convention!r}.")
-    mu, damp, wd = _f64(momentum), _f64(1.0 - dampening), _f64(weight_decay)
-    params = dict(
+    buffer = trace(momentum, nesterov, dampening, convention)
+    rate = scale_by_learning_rate(learning_rate)
+    parts = [rate, buffer] if convention == "sklearn" else [buffer, rate]
+    return _named(
+        "momentum",
+        [_decay(weight_decay), *parts],
         momentum=momentum,
         nesterov=nesterov,
         dampening=dampening,
@@ -202,269 +461,290 @@ def momentum(
         convention=convention,
     )
 
-    if convention == "sklearn":
-        if dampening:
-            raise ValueError("dampening is a torch option; use convention='torch'.")
-
-        @script()
-        def momentum_sklearn_update(
-            param: FLOAT, grad: FLOAT, velocity: FLOAT, lr: FLOAT, step: INT64
-        ) -> tuple[FLOAT, FLOAT]:
-            g = grad + op.CastLike(wd, param) * param
-            v = op.CastLike(mu, param) * velocity - lr * g
-            return param + v, v
-
-        @script()
-        def nesterov_sklearn_update(
-            param: FLOAT, grad: FLOAT, velocity: FLOAT, lr: FLOAT, step: INT64
-        ) -> tuple[FLOAT, FLOAT]:
-            g = grad + op.CastLike(wd, param) * param
-            m = op.CastLike(mu, param)
-            v = m * velocity - lr * g
-            return param + m * v - lr * g, v
-
-        fn = nesterov_sklearn_update if nesterov else momentum_sklearn_update
-        return Optimizer("momentum", (("velocity", 0.0),), fn, params)
-
-    @script()
-    def momentum_update(
-        param: FLOAT, grad: FLOAT, buffer: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT]:
-        g = grad + op.CastLike(wd, param) * param
-        b = op.Where(step == 0, g, op.CastLike(mu, param) * buffer + op.CastLike(damp, param) * g)
-        return param - lr * b, b
-
-    @script()
-    def nesterov_update(
-        param: FLOAT, grad: FLOAT, buffer: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT]:
-        g = grad + op.CastLike(wd, param) * param
-        m = op.CastLike(mu, param)
-        b = op.Where(step == 0, g, m * buffer + op.CastLike(damp, param) * g)
-        return param - lr * (g + m * b), b
-
-    fn = nesterov_update if nesterov else momentum_update
-    return Optimizer("momentum", (("buffer", 0.0),), fn, params)
-
 
 _momentum = momentum
 
 
 @OPTIMIZERS.register("nesterov")
+@factory
 def nesterov(
     momentum: float = 0.9,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     convention: str = "torch",
-) -> Optimizer:
+    learning_rate: Any = None,
+) -> Chain:
     """SGD with Nesterov momentum: ``momentum(..., nesterov=True)``."""
-    return _momentum(momentum, True, dampening, weight_decay, convention)
-
-
-def _adam_update(
-    b1: float, b2: float, eps: float, wd: float, decoupled: bool, eps_mode: str
-) -> Any:
-    beta1, beta2, e = _f64(b1), _f64(b2), _f64(eps)
-    one_minus_b1, one_minus_b2 = _f64(1.0 - b1), _f64(1.0 - b2)
-    coupled, decay = _f64(0.0 if decoupled else wd), _f64(wd if decoupled else 0.0)
-    one = _f64(1.0)
-
-    @script()
-    def adam_moments(
-        param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT, FLOAT, FLOAT, FLOAT]:
-        """p = param (1 - lr decay); m, v the new moments; c1, c2 = 1 - b1^t, 1 - b2^t"""
-        p = param * (op.CastLike(one, param) - lr * op.CastLike(decay, param))
-        g = grad + op.CastLike(coupled, param) * param
-        m_new = op.CastLike(beta1, param) * m + op.CastLike(one_minus_b1, param) * g
-        v_new = op.CastLike(beta2, param) * v + op.CastLike(one_minus_b2, param) * g * g
-        t = op.CastLike(step + 1, param)
-        c1 = op.CastLike(one, param) - op.Pow(op.CastLike(beta1, param), t)
-        c2 = op.CastLike(one, param) - op.Pow(op.CastLike(beta2, param), t)
-        return p, m_new, v_new, c1, c2
-
-    if eps_mode == "corrected":
-
-        @script()
-        def adam_update(
-            param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
-        ) -> tuple[FLOAT, FLOAT, FLOAT]:
-            # p <- p - lr m_hat / (sqrt(v_hat) + eps), m_hat = m / c1, v_hat = v / c2
-            p, m_new, v_new, c1, c2 = adam_moments(param, grad, m, v, lr, step)
-            denom = op.Sqrt(v_new / c2) + op.CastLike(e, param)
-            return p - lr * (m_new / c1) / denom, m_new, v_new
-
-        return adam_update
-
-    @script()
-    def adam_update_uncorrected_eps(
-        param: FLOAT, grad: FLOAT, m: FLOAT, v: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT, FLOAT]:
-        # lr_t = lr sqrt(c2) / c1; p <- p - lr_t m / (sqrt(v) + eps)
-        p, m_new, v_new, c1, c2 = adam_moments(param, grad, m, v, lr, step)
-        lr_t = lr * op.Sqrt(c2) / c1
-        return p - lr_t * m_new / (op.Sqrt(v_new) + op.CastLike(e, param)), m_new, v_new
-
-    return adam_update_uncorrected_eps
-
-
-def _check_adam(b1: float, b2: float, eps: float, eps_mode: str) -> None:
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
-        raise ValueError(f"b1 and b2 must lie in [0, 1), got {b1}, {b2}.")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}.")
-    if eps_mode not in ("corrected", "uncorrected"):
-        raise ValueError(f"eps_mode must be 'corrected' or 'uncorrected', got {eps_mode!r}.")
+    return _momentum(momentum, True, dampening, weight_decay, convention, learning_rate)
 
 
 @OPTIMIZERS.register("adam")
+@factory
 def adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     eps_mode: str = "corrected",
-) -> Optimizer:
-    """Adam (Kingma & Ba): bias-corrected moments.
-
-    m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2;  t = step + 1
-
-    ``eps_mode="corrected"`` (torch, the paper): p <- p - lr m_hat / (sqrt(v_hat) + eps)
-    with m_hat = m / (1 - b1^t), v_hat = v / (1 - b2^t).
-    ``eps_mode="uncorrected"`` (scikit-learn, TensorFlow): p <- p - lr_t m / (sqrt(v) + eps)
-    with lr_t = lr sqrt(1 - b2^t) / (1 - b1^t); eps then weighs more early on.
+    learning_rate: Any = None,
+) -> Chain:
+    """Adam: ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
 
     ``weight_decay`` is coupled L2 (added to g, as torch's Adam); see :func:`adamw`.
     """
-    _check_adam(b1, b2, eps, eps_mode)
-    fn = _adam_update(b1, b2, eps, weight_decay, False, eps_mode)
-    params = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode)
-    return Optimizer("adam", (("m", 0.0), ("v", 0.0)), fn, params)
+    rule = scale_by_adam(b1, b2, eps, eps_mode)
+    return _named(
+        "adam",
+        [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
+        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode,
+    )
 
 
 @OPTIMIZERS.register("adamw")
+@factory
 def adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     eps_mode: str = "corrected",
-) -> Optimizer:
-    """AdamW (Loshchilov & Hutter): Adam with decoupled weight decay.
-
-    p <- p (1 - lr weight_decay) first, then the Adam step on the decayed weight, as
-    torch.optim.AdamW does (optax applies the decay to the un-decayed weight in the same
-    update; the two differ by a term of order lr^2).
-    """
-    _check_adam(b1, b2, eps, eps_mode)
-    fn = _adam_update(b1, b2, eps, weight_decay, True, eps_mode)
-    params = dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode)
-    return Optimizer("adamw", (("m", 0.0), ("v", 0.0)), fn, params)
+    learning_rate: Any = None,
+) -> Chain:
+    """AdamW (Loshchilov & Hutter): the decay comes after Adam's rescaling,
+    p <- p - lr (adam(g) + weight_decay p), which is torch.optim.AdamW's update."""
+    rule = scale_by_adam(b1, b2, eps, eps_mode)
+    return _named(
+        "adamw",
+        [rule, _decay(weight_decay), scale_by_learning_rate(learning_rate)],
+        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode,
+    )
 
 
 @OPTIMIZERS.register("adagrad")
+@factory
 def adagrad(
     eps: float = 1e-10,
     lr_decay: float = 0.0,
     initial_accumulator_value: float = 0.0,
     weight_decay: float = 0.0,
-) -> Optimizer:
-    """Adagrad (torch.optim.Adagrad's form, eps outside the sqrt).
-
-    s <- s + g^2;  p <- p - lr / (1 + step lr_decay) g / (sqrt(s) + eps)
-    """
-    if eps < 0 or lr_decay < 0 or initial_accumulator_value < 0:
-        raise ValueError("eps, lr_decay and initial_accumulator_value must be >= 0.")
-    e, decay, wd, one = _f64(eps), _f64(lr_decay), _f64(weight_decay), _f64(1.0)
-
-    @script()
-    def adagrad_update(
-        param: FLOAT, grad: FLOAT, sum_sq: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT]:
-        g = grad + op.CastLike(wd, param) * param
-        s = sum_sq + g * g
-        clr = lr / (op.CastLike(one, param) + op.CastLike(step, param) * op.CastLike(decay, param))
-        return param - clr * g / (op.Sqrt(s) + op.CastLike(e, param)), s
-
-    params = dict(
-        eps=eps,
-        lr_decay=lr_decay,
-        initial_accumulator_value=initial_accumulator_value,
+    learning_rate: Any = None,
+) -> Chain:
+    """Adagrad (torch.optim.Adagrad's form, eps outside the sqrt)."""
+    rule = scale_by_adagrad(eps, lr_decay, initial_accumulator_value)
+    return _named(
+        "adagrad",
+        [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
+        eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value,
         weight_decay=weight_decay,
     )
-    return Optimizer("adagrad", (("sum_sq", initial_accumulator_value),), adagrad_update, params)
 
 
 @OPTIMIZERS.register("rmsprop")
-def rmsprop(alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0) -> Optimizer:
-    """RMSprop (torch.optim.RMSprop's form, eps outside the sqrt, no momentum).
-
-    v <- alpha v + (1 - alpha) g^2;  p <- p - lr g / (sqrt(v) + eps)
-    """
-    if not 0 <= alpha < 1:
-        raise ValueError(f"alpha must lie in [0, 1), got {alpha}.")
-    a, one_minus_a, e, wd = _f64(alpha), _f64(1.0 - alpha), _f64(eps), _f64(weight_decay)
-
-    @script()
-    def rmsprop_update(
-        param: FLOAT, grad: FLOAT, square_avg: FLOAT, lr: FLOAT, step: INT64
-    ) -> tuple[FLOAT, FLOAT]:
-        g = grad + op.CastLike(wd, param) * param
-        v = op.CastLike(a, param) * square_avg + op.CastLike(one_minus_a, param) * g * g
-        return param - lr * g / (op.Sqrt(v) + op.CastLike(e, param)), v
-
-    params = dict(alpha=alpha, eps=eps, weight_decay=weight_decay)
-    return Optimizer("rmsprop", (("square_avg", 0.0),), rmsprop_update, params)
+@factory
+def rmsprop(
+    alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, learning_rate: Any = None
+) -> Chain:
+    """RMSprop (torch.optim.RMSprop's form, eps outside the sqrt, no momentum)."""
+    return _named(
+        "rmsprop",
+        [_decay(weight_decay), scale_by_rms(alpha, eps), scale_by_learning_rate(learning_rate)],
+        alpha=alpha, eps=eps, weight_decay=weight_decay,
+    )
 
 
-def get(name: str | Optimizer, **kwargs: Any) -> Optimizer:
-    """The optimizer registered as ``name`` (``"nesterov"`` is momentum(nesterov=True))."""
-    if isinstance(name, Optimizer):
+@OPTIMIZERS.register("lion")
+@factory
+def lion(
+    b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, learning_rate: Any = None
+) -> Chain:
+    """Lion: p <- p - lr (sign(b1 m + (1 - b1) g) + weight_decay p)."""
+    return _named(
+        "lion",
+        [scale_by_lion(b1, b2), _decay(weight_decay), scale_by_learning_rate(learning_rate)],
+        b1=b1, b2=b2, weight_decay=weight_decay,
+    )
+
+
+@OPTIMIZERS.register("lamb")
+@factory
+def lamb(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.0,
+    learning_rate: Any = None,
+) -> Chain:
+    """LAMB (You et al. 2020): Adam's direction plus decoupled decay, rescaled per
+    weight by the trust ratio ||p|| / ||r||: p <- p - lr trust r."""
+    return _named(
+        "lamb",
+        [
+            scale_by_adam(b1, b2, eps),
+            _decay(weight_decay),
+            scale_by_trust_ratio(),
+            scale_by_learning_rate(learning_rate),
+        ],
+        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+    )
+
+
+@OPTIMIZERS.register("radam")
+@factory
+def radam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    learning_rate: Any = None,
+) -> Chain:
+    """RAdam (torch.optim.RAdam, coupled ``weight_decay``)."""
+    return _named(
+        "radam",
+        [_decay(weight_decay), scale_by_radam(b1, b2, eps), scale_by_learning_rate(learning_rate)],
+        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+    )
+
+
+@OPTIMIZERS.register("adadelta")
+@factory
+def adadelta(
+    rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0, learning_rate: Any = None
+) -> Chain:
+    """Adadelta (torch.optim.Adadelta; torch's default learning rate is 1.0)."""
+    return _named(
+        "adadelta",
+        [_decay(weight_decay), scale_by_adadelta(rho, eps), scale_by_learning_rate(learning_rate)],
+        rho=rho, eps=eps, weight_decay=weight_decay,
+    )
+
+
+@OPTIMIZERS.register("adafactor")
+@factory
+def adafactor(
+    beta2_decay: float = -0.8,
+    eps1: float | None = None,
+    eps2: float = 1e-3,
+    d: float = 1.0,
+    weight_decay: float = 0.0,
+    learning_rate: Any = None,
+) -> Chain:
+    """Adafactor (torch.optim.Adafactor; see :func:`scale_by_adafactor`)."""
+    rule = scale_by_adafactor(learning_rate, beta2_decay, eps1, eps2, d, weight_decay)
+    return _named(
+        "adafactor", [rule],
+        beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, weight_decay=weight_decay,
+    )
+
+
+def get(name: str | GradientTransformation, **kwargs: Any) -> GradientTransformation:
+    """The optimizer registered as ``name`` (its learning rate open unless given)."""
+    if isinstance(name, GradientTransformation):
         return name
     return OPTIMIZERS.get(name, **kwargs)
 
 
-def scheduled_update_model(
-    optimizer: Optimizer,
-    schedule: Any,
+def resolve(learning_rate: Any, default_rate: float = 0.01) -> GradientTransformation:
+    """The transformation a trainer's ``learning_rate`` argument stands for.
+
+    * a number: plain SGD at that constant rate;
+    * a gradient transformation: itself, an open rate filled at ``default_rate``;
+    * ``(transformation, schedule)``: the schedule (a Schedule, its name or a number)
+      fills the transformation's open rate;
+    * an object with ``to_transformation()`` (the seed's ``LearningRate*`` classes);
+    * a name: a preset from :data:`PRESETS` (the seed's names, ``"SGD"``...), else a
+      registered optimizer at ``default_rate``.
+    """
+    from graphkit import schedules
+
+    if isinstance(learning_rate, bool):
+        raise TypeError("learning_rate cannot be a bool.")
+    if isinstance(learning_rate, (int, float, np.integer, np.floating)):
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        return sgd(learning_rate=float(learning_rate))
+    if isinstance(learning_rate, GradientTransformation):
+        if learning_rate.has_open_learning_rate:
+            return learning_rate.with_learning_rate(default_rate)
+        return learning_rate
+    if isinstance(learning_rate, tuple) and len(learning_rate) == 2:
+        optimizer, schedule = learning_rate
+        if isinstance(optimizer, str):
+            optimizer = get(optimizer)
+        if isinstance(optimizer, GradientTransformation):
+            return optimizer.with_learning_rate(schedules.get(schedule))
+    if hasattr(learning_rate, "to_transformation"):
+        return learning_rate.to_transformation()
+    if isinstance(learning_rate, str):
+        if learning_rate in PRESETS:
+            return PRESETS.get(learning_rate)
+        if learning_rate not in OPTIMIZERS:
+            raise UnknownNameError(
+                f"Unknown learning rate {learning_rate!r}. Valid choices: the optimizers "
+                f"{OPTIMIZERS.names()} and the presets {sorted(PRESETS.spellings())}."
+            )
+        return get(learning_rate).with_learning_rate(default_rate)
+    raise TypeError(
+        "learning_rate must be a float, a name ('SGD', 'adam'...), a gradient "
+        "transformation, a (transformation, schedule) pair or a LearningRate* object, "
+        f"not {learning_rate!r}."
+    )
+
+
+PRESETS: Registry[GradientTransformation] = Registry("learning rate preset")
+"""Names that stand for an optimizer *with* its schedule (the seed's ``"SGD"`` is SGD
+with scikit-learn's invscaling schedule); :mod:`graphkit.learning` registers them."""
+
+
+def update_model(
+    optimizer: GradientTransformation,
     param: str,
     dtype: object,
-    shape: Sequence[Dim],
+    shape: tuple[int, ...],
 ) -> onnx.ModelProto:
-    """One weight's update with the learning rate computed in the graph from ``step``.
+    """One weight's full step as an ONNX model: ``(param, grad, <state>, step) ->
+    (param.new, <state>.new)``, the learning rate computed in the graph from ``step``."""
+    from graphkit._graph import rename_tensors
 
-    Inputs ``param, grad, <state names>, step``; outputs ``param.new, <state>.new``:
-    ``lr = schedule(step)`` (float64, cast to the weight's dtype) feeds ``optimizer``.
-    """
-    update = optimizer.update_model(param, dtype, shape)
-    lr_model = schedule.model()
-    model = onnx.ModelProto()
-    model.CopyFrom(update)
-    lr_input = next(i for i in model.graph.input if i.name == "lr")
-    model.graph.input.remove(lr_input)
-    # "lr" stops being an input: the schedule's nodes, then a Cast, produce it
-    rate = splice(model, lr_model, {"step": "step"}, prefix="schedule")["learning_rate"]
-    model.graph.node.append(
-        onnx.helper.make_node("Cast", [rate], ["lr"], to=elem_type(dtype), name="cast_lr")
-    )
-    # keep the nodes topologically sorted: schedule first, then the update
-    schedule_nodes = list(model.graph.node)[len(update.graph.node) :]
-    update_nodes = list(model.graph.node)[: len(update.graph.node)]
-    del model.graph.node[:]
-    model.graph.node.extend(schedule_nodes + update_nodes)
-    return finalize(model)
+    model = optimizer.model({param: WeightInfo(np.dtype(dtype), tuple(shape))})
+    # p + u, then the seed's names
+    update = f"{param}.update.next"
+    model.graph.node.append(onnx.helper.make_node("Add", [param, update], ["param.new"]))
+    out = model.graph.output[0]
+    out.name = "param.new"
+    mapping = {param: "param", f"{param}.update": "grad"}
+    for o in model.graph.output[1:]:
+        mapping[o.name] = o.name.removesuffix(".next") + ".new"
+    rename_tensors(model.graph, lambda n: mapping.get(n, n))
+    return model
 
 
 __all__ = [
+    "OPEN",
     "OPTIMIZERS",
+    "PRESETS",
     "Optimizer",
+    "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
     "adamw",
+    "apply_updates",
     "get",
+    "lamb",
+    "lion",
     "momentum",
     "nesterov",
+    "radam",
+    "resolve",
     "rmsprop",
-    "scheduled_update_model",
+    "scale_by_adadelta",
+    "scale_by_adafactor",
+    "scale_by_adam",
+    "scale_by_adagrad",
+    "scale_by_lion",
+    "scale_by_radam",
+    "scale_by_rms",
+    "scale_by_trust_ratio",
     "sgd",
+    "trace",
 ]

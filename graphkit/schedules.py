@@ -13,7 +13,9 @@ Factories validate their arguments and raise ``ValueError`` at construction.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ class Schedule:
 
     def __init__(self, name: str, function: onnxscript.OnnxFunction, **params: Any) -> None:
         self.name = name
-        self.function = function
+        self.function = _unique(function)
         self.params = params
         self._runner: Runner | None = None
 
@@ -73,6 +75,17 @@ class Schedule:
 
 
 SCHEDULES: Registry[Schedule] = Registry("schedule")
+_count = itertools.count()
+
+
+def _unique(function: onnxscript.OnnxFunction) -> onnxscript.OnnxFunction:
+    """Give a scripted schedule a name of its own: a schedule built on others (join,
+    warmup) calls them by name, and two constants would otherwise share one."""
+    ir = function.function_ir
+    if not ir.name.endswith("_unique"):
+        ir.name = f"{ir.name}_{next(_count)}_unique"
+        function._name = ir.name  # the name a caller's node is given
+    return function
 
 
 def _rebuild(name: str, params: dict[str, Any]) -> Schedule:
@@ -80,6 +93,7 @@ def _rebuild(name: str, params: dict[str, Any]) -> Schedule:
 
 
 ONE = _f64(1.0)
+HALF = _f64(0.5)
 # a float64 tensor to CastLike constants against where no float64 tensor exists yet
 lr_type = np.array(0.0, dtype=np.float64)
 ZERO_STEP = np.array(0, dtype=np.int64)
@@ -231,12 +245,199 @@ def warmup(
     )
 
 
+def _join2(first: Schedule, second: Schedule, boundary: int) -> onnxscript.OnnxFunction:
+    before, after = first.function, second.function
+    b = np.array(int(boundary), dtype=np.int64)
+
+    @script()
+    def joined_schedule(step: INT64) -> DOUBLE:
+        end = op.CastLike(b, step)
+        later = after(op.Max(step - end, op.CastLike(ZERO_STEP, step)))
+        return op.Where(step < end, before(step), later)
+
+    return joined_schedule
+
+
+@SCHEDULES.register("join", "join_schedules")
+def join(schedules: Sequence[Schedule | str | float], boundaries: Sequence[int]) -> Schedule:
+    """schedules[i](t - boundaries[i-1]) for boundaries[i-1] <= t < boundaries[i]
+
+    Each schedule restarts at step 0 at its boundary (optax's join_schedules); there is
+    one boundary fewer than schedules, increasing.
+    """
+    parts = [get(x) for x in schedules]
+    marks = [int(b) for b in boundaries]
+    if len(parts) != len(marks) + 1:
+        raise ValueError(
+            f"join needs one boundary fewer than schedules: {len(parts)} schedules, "
+            f"{len(marks)} boundaries."
+        )
+    if any(b <= 0 for b in marks) or any(b >= c for b, c in zip(marks, marks[1:])):
+        raise ValueError(f"boundaries must be positive and increasing, got {marks}.")
+    # fold from the right: join(s0, join(s1, s2 at b2 - b1) at b1)
+    tail = parts[-1]
+    for i in range(len(marks) - 1, -1, -1):
+        offset = marks[i] - (marks[i - 1] if i else 0)
+        tail = Schedule("join", _join2(parts[i], tail, offset))
+    return Schedule("join", tail.function, schedules=parts, boundaries=marks)
+
+
+@SCHEDULES.register("piecewise_constant")
+def piecewise_constant(eta0: float, boundaries_and_scales: Mapping[int, float]) -> Schedule:
+    """eta(t) = eta0 times every scale whose boundary is <= t  (optax's
+    piecewise_constant_schedule)"""
+    _positive(eta0=eta0)
+    marks = sorted(int(b) for b in boundaries_and_scales)
+    values, value = [eta0], eta0
+    for b in marks:
+        value *= float(boundaries_and_scales[b])
+        _positive(scale=value)
+        values.append(value)
+    if not marks:
+        return constant(eta0)
+    joined = join([constant(v) for v in values], marks)
+    return Schedule(
+        "piecewise_constant",
+        joined.function,
+        eta0=eta0,
+        boundaries_and_scales=dict(boundaries_and_scales),
+    )
+
+
+@SCHEDULES.register("one_cycle", "onecycle")
+def one_cycle(
+    max_lr: float,
+    total_steps: int,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    anneal: str = "cos",
+) -> Schedule:
+    """The 1cycle policy (Smith 2018), torch's ``OneCycleLR`` (two phases)::
+
+        initial = max_lr / div_factor;  final = initial / final_div_factor
+        E = pct_start total_steps - 1
+        t <= E: anneal(initial -> max_lr, t / E)
+        t > E:  anneal(max_lr -> final, (t - E) / (total_steps - 1 - E))
+
+    ``anneal`` is ``"cos"`` (end + (start - end) (1 + cos(pi pct)) / 2, the cosine in
+    float32) or ``"linear"``. Past ``total_steps`` the rate stays at ``final``.
+    """
+    _positive(max_lr=max_lr, total_steps=total_steps, div_factor=div_factor)
+    _positive(final_div_factor=final_div_factor)
+    if anneal not in ("cos", "linear"):
+        raise ValueError(f"anneal must be 'cos' or 'linear', got {anneal!r}.")
+    first_end = float(pct_start * total_steps) - 1
+    if not 0 < first_end < total_steps - 1:
+        raise ValueError(
+            f"pct_start * total_steps - 1 = {first_end} must lie in (0, total_steps - 1): "
+            "raise total_steps or change pct_start."
+        )
+    start, peak = _f64(max_lr / div_factor), _f64(max_lr)
+    end = _f64(max_lr / div_factor / final_div_factor)
+    e1, last = _f64(first_end), _f64(total_steps - 1)
+    pi = _f64(math.pi)
+    cosine = anneal == "cos"
+
+    @script()
+    def cos_anneal(a: DOUBLE, b: DOUBLE, pct: DOUBLE) -> DOUBLE:
+        angle = op.Cast(op.CastLike(pi, pct) * pct, to=onnx.TensorProto.FLOAT)
+        c = op.Cast(op.Cos(angle), to=onnx.TensorProto.DOUBLE) + op.CastLike(ONE, pct)
+        return b + (a - b) * op.CastLike(HALF, pct) * c
+
+    @script()
+    def linear_anneal(a: DOUBLE, b: DOUBLE, pct: DOUBLE) -> DOUBLE:
+        return (b - a) * pct + a
+
+    anneal_fn = cos_anneal if cosine else linear_anneal
+
+    @script()
+    def one_cycle_schedule(step: INT64) -> DOUBLE:
+        t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), op.CastLike(last, lr_type))
+        e = op.CastLike(e1, t)
+        rising = anneal_fn(op.CastLike(start, t), op.CastLike(peak, t), t / e)
+        pct = (t - e) / (op.CastLike(last, t) - e)
+        falling = anneal_fn(op.CastLike(peak, t), op.CastLike(end, t), pct)
+        return op.Where(t <= e, rising, falling)
+
+    return Schedule(
+        "one_cycle",
+        one_cycle_schedule,
+        max_lr=max_lr,
+        total_steps=total_steps,
+        pct_start=pct_start,
+        div_factor=div_factor,
+        final_div_factor=final_div_factor,
+        anneal=anneal,
+    )
+
+
+@SCHEDULES.register("sgdr", "cosine_restarts")
+def sgdr(eta0: float = 0.01, t_0: int = 100, t_mult: int = 1, eta_min: float = 0.0) -> Schedule:
+    """Cosine annealing with warm restarts (Loshchilov & Hutter 2017), torch's
+    ``CosineAnnealingWarmRestarts``: cycle i lasts T_i = t_0 t_mult^i steps and
+
+        eta(t) = eta_min + (eta0 - eta_min) (1 + cos(pi T_cur / T_i)) / 2
+
+    with T_cur the steps since the last restart (the cosine in float32).
+    """
+    _positive(eta0=eta0, t_0=t_0)
+    if int(t_mult) != t_mult or t_mult < 1:
+        raise ValueError(f"t_mult must be an integer >= 1, got {t_mult}.")
+    if not 0 <= eta_min < eta0:
+        raise ValueError(f"eta_min must lie in [0, eta0), got {eta_min}.")
+    e, lo, T0, M = _f64(eta0), _f64(eta_min), _f64(int(t_0)), _f64(int(t_mult))
+    pi, half = _f64(math.pi), _f64(0.5)
+    geometric = int(t_mult) > 1
+
+    @script()
+    def cycle_start(n: DOUBLE) -> DOUBLE:
+        """the step at which cycle n begins: t_0 (M^n - 1) / (M - 1)"""
+        m = op.CastLike(M, n)
+        return op.CastLike(T0, n) * (op.Pow(m, n) - op.CastLike(ONE, n)) / (m - op.CastLike(ONE, n))
+
+    @script()
+    def position(t: DOUBLE) -> tuple[DOUBLE, DOUBLE]:
+        """(T_cur, T_i)"""
+        if geometric:
+            m = op.CastLike(M, t)
+            guess = op.Floor(
+                op.Log(t / op.CastLike(T0, t) * (m - op.CastLike(ONE, t)) + op.CastLike(ONE, t))
+                / op.Log(m)
+            )
+            # the logarithm may land a hair below an integer at a restart: correct by one
+            n = op.Where(cycle_start(guess + op.CastLike(ONE, t)) <= t, guess + op.CastLike(ONE, t), guess)
+            n = op.Where(cycle_start(n) > t, n - op.CastLike(ONE, t), n)
+            current = t - cycle_start(n)
+            length = op.CastLike(T0, t) * op.Pow(m, n)
+        else:
+            length = op.CastLike(T0, t)
+            current = t - op.Floor(t / length) * length
+        return current, length
+
+    @script()
+    def sgdr_schedule(step: INT64) -> DOUBLE:
+        t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
+        current, length = position(t)
+        angle = op.Cast(op.CastLike(pi, t) * current / length, to=onnx.TensorProto.FLOAT)
+        c = op.Cast(op.Cos(angle), to=onnx.TensorProto.DOUBLE)
+        low = op.CastLike(lo, t)
+        return low + (op.CastLike(e, t) - low) * (op.CastLike(ONE, t) + c) * op.CastLike(half, t)
+
+    return Schedule("sgdr", sgdr_schedule, eta0=eta0, t_0=t_0, t_mult=t_mult, eta_min=eta_min)
+
+
 def get(name: str | float | Schedule, **kwargs: Any) -> Schedule:
     """A schedule by name, a constant from a number, or ``name`` itself if a Schedule."""
     if isinstance(name, Schedule):
         return name
     if isinstance(name, (int, float)) and not isinstance(name, bool):
         return constant(float(name))
+    if not isinstance(name, str):
+        raise TypeError(
+            f"A learning rate is a graphkit Schedule, a schedule's name or a positive number, "
+            f"not {type(name).__name__} {name!r}."
+        )
     return SCHEDULES.get(name, **kwargs)
 
 
@@ -248,7 +449,11 @@ __all__ = [
     "exponential",
     "get",
     "invscaling",
+    "join",
+    "one_cycle",
     "optimal",
+    "piecewise_constant",
+    "sgdr",
     "step_decay",
     "warmup",
 ]

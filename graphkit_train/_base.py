@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import BaseLearningRate, LearningRateSGD, schedules
+from graphkit import optimizers
 from graphkit._graph import static_shape
 from graphkit._ort import onnxruntime
 from graphkit.errors import DTypeError, ShapeError
-from graphkit.optimizers import Optimizer
+from graphkit.transforms import GradientTransformation
 
 CUDA_HINT = (
     "device='cuda' needs the CUDA build of onnxruntime-training: "
@@ -130,32 +130,13 @@ def providers_for(device: str) -> tuple[list[str], str, int]:
     raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.")
 
 
-def select_learning_rate(learning_rate: Any) -> BaseLearningRate:
-    """A learning rate from a float, a name, a ``LearningRate*`` object, an optimizer, or a
-    ``(optimizer, schedule or float)`` pair.
-
-    A float is plain SGD at that constant rate; a bare optimizer runs at a constant 0.01.
-    """
-    if isinstance(learning_rate, BaseLearningRate):
-        return learning_rate
-    if isinstance(learning_rate, bool):
-        raise TypeError("learning_rate cannot be a bool.")
-    if isinstance(learning_rate, (int, float)):
-        if not learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
-        return LearningRateSGD(eta0=float(learning_rate), learning_rate="constant")
-    if isinstance(learning_rate, str):
-        return BaseLearningRate.select(learning_rate)
-    if isinstance(learning_rate, Optimizer):
-        return BaseLearningRate(learning_rate, schedules.constant(0.01))
-    if isinstance(learning_rate, tuple) and len(learning_rate) == 2:
-        optimizer, schedule = learning_rate
-        if isinstance(optimizer, Optimizer):
-            return BaseLearningRate(optimizer, schedules.get(schedule))
-    raise TypeError(
-        "learning_rate must be a float, a name ('SGD', 'adam'...), a LearningRate* object, "
-        f"a graphkit optimizer or an (optimizer, schedule) pair, not {learning_rate!r}."
-    )
+def select_learning_rate(learning_rate: Any) -> GradientTransformation:
+    """The gradient transformation a trainer's ``learning_rate`` stands for: a float
+    (plain SGD at that constant rate), a name (``"SGD"``, ``"adam"``...), a graphkit
+    transformation (an open rate runs at a constant 0.01), a ``(transformation,
+    schedule or float)`` pair, or a ``LearningRate*`` object; see
+    :func:`graphkit.optimizers.resolve`."""
+    return optimizers.resolve(learning_rate)
 
 
 def input_value(model: onnx.ModelProto, name: str) -> onnx.ValueInfoProto:

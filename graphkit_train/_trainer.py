@@ -251,7 +251,7 @@ class BaseTrainer(ParamsMixin, ABC):
                     held_out = self._held_out_loss(validation, group)
                     self.validation_losses_.append(held_out)
                 if progress is not None:
-                    lr = self.learning_rate_.value(int(self._resident[STEP].numpy()))
+                    lr = self.learning_rate_.learning_rate_at(int(self._resident[STEP].numpy()))
                     progress.update(epoch + 1, loss, held_out, lr)
                 if stopper is not None and stopper.done(held_out, self):  # type: ignore[arg-type]
                     break

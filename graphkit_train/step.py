@@ -1,7 +1,7 @@
 """The graphs a training loop runs, each built once.
 
-* :func:`build_update_step`: penalty, learning-rate schedule and optimizer for every
-  weight, as one graph::
+* :func:`build_update_step`: penalty and optimizer (a gradient transformation, its
+  learning-rate schedule inside) for every weight, as one graph::
 
       inputs : <weights>, <weight>_grad..., <optimizer state>, step, loss_sum, loss
       outputs: loss_sum.next, step.next, <weight>.next..., <state>.next...
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from graphkit import BaseLearningRate
 from graphkit._graph import (
     ELEM_TO_DTYPE,
     elem_type,
@@ -43,6 +43,7 @@ from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
 from graphkit.prepare import trainable_weights
+from graphkit.transforms import Emitter, GradientTransformation, WeightInfo, emit_all
 from graphkit.rewrite import (
     META_LABEL,
     META_WEIGHT,
@@ -94,28 +95,42 @@ class TrainingStep(UpdateStep):
 
 def build_update_step(
     weights: Mapping[str, np.ndarray],
-    learning_rate: BaseLearningRate,
+    optimizer: GradientTransformation,
     penalty: Penalty | None = None,
     loss_dtype: object = np.float32,
+    learning_rate: Any = None,
 ) -> UpdateStep:
-    """Penalty + schedule + optimizer for every weight, as one ONNX graph.
+    """Penalty + optimizer for every weight, as one ONNX graph.
 
     For each weight w with gradient g: g' = g + dP/dw (P the penalty on w, if any), then
-    the optimizer's update with the learning rate schedule(step). ``loss_sum.next`` adds
-    the batch ``loss`` and the penalty values to ``loss_sum``.
+    ``optimizer`` (a gradient transformation or chain) turns the gradients into updates
+    and w <- w + u. ``learning_rate`` (a schedule, its name or a number) fills the
+    optimizer's open learning rate. ``loss_sum.next`` adds the batch ``loss`` and the
+    penalty values to ``loss_sum``.
     """
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"optimizer must be a graphkit gradient transformation, not "
+            f"{type(optimizer).__name__}; see graphkit.optimizers.resolve."
+        )
+    if learning_rate is not None:
+        optimizer = optimizer.with_learning_rate(learning_rate)
+    if optimizer.has_open_learning_rate:
+        raise ValueError(
+            f"{optimizer!r} has an open learning rate: pass learning_rate= (a schedule or "
+            "a number)."
+        )
     names = list(weights)
-    optimizer, schedule = learning_rate.optimizer, learning_rate.schedule
+    infos = {w: WeightInfo.of(weights[w]) for w in names}
+    initial_state = optimizer.init({w: weights[w] for w in names})
+    state = list(initial_state)
     loss_elem = elem_type(loss_dtype)
-    state = [s for w in names for s in optimizer.state_names(w)]
-    owner = {s: w for w in names for s in optimizer.state_names(w)}
 
-    inputs = [value_info(w, elem_type(weights[w].dtype), weights[w].shape) for w in names]
+    inputs = [value_info(w, elem_type(infos[w].dtype), infos[w].shape) for w in names]
+    inputs += [value_info(grad_name(w), elem_type(infos[w].dtype), infos[w].shape) for w in names]
     inputs += [
-        value_info(grad_name(w), elem_type(weights[w].dtype), weights[w].shape) for w in names
-    ]
-    inputs += [
-        value_info(s, elem_type(weights[owner[s]].dtype), weights[owner[s]].shape) for s in state
+        value_info(s, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+        for s, v in initial_state.items()
     ]
     inputs += [
         value_info(STEP, TensorProto.INT64, []),
@@ -124,63 +139,45 @@ def build_update_step(
     ]
     graph = helper.make_graph([], "update_step", inputs, [])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DSL_OPSET)])
-    taken = graph_names(model.graph) | {next_name(n) for n in [*names, *state, STEP, LOSS_SUM]}
+    g = Emitter(model, infos)
+    g.taken |= {next_name(n) for n in [*names, *state, STEP, LOSS_SUM]}
     add = model.graph.node.append
-
-    # the learning rate, once per step, cast to each weight dtype
-    rate = splice(model, schedule.model(), {"step": STEP}, prefix="schedule")["learning_rate"]
-    rates: dict[int, str] = {}
-    for w in names:
-        elem = elem_type(weights[w].dtype)
-        if elem not in rates:
-            rates[elem] = fresh_name(
-                f"learning_rate/{TensorProto.DataType.Name(elem).lower()}", taken
-            )
-            add(helper.make_node("Cast", [rate], [rates[elem]], to=elem))
 
     total = LOSS
     penalized = (
         set(penalty.penalized(names, strict=True)) if penalty and not penalty.is_zero else set()
     )
-    produced: dict[str, str] = {}
+    gradients = {w: grad_name(w) for w in names}
     for w in names:
-        value, gradient = weights[w], grad_name(w)
         if w in penalized:
-            piece = penalty.gradient_model(w, value.dtype, value.shape)  # type: ignore[union-attr]
+            piece = penalty.gradient_model(w, infos[w].dtype, infos[w].shape)  # type: ignore[union-attr]
             out = splice(model, piece, {"weight": w}, prefix=f"penalty/{w}")
-            gradient = fresh_name(f"penalty/{w}/total_grad", taken)
-            add(helper.make_node("Add", [grad_name(w), out["weight_grad"]], [gradient]))
-            term = fresh_name(f"penalty/{w}/value", taken)
-            add(helper.make_node("CastLike", [out["penalty"], LOSS], [term]))
-            summed = fresh_name("loss/with_penalty", taken)
-            add(helper.make_node("Add", [total, term], [summed]))
-            total = summed
-        update = optimizer.update_model(w, value.dtype, value.shape)
-        wiring = {"param": w, "grad": gradient, "lr": rates[elem_type(value.dtype)], "step": STEP}
-        wiring.update({s: s for s in optimizer.state_names(w)})
-        out = splice(model, update, wiring, prefix=f"update/{w}")
-        produced[w] = out["param.new"]
-        produced.update({s: out[f"{s}.new"] for s in optimizer.state_names(w)})
+            gradients[w] = g.node("Add", [grad_name(w), out["weight_grad"]], f"penalty/{w}/grad")
+            term = g.node("CastLike", [out["penalty"], LOSS], f"penalty/{w}/value")
+            total = g.node("Add", [total, term], "loss/with_penalty")
 
-    one = fresh_name("step/one", taken)
-    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1, dtype=np.int64), one))
+    updates, new_state = emit_all(optimizer, g, gradients, {s: s for s in state}, STEP)
+    produced = {w: g.node("Add", [w, updates[w]], f"apply/{w}") for w in names}
+    produced.update(new_state)
+
+    one = g.constant(1, np.int64, "step/one")
     add(helper.make_node("Add", [STEP, one], [next_name(STEP)]))
     add(helper.make_node("Add", [LOSS_SUM, total], [next_name(LOSS_SUM)]))
     outputs = [
         value_info(next_name(LOSS_SUM), loss_elem, []),
         value_info(next_name(STEP), TensorProto.INT64, []),
     ]
-    for name in [*names, *state]:
-        add(helper.make_node("Identity", [produced[name]], [next_name(name)]))
-        source = weights[owner.get(name, name)]
-        outputs.append(value_info(next_name(name), elem_type(source.dtype), source.shape))
+    for value in inputs[: len(names)] + inputs[2 * len(names) : 2 * len(names) + len(state)]:
+        add(helper.make_node("Identity", [produced[value.name]], [next_name(value.name)]))
+        out_value = onnx.ValueInfoProto()
+        out_value.CopyFrom(value)
+        out_value.name = next_name(value.name)
+        outputs.append(out_value)
     model.graph.output.extend(outputs)
-    model.doc_string = (
-        f"graphkit update step: {optimizer!r} with {schedule!r}, penalty {penalty!r}."
-    )
+    model.doc_string = f"graphkit update step: {optimizer!r}, penalty {penalty!r}."
 
     initial: dict[str, np.ndarray] = {w: np.array(weights[w]) for w in names}
-    initial.update(optimizer.init(weights))
+    initial.update(initial_state)
     initial[STEP] = np.array(0, dtype=np.int64)
     initial[LOSS_SUM] = np.array(0, dtype=ELEM_TO_DTYPE[loss_elem])
     return UpdateStep(finalize(model, full_check=True), names, state, initial)
@@ -217,9 +214,10 @@ def data_inputs(
 def build_training_step(
     train_onx: onnx.ModelProto,
     weights_to_train: Sequence[str] | None,
-    learning_rate: BaseLearningRate,
+    optimizer: GradientTransformation,
     loss_output_name: str = LOSS,
     sample_weight_name: str | None = "weight",
+    learning_rate: Any = None,
 ) -> TrainingStep:
     """Compose the gradient graph of the loss and the update step into one model.
 
@@ -243,7 +241,9 @@ def build_training_step(
     model = gradient_model(initializers_to_inputs(train_onx, weights), loss_output_name, weights)
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
     loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
-    update = build_update_step({w: values[w] for w in weights}, learning_rate, None, loss_dtype)
+    update = build_update_step(
+        {w: values[w] for w in weights}, optimizer, None, loss_dtype, learning_rate
+    )
     taken = graph_names(model.graph)
     clash = sorted(set(update.state + [STEP, LOSS_SUM]) & taken)
     if clash:
