@@ -50,7 +50,6 @@ from graphkit.learning import (
 )
 from graphkit.losses import Loss, custom_loss
 from graphkit.optimizers import Optimizer
-from graphkit.transforms import GradientTransformation, chain
 from graphkit.penalties import Penalty, custom_penalty
 from graphkit.rewrite import (
     add_loss_output,
@@ -61,6 +60,7 @@ from graphkit.rewrite import (
     set_weights,
 )
 from graphkit.schedules import Schedule
+from graphkit.transforms import GradientTransformation, chain
 
 __version__ = "0.1.0"
 

@@ -207,7 +207,9 @@ def scale_by_adagrad(
         return update / slow / (op.Sqrt(s) + op.CastLike(e, update)), s
 
     params = dict(eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
-    return Scripted("adagrad", adagrad, (Field("sum_sq", initial_accumulator_value),), params=params)
+    return Scripted(
+        "adagrad", adagrad, (Field("sum_sq", initial_accumulator_value),), params=params
+    )
 
 
 @factory
@@ -275,7 +277,11 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scr
     def radam(
         update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
-        b_1, b_2, o = op.CastLike(beta1, update), op.CastLike(beta2, update), op.CastLike(one, update)
+        b_1, b_2, o = (
+            op.CastLike(beta1, update),
+            op.CastLike(beta2, update),
+            op.CastLike(one, update),
+        )
         m_new = b_1 * m + (o - b_1) * update
         v_new = b_2 * v + (o - b_2) * update * update
         t = op.CastLike(step + 1, update)
@@ -300,9 +306,9 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scr
 def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
     """Adadelta (Zeiler 2012), torch.optim.Adadelta's form::
 
-        v <- rho v + (1 - rho) u^2
-        u' = sqrt(d + eps) / sqrt(v + eps) u
-        d <- rho d + (1 - rho) u'^2
+    v <- rho v + (1 - rho) u^2
+    u' = sqrt(d + eps) / sqrt(v + eps) u
+    d <- rho d + (1 - rho) u'^2
     """
     _unit_interval(rho=rho)
     r, e, one = _f64(rho), _f64(eps), _f64(1.0)
@@ -336,7 +342,8 @@ def scale_by_adafactor(
         beta_t = t^beta2_decay;  rho_t = min(lr, 1 / sqrt(t))
         alpha_t = max(eps2, RMS(p)) rho_t
         matrices (factored over the last two axes):
-            R <- (1 - beta_t) R + beta_t mean_cols(u^2);  C <- (1 - beta_t) C + beta_t mean_rows(u^2)
+            R <- (1 - beta_t) R + beta_t mean_cols(u^2)
+            C <- (1 - beta_t) C + beta_t mean_rows(u^2)
             V = R C / max(mean(R), eps1)
         vectors: V <- (1 - beta_t) V + beta_t u^2
         U = u / sqrt(max(V, eps1^2));  U_hat = U / max(1, RMS(U) / d)
@@ -401,7 +408,9 @@ def scale_by_adafactor(
         cols = Field("col", lambda p: np.zeros((*p.shape[:-2], 1, p.shape[-1])))
         name = np.dtype(dtype).name
         return {
-            f"matrix/{name}": Scripted("adafactor", adafactor_matrix, (rows, cols), learning_rate=rate),
+            f"matrix/{name}": Scripted(
+                "adafactor", adafactor_matrix, (rows, cols), learning_rate=rate
+            ),
             f"vector/{name}": Scripted(
                 "adafactor", adafactor_vector, (Field("variance"),), learning_rate=rate
             ),
@@ -426,7 +435,8 @@ def scale_by_adafactor(
 def sgd(learning_rate: Any = None, weight_decay: float = 0.0) -> Chain:
     """p <- p - lr (g + weight_decay p)  (coupled L2, as torch's SGD)"""
     return _named(
-        "sgd", [_decay(weight_decay), scale_by_learning_rate(learning_rate)],
+        "sgd",
+        [_decay(weight_decay), scale_by_learning_rate(learning_rate)],
         weight_decay=weight_decay,
     )
 
@@ -496,7 +506,11 @@ def adam(
     return _named(
         "adam",
         [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
-        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        eps_mode=eps_mode,
     )
 
 
@@ -516,7 +530,11 @@ def adamw(
     return _named(
         "adamw",
         [rule, _decay(weight_decay), scale_by_learning_rate(learning_rate)],
-        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        eps_mode=eps_mode,
     )
 
 
@@ -534,7 +552,9 @@ def adagrad(
     return _named(
         "adagrad",
         [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
-        eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value,
+        eps=eps,
+        lr_decay=lr_decay,
+        initial_accumulator_value=initial_accumulator_value,
         weight_decay=weight_decay,
     )
 
@@ -548,7 +568,9 @@ def rmsprop(
     return _named(
         "rmsprop",
         [_decay(weight_decay), scale_by_rms(alpha, eps), scale_by_learning_rate(learning_rate)],
-        alpha=alpha, eps=eps, weight_decay=weight_decay,
+        alpha=alpha,
+        eps=eps,
+        weight_decay=weight_decay,
     )
 
 
@@ -561,7 +583,9 @@ def lion(
     return _named(
         "lion",
         [scale_by_lion(b1, b2), _decay(weight_decay), scale_by_learning_rate(learning_rate)],
-        b1=b1, b2=b2, weight_decay=weight_decay,
+        b1=b1,
+        b2=b2,
+        weight_decay=weight_decay,
     )
 
 
@@ -584,7 +608,10 @@ def lamb(
             scale_by_trust_ratio(),
             scale_by_learning_rate(learning_rate),
         ],
-        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
     )
 
 
@@ -601,7 +628,10 @@ def radam(
     return _named(
         "radam",
         [_decay(weight_decay), scale_by_radam(b1, b2, eps), scale_by_learning_rate(learning_rate)],
-        b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
     )
 
 
@@ -614,7 +644,9 @@ def adadelta(
     return _named(
         "adadelta",
         [_decay(weight_decay), scale_by_adadelta(rho, eps), scale_by_learning_rate(learning_rate)],
-        rho=rho, eps=eps, weight_decay=weight_decay,
+        rho=rho,
+        eps=eps,
+        weight_decay=weight_decay,
     )
 
 
@@ -631,8 +663,13 @@ def adafactor(
     """Adafactor (torch.optim.Adafactor; see :func:`scale_by_adafactor`)."""
     rule = scale_by_adafactor(learning_rate, beta2_decay, eps1, eps2, d, weight_decay)
     return _named(
-        "adafactor", [rule],
-        beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, weight_decay=weight_decay,
+        "adafactor",
+        [rule],
+        beta2_decay=beta2_decay,
+        eps1=eps1,
+        eps2=eps2,
+        d=d,
+        weight_decay=weight_decay,
     )
 
 

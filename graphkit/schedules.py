@@ -406,7 +406,9 @@ def sgdr(eta0: float = 0.01, t_0: int = 100, t_mult: int = 1, eta_min: float = 0
                 / op.Log(m)
             )
             # the logarithm may land a hair below an integer at a restart: correct by one
-            n = op.Where(cycle_start(guess + op.CastLike(ONE, t)) <= t, guess + op.CastLike(ONE, t), guess)
+            n = op.Where(
+                cycle_start(guess + op.CastLike(ONE, t)) <= t, guess + op.CastLike(ONE, t), guess
+            )
             n = op.Where(cycle_start(n) > t, n - op.CastLike(ONE, t), n)
             current = t - cycle_start(n)
             length = op.CastLike(T0, t) * op.Pow(m, n)

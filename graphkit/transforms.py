@@ -291,9 +291,7 @@ class GradientTransformation:
         }
         initial = self.init({w: np.zeros(i.shape, i.dtype) for w, i in infos.items()})
         inputs = [value_info(w, elem_type(i.dtype), i.shape) for w, i in infos.items()]
-        inputs += [
-            value_info(f"{w}.update", elem_type(i.dtype), i.shape) for w, i in infos.items()
-        ]
+        inputs += [value_info(f"{w}.update", elem_type(i.dtype), i.shape) for w, i in infos.items()]
         inputs += [_state_info(s, v) for s, v in initial.items()]
         inputs.append(value_info("step", TensorProto.INT64, []))
         if learning_rate_input:
@@ -368,6 +366,14 @@ class GradientTransformation:
 
     def _recipe_filled(self, schedule: Any) -> tuple[Any, ...] | None:
         return None if self._recipe is None else (*self._recipe[:3], schedule)
+
+    def __copy__(self: T) -> T:
+        out = object.__new__(type(self))
+        out.__dict__.update(self.__dict__)
+        return out
+
+    def __deepcopy__(self: T, memo: dict[int, Any]) -> T:
+        return self  # immutable: methods return new transformations, never modify one
 
     def __reduce__(self) -> Any:
         """Pickle as "call the factory again" (scripted closures do not pickle)."""
@@ -450,7 +456,10 @@ def apply_updates(
     params: Mapping[str, np.ndarray], updates: Mapping[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """``p + u`` for every weight (the training step does the same in its graph)."""
-    return {w: np.asarray(p) + np.asarray(updates[w], dtype=np.asarray(p).dtype) for w, p in params.items()}
+    return {
+        w: np.asarray(p) + np.asarray(updates[w], dtype=np.asarray(p).dtype)
+        for w, p in params.items()
+    }
 
 
 # -- scripted transformations ------------------------------------------------------------
@@ -553,7 +562,9 @@ class Scripted(GradientTransformation):
                     [()],
                     prefix=f"{self.name}/{w}/statistic",
                 )
-                parts.append(g.node("Cast", [stat], f"{self.name}/statistic", to=TensorProto.DOUBLE))
+                parts.append(
+                    g.node("Cast", [stat], f"{self.name}/statistic", to=TensorProto.DOUBLE)
+                )
             total = g.node("Sum", parts, f"{self.name}/total")
             for w in updates:
                 elem = elem_type(g.weights[w].dtype)
@@ -931,7 +942,9 @@ class ApplyIfFinite(_Wrapper):
             probe = g.node("Mul", [updates[w], zero], f"apply_if_finite/{w}/probe")
             total = g.node("ReduceSum", [probe], f"apply_if_finite/{w}/sum", keepdims=0)
             parts.append(g.node("Cast", [total], "apply_if_finite/sum", to=TensorProto.DOUBLE))
-        bad = g.node("IsNaN", [g.node("Sum", parts, "apply_if_finite/total")], "apply_if_finite/bad")
+        bad = g.node(
+            "IsNaN", [g.node("Sum", parts, "apply_if_finite/total")], "apply_if_finite/bad"
+        )
         finite = g.node("Not", [bad], "apply_if_finite/finite")
         skipped = state[self.counter]
         inner_step = g.node("Sub", [step, skipped], "apply_if_finite/inner_step")
@@ -1001,8 +1014,12 @@ class Lookahead(_Wrapper):
                     "slow": state[self.slow_name(w)],
                     "alpha": g.constant(self.alpha, g.weights[w].dtype, "lookahead/alpha"),
                 },
-                {"param": g.weights[w].shape, "update": g.weights[w].shape,
-                 "slow": g.weights[w].shape, "alpha": ()},
+                {
+                    "param": g.weights[w].shape,
+                    "update": g.weights[w].shape,
+                    "slow": g.weights[w].shape,
+                    "alpha": (),
+                },
                 [g.weights[w].shape, g.weights[w].shape],
                 prefix=f"lookahead/{w}",
             )
@@ -1014,18 +1031,14 @@ class Lookahead(_Wrapper):
 
 
 @script()
-def _lookahead_sync(
-    param: FLOAT, update: FLOAT, slow: FLOAT, alpha: FLOAT
-) -> tuple[FLOAT, FLOAT]:
+def _lookahead_sync(param: FLOAT, update: FLOAT, slow: FLOAT, alpha: FLOAT) -> tuple[FLOAT, FLOAT]:
     """slow' = slow + alpha (p + u - slow); the update that lands p on slow'"""
     synced = slow + alpha * (param + update - slow)
     return synced - param, synced
 
 
 @factory
-def lookahead(
-    inner: GradientTransformation, sync_period: int = 6, alpha: float = 0.5
-) -> Lookahead:
+def lookahead(inner: GradientTransformation, sync_period: int = 6, alpha: float = 0.5) -> Lookahead:
     """Lookahead around ``inner``: slow weights synchronised every ``sync_period`` steps."""
     return Lookahead(inner, sync_period, alpha)
 
@@ -1051,9 +1064,7 @@ def scale_by_learning_rate(learning_rate: Any = None) -> Scripted:
     """u -> -lr u, with lr = schedule(step); left open (None) the runtime fills it."""
 
     @script()
-    def scale_by_learning_rate(
-        update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT
-    ) -> FLOAT:
+    def scale_by_learning_rate(update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT) -> FLOAT:
         return update * op.Neg(lr)
 
     return Scripted(
@@ -1201,7 +1212,10 @@ def ema(decay: float = 0.999) -> Scripted:
     @script()
     def ema_update(update: FLOAT, param: FLOAT, average: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
         new = param + update
-        mixed = op.CastLike(d, param) * average + (op.CastLike(1.0, param) - op.CastLike(d, param)) * new
+        mixed = (
+            op.CastLike(d, param) * average
+            + (op.CastLike(1.0, param) - op.CastLike(d, param)) * new
+        )
         return update, op.Where(step == op.CastLike(0, step), new, mixed)
 
     return Scripted("ema", ema_update, (Field("average", np.copy),), params={"decay": decay})

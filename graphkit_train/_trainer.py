@@ -26,6 +26,7 @@ from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_
 from graphkit.losses import Loss
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
+from graphkit.transforms import ema_weights
 from graphkit_train._base import (
     ParamsMixin,
     as_state,
@@ -564,10 +565,18 @@ class BaseTrainer(ParamsMixin, ABC):
         self._build()
         return self._loss(*self._check(self._features(X), y, sample_weight))
 
-    def get_trained_onnx(self, model: onnx.ModelProto | None = None) -> onnx.ModelProto:
-        """The prediction graph (or ``model``, e.g. the original one) with the trained weights."""
+    def get_trained_onnx(
+        self, model: onnx.ModelProto | None = None, ema: bool = False
+    ) -> onnx.ModelProto:
+        """The prediction graph (or ``model``, e.g. the original one) with the trained
+        weights, or with their moving average when ``ema`` (the optimizer's chain must
+        end with :func:`graphkit.transforms.ema`)."""
         self._build()
-        weights = {n: v for n, v in self.get_state().items() if n in self.update_step_.weights}
+        state = self.get_state()
+        if ema:
+            weights = ema_weights(state)
+        else:
+            weights = {n: v for n, v in state.items() if n in self.update_step_.weights}
         target = self._prediction_model() if model is None else load_model(model)
         # a constant the exporter merged with a weight must keep its value
         return set_weights(untie_constants(target, weights), weights)

@@ -32,7 +32,6 @@ from onnx import TensorProto, helper
 from graphkit._graph import (
     ELEM_TO_DTYPE,
     elem_type,
-    fresh_name,
     graph_names,
     splice,
     static_shape,
@@ -43,7 +42,6 @@ from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
 from graphkit.prepare import trainable_weights
-from graphkit.transforms import Emitter, GradientTransformation, WeightInfo, emit_all
 from graphkit.rewrite import (
     META_LABEL,
     META_WEIGHT,
@@ -51,6 +49,7 @@ from graphkit.rewrite import (
     metadata,
     weight_values,
 )
+from graphkit.transforms import Emitter, GradientTransformation, WeightInfo, emit_all
 
 STEP = "step"
 LOSS_SUM = "loss_sum"

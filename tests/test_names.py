@@ -57,16 +57,14 @@ OPTIMIZER_SPELLINGS = sorted(optimizers.OPTIMIZERS.spellings().items())
 def test_every_optimizer_name_means_one_update_everywhere(spelling, name):
     reference = optimizers.get(name)
     expected = (reference.name, reference.params)
-    chosen = select_learning_rate(spelling).optimizer
+    chosen = select_learning_rate(spelling)
     assert (chosen.name, chosen.params) == expected
-    seed = gk.BaseLearningRate.select(spelling).optimizer
+    seed = gk.BaseLearningRate.select(spelling).to_transformation()
     assert (seed.name, seed.params) == expected
     onx = gk.add_loss_output(linear_regression_onnx(np.zeros((4, 1)), np.zeros(1)))
     trainer = OrtGradientOptimizer(onx, learning_rate=spelling)
     trainer._build()
-    assert (trainer.learning_rate_.optimizer.name, trainer.learning_rate_.optimizer.params) == (
-        expected
-    )
+    assert (trainer.learning_rate_.name, trainer.learning_rate_.params) == expected
 
 
 def test_the_names_that_used_to_mean_two_things():
@@ -74,10 +72,10 @@ def test_the_names_that_used_to_mean_two_things():
     assert gk.BaseLearningLoss.select("log").loss.name == "log_loss"
     assert losses.get("binary_log_loss").params["binary"] is True
     assert gk.BaseLearningLoss.select("binary_log_loss").loss.params["binary"] is True
-    momentum = select_learning_rate("momentum").optimizer
+    momentum = select_learning_rate("momentum")
     assert momentum.params["convention"] == "torch" and momentum.params["nesterov"] is False
     # the seed's scikit-learn-convention Nesterov keeps its own, distinct name
-    seed = select_learning_rate("SGDNesterov").optimizer
+    seed = select_learning_rate("SGDNesterov")
     assert seed.params["convention"] == "sklearn" and seed.params["nesterov"] is True
     with pytest.raises(gk.UnknownNameError):
         select_learning_rate("sgd_nesterov_sklearn")

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphkit import ShapeError, UnknownNameError, optimizers, schedules
+from graphkit.transforms import apply_updates
 
 torch = pytest.importorskip("torch")
 
@@ -76,14 +77,15 @@ def test_optimizer_matches_torch(case, dtype, rng):
     opt = make_ours()
     params = {n: w.astype(dtype) for n, w in w0.items()}
     state = opt.init(params)
-    assert set(state) == {s for n in params for s in opt.state_names(n)}
+    assert all(s.split(".")[0] in {"coef", "0"} for s in state)
     for step in range(STEPS):
         for name, t in tensors.items():
             t.grad = torch.tensor(grads[name][step], dtype=t.dtype)
         reference.step()
-        params, state = opt.update(
-            params, {n: g[step].astype(dtype) for n, g in grads.items()}, state, lr, step
+        updates, state = opt.update(
+            {n: g[step].astype(dtype) for n, g in grads.items()}, state, params, step, lr
         )
+        params = apply_updates(params, updates)
     tol = 1e-12 if dtype == np.float64 else 2e-5
     for name, t in tensors.items():
         assert params[name].dtype == dtype
@@ -105,7 +107,8 @@ def test_momentum_sklearn_convention_matches_sklearn(nesterov, rng):
     for step, g in enumerate(fixed_gradients(rng, w.shape)):
         reference.learning_rate = 0.1 / (step + 1)
         reference.update_params(ref_params, [g])
-        params, state = opt.update(params, {"w": g}, state, 0.1 / (step + 1), step)
+        updates, state = opt.update({"w": g}, state, params, step, 0.1 / (step + 1))
+        params = apply_updates(params, updates)
     np.testing.assert_allclose(params["w"], ref_params[0], rtol=1e-12)
 
 
@@ -120,7 +123,8 @@ def test_adam_uncorrected_eps_matches_sklearn(rng):
     state = opt.init(params)
     for step, g in enumerate(fixed_gradients(rng, w.shape)):
         reference.update_params(ref_params, [g])
-        params, state = opt.update(params, {"w": g}, state, 0.01, step)
+        updates, state = opt.update({"w": g}, state, params, step, 0.01)
+        params = apply_updates(params, updates)
     np.testing.assert_allclose(params["w"], ref_params[0], rtol=1e-12)
 
 
@@ -128,30 +132,52 @@ def test_adam_eps_modes_differ(rng):
     """The documented choice matters: with a large eps the two placements disagree."""
     w, g = {"w": np.ones(3)}, {"w": np.full(3, 1e-3)}
     a, b = optimizers.adam(eps=1e-2), optimizers.adam(eps=1e-2, eps_mode="uncorrected")
-    pa, _ = a.update(w, g, a.init(w), 0.1, 0)
-    pb, _ = b.update(w, g, b.init(w), 0.1, 0)
+    pa = apply_updates(w, a.update(g, a.init(w), w, 0, 0.1)[0])
+    pb = apply_updates(w, b.update(g, b.init(w), w, 0, 0.1)[0])
     # step 0: corrected  -> lr g / (|g| + eps); uncorrected -> lr g / (|g| + eps / sqrt(1 - b2))
     np.testing.assert_allclose(1 - pa["w"], 0.1 * 1e-3 / (1e-3 + 1e-2), rtol=1e-12)
     np.testing.assert_allclose(1 - pb["w"], 0.1 * 1e-3 / (1e-3 + 1e-2 / np.sqrt(1e-3)), rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop"])
-def test_update_eager_equals_formula_and_model_passes_checker(name, rng):
-    """The scripted update run eagerly (onnxscript) gives the same numbers as the
-    compiled graph, and that graph passes the checker with named state."""
-    opt = optimizers.get(name)
+RULES = {
+    "trace": lambda: optimizers.trace(0.9, nesterov=True),
+    "trace_sklearn": lambda: optimizers.trace(0.9, convention="sklearn"),
+    "adam": lambda: optimizers.scale_by_adam(),
+    "adam_uncorrected": lambda: optimizers.scale_by_adam(eps_mode="uncorrected"),
+    "adagrad": lambda: optimizers.scale_by_adagrad(lr_decay=0.1),
+    "rms": lambda: optimizers.scale_by_rms(),
+    "lion": lambda: optimizers.scale_by_lion(),
+    "radam": lambda: optimizers.scale_by_radam(),
+    "adadelta": lambda: optimizers.scale_by_adadelta(),
+    "trust_ratio": lambda: optimizers.scale_by_trust_ratio(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_rule_eager_equals_compiled_and_state_is_named_after_the_weight(name, rng):
+    """A rule's scripted function run eagerly (onnxscript's evaluator) gives the
+    compiled graph's numbers, and its state is named "{weight}.{rule}.{field}"."""
+    rule = RULES[name]()
     w, g = rng.normal(size=(2, 3)), rng.normal(size=(2, 3))
-    state = opt.init({"layer.w": w})
-    lr, step = np.array(0.1), np.array(4, dtype=np.int64)
-    eager = opt.update_fn(w, g, *(state[n] for n in opt.state_names("layer.w")), lr, step)
+    state = {k: v + 0.5 for k, v in rule.init({"layer.w": w}).items()}
+    assert list(state) == [rule.state_name("layer.w", f.name) for f in rule.fields]
+    updates, new_state = rule.update({"layer.w": g}, state, {"layer.w": w}, 4)
+    eager = rule.update_fn(g, w, *state.values(), np.array(4, dtype=np.int64))
     eager = eager if isinstance(eager, tuple) else (eager,)
-    compiled_params, compiled_state = opt.update({"layer.w": w}, {"layer.w": g}, state, 0.1, 4)
-    np.testing.assert_allclose(eager[0], compiled_params["layer.w"], rtol=1e-14)
-    model = opt.update_model("layer.w", np.float32, (2, 3))
-    onnx.checker.check_model(model, full_check=True)
-    names = [i.name for i in model.graph.input]
-    assert names == ["param", "grad", *opt.state_names("layer.w"), "lr", "step"]
-    assert all(n.startswith(f"layer.w.{opt.name}.") for n in opt.state_names("layer.w"))
+    np.testing.assert_allclose(eager[0], updates["layer.w"], rtol=1e-12)
+    for value, name_ in zip(eager[1:], state):
+        np.testing.assert_allclose(value, new_state[name_], rtol=1e-12)
+
+
+def test_update_model_takes_the_seed_names():
+    from graphkit._ort import Runner
+
+    opt = optimizers.sgd(learning_rate=schedules.invscaling(0.1, 0.5))
+    model = optimizers.update_model(opt, "w", np.float64, (2,))
+    onnx.checker.check_model(model)
+    assert [i.name for i in model.graph.input] == ["param", "grad", "step"]
+    out = Runner(model)({"param": np.ones(2), "grad": np.ones(2), "step": np.array(3)})
+    np.testing.assert_allclose(out[0], 1 - 0.1 / np.sqrt(4), rtol=1e-12)
 
 
 @settings(max_examples=15, deadline=None)
@@ -175,18 +201,9 @@ def test_momentum_hypothesis_against_torch(momentum, lr, nesterov, seed):
         g = rng.normal(size=3)
         t.grad = torch.tensor(g)
         reference.step()
-        params, state = opt.update(params, {"w": g}, state, lr, step)
+        updates, state = opt.update({"w": g}, state, params, step, lr)
+        params = apply_updates(params, updates)
     np.testing.assert_allclose(params["w"], t.detach().numpy(), rtol=1e-12, atol=1e-12)
-
-
-def test_scheduled_update_computes_lr_in_graph():
-    from graphkit._ort import Runner
-
-    opt, sched = optimizers.sgd(), schedules.invscaling(0.1, 0.5)
-    model = optimizers.scheduled_update_model(opt, sched, "w", np.float64, (2,))
-    onnx.checker.check_model(model)
-    out = Runner(model)({"param": np.ones(2), "grad": np.ones(2), "step": np.array(3)})
-    np.testing.assert_allclose(out[0], 1 - 0.1 / np.sqrt(4), rtol=1e-12)
 
 
 def test_bad_optimizer_input():
@@ -201,8 +218,10 @@ def test_bad_optimizer_input():
     opt = optimizers.adam()
     w = {"w": np.zeros(3)}
     with pytest.raises(ShapeError, match="Gradient of 'w'"):
-        opt.update(w, {"w": np.zeros(4)}, opt.init(w), 0.1, 0)
+        opt.update({"w": np.zeros(4)}, opt.init(w), w, 0, 0.1)
     with pytest.raises(UnknownNameError, match="No gradient"):
-        opt.update(w, {}, opt.init(w), 0.1, 0)
+        opt.update({}, opt.init(w), w, 0, 0.1)
     with pytest.raises(UnknownNameError, match="init"):
-        opt.update(w, w, {}, 0.1, 0)
+        opt.update(w, {}, w, 0, 0.1)
+    with pytest.raises(ValueError, match="open learning rate"):
+        opt.update(w, opt.init(w), w, 0)
