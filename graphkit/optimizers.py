@@ -354,8 +354,10 @@ def scale_by_adafactor(
     """
     if not beta2_decay <= 0:
         raise ValueError(f"beta2_decay must be <= 0, got {beta2_decay}.")
-    if eps1 is not None and eps1 < 0 or eps2 < 0 or d <= 0 or weight_decay < 0:
-        raise ValueError("eps1, eps2 and weight_decay must be >= 0, and d > 0.")
+    if (eps1 is not None and eps1 < 0) or eps2 < 0 or weight_decay < 0:
+        raise ValueError("eps1, eps2 and weight_decay must be >= 0.")
+    if not d >= 1:
+        raise ValueError(f"d (the update clipping threshold) must be >= 1, got {d}.")
     decay, e2, clip_d, wd = _f64(beta2_decay), _f64(eps2), _f64(d), _f64(weight_decay)
     one, half = _f64(1.0), _f64(-0.5)
 
