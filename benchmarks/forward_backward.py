@@ -22,7 +22,7 @@ from run import BATCH, LR, best_of, initial_weights, mlp_onnx, numpy_epoch
 
 import graphkit as gk
 from graphkit._ort import inference_session
-from graphkit.optimizers import scheduled_update_model
+from graphkit.optimizers import update_model
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 
@@ -38,7 +38,7 @@ class SeedDesign:
         self.weights = {w: self.fb.weights[w] for w in self.fb.weight_names}
         self.updates = {
             w: inference_session(
-                scheduled_update_model(rate.optimizer, rate.schedule, w, np.float32, v.shape())
+                update_model(rate, w, np.float32, tuple(v.shape()))
             )
             for w, v in self.weights.items()
         }

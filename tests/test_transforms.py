@@ -185,12 +185,12 @@ def test_clip_by_global_norm_is_optax_formula(dtype, rng):
     opt = tx.clip_by_global_norm(1.5)
     for g in grads[:5]:
         scaled = {n: 3 * v for n, v in g.items()}
-        for given in (g, scaled):
-            out, _ = opt.update(given, {}, w0)
-            norm = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in given.values()))
+        for grad in (g, scaled):
+            out, _ = opt.update(grad, {}, w0)
+            norm = np.sqrt(sum(np.sum(v.astype(np.float64) ** 2) for v in grad.values()))
             factor = 1.0 if norm < 1.5 else 1.5 / norm
-            for n in given:
-                np.testing.assert_allclose(out[n], given[n] * factor, rtol=TOL[dtype])
+            for n in grad:
+                np.testing.assert_allclose(out[n], grad[n] * factor, rtol=TOL[dtype])
 
 
 def test_clip_and_weight_decay_and_scale(rng):
