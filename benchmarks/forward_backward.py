@@ -37,9 +37,7 @@ class SeedDesign:
         rate = trainer.learning_rate_
         self.weights = {w: self.fb.weights[w] for w in self.fb.weight_names}
         self.updates = {
-            w: inference_session(
-                update_model(rate, w, np.float32, tuple(v.shape()))
-            )
+            w: inference_session(update_model(rate, w, np.float32, tuple(v.shape())))
             for w, v in self.weights.items()
         }
         self.order = self.fb.feed_sources(self.variant)

@@ -125,6 +125,10 @@ class BaseLearningLoss(BaseLearningOnnx):
     def _describe(self) -> str:
         return repr(self.loss)
 
+    def to_loss(self) -> _losses.Loss:
+        """The graphkit loss this adapter stands for."""
+        return self.loss
+
     def build_onnx_function(
         self,
         dtype: object = np.float32,
@@ -217,6 +221,10 @@ class BaseLearningPenalty(BaseLearningOnnx):
 
     def _describe(self) -> str:
         return repr(self.penalty)
+
+    def to_penalty(self) -> _penalties.Penalty:
+        """The graphkit penalty this adapter stands for."""
+        return self.penalty
 
     def build_onnx_function(
         self, name: str = "weight", dtype: object = np.float32, shape: Sequence[Dim] = ("N",)

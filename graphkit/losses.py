@@ -713,6 +713,20 @@ def get(name: str | Loss, **kwargs: Any) -> Loss:
     return LOSSES.get(name, **kwargs)
 
 
+def resolve(loss: Any) -> Loss:
+    """The loss a trainer's ``learning_loss`` stands for: a :class:`Loss`, a registered
+    name or alias (the seed's class names included), or an object with ``to_loss()``
+    (the seed's ``*LearningLoss`` instances)."""
+    if isinstance(loss, (Loss, str)):
+        return get(loss)
+    if hasattr(loss, "to_loss"):
+        return loss.to_loss()
+    raise TypeError(
+        f"learning_loss must be a graphkit Loss, a loss name or a *LearningLoss object, "
+        f"not {type(loss).__name__} {loss!r}."
+    )
+
+
 def custom_loss(fn: Callable[..., Any], name: str | None = None) -> Loss:
     """A loss written by the user as an onnxscript function.
 
@@ -753,4 +767,4 @@ def _check_nonnegative(**values: float) -> None:
             raise ValueError(f"{key} must be >= 0, got {value}.")
 
 
-__all__ = ["LOSSES", "Loss", "custom_loss", "get"]
+__all__ = ["LOSSES", "Loss", "custom_loss", "get", "resolve"]

@@ -249,4 +249,28 @@ def get(name: str | Penalty | None, **kwargs: Any) -> Penalty:
     return PENALTIES.get(name, **kwargs)
 
 
-__all__ = ["PENALTIES", "Penalty", "custom_penalty", "elastic", "from_spec", "get", "l1", "l2"]
+def resolve(penalty: Any) -> Penalty:
+    """The penalty a trainer's ``learning_penalty`` stands for: None (no penalty), a
+    :class:`Penalty`, a registered name, or an object with ``to_penalty()`` (the seed's
+    ``*LearningPenalty`` instances)."""
+    if penalty is None or isinstance(penalty, (Penalty, str)):
+        return get(penalty)
+    if hasattr(penalty, "to_penalty"):
+        return penalty.to_penalty()
+    raise TypeError(
+        f"learning_penalty must be None, a graphkit Penalty, a penalty name or a "
+        f"*LearningPenalty object, not {type(penalty).__name__} {penalty!r}."
+    )
+
+
+__all__ = [
+    "PENALTIES",
+    "Penalty",
+    "custom_penalty",
+    "elastic",
+    "from_spec",
+    "get",
+    "l1",
+    "l2",
+    "resolve",
+]

@@ -63,6 +63,10 @@ class Registry(Generic[T]):
         """Build the registered object ``name`` with ``kwargs``."""
         return self._factories[self.canonical(name)](**kwargs)
 
+    def factory(self, name: str) -> Callable[..., T]:
+        """The factory registered as ``name`` (or an alias)."""
+        return self._factories[self.canonical(name)]
+
     def names(self) -> list[str]:
         return sorted(self._factories)
 

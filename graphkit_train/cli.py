@@ -13,6 +13,7 @@ split. It writes the trained model, the fused training-step graph, ``report.json
 from __future__ import annotations
 
 import argparse
+import inspect
 import csv
 import json
 import os
@@ -267,6 +268,23 @@ def r2(y: np.ndarray, prediction: np.ndarray) -> float:
 # -- the job ----------------------------------------------------------------------------
 
 
+def cli_schedule(name: str, lr: float, total_steps: int) -> Any:
+    """The schedule ``--schedule name`` stands for: ``--lr`` is its initial (or peak)
+    rate, and a schedule that decays over a number of steps decays over the run."""
+    factory = schedules.SCHEDULES.factory(name)
+    known = {"eta0": lr, "max_lr": lr, "total_steps": total_steps, "decay_steps": total_steps}
+    parameters = inspect.signature(factory).parameters
+    missing = [
+        p for p, v in parameters.items() if v.default is inspect.Parameter.empty and p not in known
+    ]
+    if missing:
+        raise CliError(
+            f"the schedule {name!r} needs {', '.join(missing)}, which the command line cannot "
+            "give; build it in Python (graphkit.schedules) instead"
+        )
+    return factory(**{k: v for k, v in known.items() if k in parameters})
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say; return the report (also written to the output folder)."""
     rank, world_size = 0, 1
@@ -310,9 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     train_onx = (
         model if already else gk.add_loss_output(model, loss, output_index=args.output_index)
     )
-    schedule = (
-        schedules.get(args.schedule, eta0=args.lr) if args.schedule != "constant" else args.lr
-    )
+    total_steps = args.epochs * -(-len(train_rows) // args.batch_size)
+    schedule = cli_schedule(args.schedule, args.lr, total_steps)
     trainer = OrtGradientOptimizer(
         train_onx,
         weights,

@@ -52,8 +52,9 @@ class OrtGradientOptimizer(BaseTrainer):
         max_iter: number of epochs.
         batch_size: rows per training step.
         learning_rate: a float (SGD at that constant rate), a name (``"SGD"``,
-            ``"SGDNesterov"``, ``"adam"``...), a ``LearningRate*`` object, a graphkit
-            optimizer (constant rate 0.01) or an ``(optimizer, schedule)`` pair.
+            ``"SGDNesterov"``, ``"adam"``...), a graphkit gradient transformation or chain
+            (:mod:`graphkit.transforms`; an open learning rate runs at a constant 0.01),
+            a ``(transformation, schedule)`` pair, or a ``LearningRate*`` object.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (needs the CUDA build).
         warm_start: continue from where the previous ``fit`` stopped (weights, optimizer
             state, step count and shuffling sequence) instead of the initial weights.
@@ -77,7 +78,7 @@ class OrtGradientOptimizer(BaseTrainer):
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
         validation_losses_: loss on ``(X_val, y_val)`` at each validation.
-        learning_rate_: the resolved learning-rate object.
+        learning_rate_: the gradient transformation trained with.
         weights_to_train_: the weights trained.
         training_step_: the :class:`~graphkit_train.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import BaseLearningLoss, BaseLearningPenalty, losses
+from graphkit import losses, penalties
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import inference_session
 from graphkit.compat import load_model
@@ -44,15 +44,18 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         max_iter, batch_size, device, warm_start, verbose, validation_every, shuffle,
             random_state: as in :class:`~graphkit_train.OrtGradientOptimizer`.
         learning_rate: a float, a name (``"SGD"``, ``"SGDNesterov"``, ``"adam"``...), a
-            ``LearningRate*`` object, a graphkit optimizer or ``(optimizer, schedule)``.
+            graphkit transformation (:mod:`graphkit.transforms`), a ``(transformation,
+            schedule)`` pair or a ``LearningRate*`` object.
         learning_loss: a loss name (the names of :mod:`graphkit.losses`, the same as
             everywhere in graphkit: ``"squared_error"``, ``"elastic"``, ``"log"`` for
             probabilities, ``"sigmoid_log_loss"`` for raw scores, ``"cross_entropy"``
-            for logits...), a seed class name or a ``*LearningLoss`` object.
+            for logits...), a seed class name, a graphkit Loss or a ``*LearningLoss``
+            object.
         output_index: the output the loss applies to, by position or name (None: the
             only float tensor output; a skl2onnx ZipMap output stands for its
             probabilities).
-        learning_penalty: None, an alias, a class name or a ``*LearningPenalty`` object.
+        learning_penalty: None, a name, a graphkit Penalty or a ``*LearningPenalty``
+            object.
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
         exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
@@ -61,8 +64,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             the gradients that the backward pass returns).
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
-    ``learning_loss_``, ``loss_`` (the loss resolved for the prediction's shape),
-    ``learning_rate_``, ``learning_penalty_``, ``forward_backward_``, ``weights_to_train_``.
+    ``learning_loss_`` (a graphkit Loss), ``loss_`` (the loss resolved for the
+    prediction's shape), ``learning_rate_`` (the gradient transformation),
+    ``learning_penalty_`` (a graphkit Penalty), ``forward_backward_``, ``weights_to_train_``.
     """
 
     def __init__(
@@ -100,9 +104,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._check_loop_params()
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
         model, prediction = select_prediction(load_model(self.model_onnx), self.output_index)
-        self.learning_loss_ = BaseLearningLoss.select(self.learning_loss)
+        self.learning_loss_ = losses.resolve(self.learning_loss)
         self.learning_rate_ = select_learning_rate(self.learning_rate)
-        self.learning_penalty_ = BaseLearningPenalty.select(self.learning_penalty)
+        self.learning_penalty_ = penalties.resolve(self.learning_penalty)
         fb = self.forward_backward_ = OrtGradientForwardBackward(
             model, self.weights_to_train, output_names=[prediction.name], device=self.device
         )
@@ -110,14 +114,14 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
         self._prediction_shape = named_shape(prediction)
-        self.loss_ = self.learning_loss_.loss.for_prediction(self._prediction_shape)
+        self.loss_ = self.learning_loss_.for_prediction(self._prediction_shape)
         self._loss_dtype = dtype
         self._loss_runs: dict[bool, tuple[onnx.ModelProto, Any, BindingCache]] = {}
         self.loss_onnx_ = self._loss_run(weighted=False)[0]
         self.weights_to_train_ = list(fb.weight_names)
         values = {w: fb.weights[w].numpy() for w in fb.weight_names}
         self.update_step_ = build_update_step(
-            values, self.learning_rate_, self.learning_penalty_.penalty, dtype
+            values, self.learning_rate_, self.learning_penalty_, dtype
         )
         self._resident_session = inference_session(self.update_step_.model, self._providers)
         self._features_value = input_value(model, fb.input_names[0])
@@ -134,7 +138,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         if self._built:
             return self.loss_.task == losses.CLASSIFICATION
         try:
-            return BaseLearningLoss.select(self.learning_loss).loss.task == losses.CLASSIFICATION
+            return losses.resolve(self.learning_loss).task == losses.CLASSIFICATION
         except (TypeError, ValueError, KeyError):  # fit() will report the bad loss
             return False
 

@@ -98,5 +98,8 @@ cells = [
     ),
 ]
 
-notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+notebook = new_notebook(
+    cells=cells,
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 nbformat.write(notebook, __file__.replace("make_custom_loss.py", "custom_loss.ipynb"))

@@ -150,8 +150,13 @@ cells = [
         "ax.plot(history); ax.set_yscale('log'); ax.set_xlabel('epoch'); ax.set_ylabel('held-out MSE');\n"
         "assert history[-1] < 0.2 * history[0]"
     ),
-    md("`hybrid[2].trained_model()` writes the parameters PyTorch trained back into the ONNX graph."),
+    md(
+        "`hybrid[2].trained_model()` writes the parameters PyTorch trained back into the ONNX graph."
+    ),
 ]
 
-notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+notebook = new_notebook(
+    cells=cells,
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 nbformat.write(notebook, __file__.replace("make_forward_backward.py", "forward_backward.ipynb"))

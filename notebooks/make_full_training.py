@@ -107,5 +107,8 @@ cells = [
     ),
 ]
 
-notebook = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+notebook = new_notebook(
+    cells=cells,
+    metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+)
 nbformat.write(notebook, __file__.replace("make_full_training.py", "full_training.ipynb"))

@@ -181,6 +181,12 @@ def _cli_error_cases(tmp_path, data, model):
             "output_index=3 is out of range",
         ),
         ([str(model), "--data", str(data), "--weights", "W9", *out], "['W9'] is not a trainable"),
+        (
+            [str(model), "--data", str(data), "--schedule", "join", *out],
+            "the schedule 'join' needs schedules, boundaries",
+        ),
+        ([str(model), "--data", str(data), "--schedule", "cosin", *out], "Unknown schedule"),
+        ([str(model), "--data", str(data), "--optimizer", "lions", *out], "Unknown optimizer"),
     ]
 
 
@@ -233,3 +239,15 @@ def test_cli_trains_a_skl2onnx_classifier_with_output_index(tmp_path):
     assert report["epoch_end_seconds"] == sorted(report["epoch_end_seconds"])
     assert report["held_out_accuracy"] > 0.9
     assert min(report["train_losses"]) > 0
+
+
+def test_cli_schedules_span_the_run():
+    """--lr is the initial (or peak) rate; a decaying schedule decays over the run."""
+    from graphkit_train.cli import cli_schedule
+
+    assert cli_schedule("constant", 0.1, 500)(499) == pytest.approx(0.1)
+    cosine = cli_schedule("cosine", 0.1, 500)
+    assert cosine(0) == pytest.approx(0.1) and cosine(500) == pytest.approx(0.0, abs=1e-9)
+    one_cycle = cli_schedule("one_cycle", 0.1, 500)
+    assert max(one_cycle(t) for t in range(500)) == pytest.approx(0.1)
+    assert one_cycle(499) < 1e-5

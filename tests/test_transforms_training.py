@@ -205,3 +205,26 @@ def test_update_step_takes_a_transformation_and_a_schedule(rng):
         build_update_step(weights, optimizers.adam())
     with pytest.raises(TypeError, match="gradient transformation"):
         build_update_step(weights, "adam")
+
+
+def test_forward_backward_takes_dsl_losses_and_penalties(regression_data):
+    """The runtime resolves graphkit objects itself; the seed classes are adapters."""
+    X, y = regression_data
+    onx = linear_regression_onnx(np.zeros((4, 1), np.float32), np.zeros(1, np.float32))
+    results = []
+    for loss, penalty in [
+        (gk.losses.get("huber", delta=0.5), gk.penalties.get("l2", alpha=0.1)),
+        (gk.HuberLearningLoss(delta=0.5), gk.penalties.get("l2", alpha=0.1)),
+    ]:
+        trainer = make_trainer(
+            "forward_backward", onx, 0.05, max_iter=2, learning_loss=loss, learning_penalty=penalty
+        )
+        trainer.fit(X, y)
+        assert isinstance(trainer.learning_loss_, gk.Loss)
+        assert isinstance(trainer.learning_penalty_, gk.Penalty)
+        results.append(trainer.get_state()["coef"])
+    np.testing.assert_array_equal(results[0], results[1])
+    with pytest.raises(TypeError, match="learning_loss must be"):
+        make_trainer("forward_backward", onx, 0.05, learning_loss=3.0).fit(X, y)
+    with pytest.raises(TypeError, match="learning_penalty must be"):
+        make_trainer("forward_backward", onx, 0.05, learning_penalty=[1]).fit(X, y)
