@@ -13,8 +13,8 @@ split. It writes the trained model, the fused training-step graph, ``report.json
 from __future__ import annotations
 
 import argparse
-import inspect
 import csv
+import inspect
 import json
 import os
 import sys
