@@ -342,23 +342,23 @@ class GradientTransformation:
         if open_rate and learning_rate is None:
             raise ValueError(f"{self!r} has an open learning rate: pass learning_rate=.")
         key = (tuple(infos.items()), open_rate)
-        runner = _runners(self).get(key)
-        if runner is None:
-            runner = _runners(self)[key] = Runner(self.model(infos, open_rate))
-        expected = [n for n in runner.input_names if n in _state_names(runner)]
-        absent = [n for n in expected if n not in state]
+        if key not in _compiled(self):
+            initial = self.init({w: np.zeros(i.shape, i.dtype) for w, i in infos.items()})
+            dtypes = {n: v.dtype for n, v in initial.items()}
+            _compiled(self)[key] = (Runner(self.model(infos, open_rate)), dtypes)
+        runner, state_dtypes = _compiled(self)[key]
+        absent = [n for n in state_dtypes if n not in state]
         if absent:
             raise UnknownNameError(
                 f"State {absent} missing: build the state with {self.name}.init(params)."
             )
-        for n in expected:
-            feeds[n] = np.asarray(state[n], dtype=runner.state_dtypes[n])
+        feeds.update({n: np.asarray(state[n], dtype=t) for n, t in state_dtypes.items()})
         feeds["step"] = np.array(step, dtype=np.int64)
         if open_rate:
             feeds["learning_rate"] = np.array(learning_rate, dtype=np.float64)
         out = dict(zip(runner.output_names, runner(feeds)))
         new_updates = {w: out[f"{w}.update.next"] for w in infos}
-        return new_updates, {n: out[f"{n}.next"] for n in expected}
+        return new_updates, {n: out[f"{n}.next"] for n in state_dtypes}
 
     # -- identity -------------------------------------------------------------------------
 
@@ -417,25 +417,9 @@ def _copy(tx: T) -> T:
     return out
 
 
-def _runners(tx: GradientTransformation) -> dict[Any, Any]:
-    if "_runner_cache" not in tx.__dict__:
-        tx.__dict__["_runner_cache"] = {}
-    return tx.__dict__["_runner_cache"]
-
-
-def _state_names(runner: Runner) -> set[str]:
-    if not hasattr(runner, "state_dtypes"):
-        inputs = runner.session.get_inputs()
-        types = {"tensor(float)": np.float32, "tensor(double)": np.float64}
-        types["tensor(int64)"] = np.int64
-        outputs = {o.removesuffix(".next") for o in runner.output_names}
-        runner.state_dtypes = {  # type: ignore[attr-defined]
-            i.name: types[i.type] for i in inputs if i.name in outputs and i.name != "step"
-        }
-        runner.state_dtypes = {  # type: ignore[attr-defined]
-            n: t for n, t in runner.state_dtypes.items() if not n.endswith(".update")
-        }
-    return set(runner.state_dtypes)  # type: ignore[attr-defined]
+def _compiled(tx: GradientTransformation) -> dict[Any, tuple[Runner, dict[str, np.dtype]]]:
+    """The sessions ``tx.update`` built, by weights and open learning rate."""
+    return tx.__dict__.setdefault("_runner_cache", {})
 
 
 def _state_info(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
