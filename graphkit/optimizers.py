@@ -63,6 +63,22 @@ def _decay(weight_decay: float) -> GradientTransformation | None:
     return add_decayed_weights(weight_decay) if weight_decay else None
 
 
+def _coupled(
+    name: str, rule: GradientTransformation, weight_decay: float, learning_rate: Any, **params: Any
+) -> Chain:
+    """L2 added to the gradient, then the rule, then the rate (torch's ``weight_decay``)."""
+    parts = [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)]
+    return _named(name, parts, **params, weight_decay=weight_decay)
+
+
+def _decoupled(
+    name: str, rule: GradientTransformation, weight_decay: float, learning_rate: Any, **params: Any
+) -> Chain:
+    """The rule, then the decay, then the rate: p <- p - lr (rule(g) + weight_decay p)."""
+    parts = [rule, _decay(weight_decay), scale_by_learning_rate(learning_rate)]
+    return _named(name, parts, **params, weight_decay=weight_decay)
+
+
 def _unit_interval(**values: float) -> None:
     for key, value in values.items():
         if not 0 <= value < 1:
@@ -505,14 +521,8 @@ def adam(
     ``weight_decay`` is coupled L2 (added to g, as torch's Adam); see :func:`adamw`.
     """
     rule = scale_by_adam(b1, b2, eps, eps_mode)
-    return _named(
-        "adam",
-        [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        eps_mode=eps_mode,
+    return _coupled(
+        "adam", rule, weight_decay, learning_rate, b1=b1, b2=b2, eps=eps, eps_mode=eps_mode
     )
 
 
@@ -529,14 +539,8 @@ def adamw(
     """AdamW (Loshchilov & Hutter): the decay comes after Adam's rescaling,
     p <- p - lr (adam(g) + weight_decay p), which is torch.optim.AdamW's update."""
     rule = scale_by_adam(b1, b2, eps, eps_mode)
-    return _named(
-        "adamw",
-        [rule, _decay(weight_decay), scale_by_learning_rate(learning_rate)],
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        eps_mode=eps_mode,
+    return _decoupled(
+        "adamw", rule, weight_decay, learning_rate, b1=b1, b2=b2, eps=eps, eps_mode=eps_mode
     )
 
 
@@ -551,13 +555,14 @@ def adagrad(
 ) -> Chain:
     """Adagrad (torch.optim.Adagrad's form, eps outside the sqrt)."""
     rule = scale_by_adagrad(eps, lr_decay, initial_accumulator_value)
-    return _named(
+    return _coupled(
         "adagrad",
-        [_decay(weight_decay), rule, scale_by_learning_rate(learning_rate)],
+        rule,
+        weight_decay,
+        learning_rate,
         eps=eps,
         lr_decay=lr_decay,
         initial_accumulator_value=initial_accumulator_value,
-        weight_decay=weight_decay,
     )
 
 
@@ -567,13 +572,8 @@ def rmsprop(
     alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, learning_rate: Any = None
 ) -> Chain:
     """RMSprop (torch.optim.RMSprop's form, eps outside the sqrt, no momentum)."""
-    return _named(
-        "rmsprop",
-        [_decay(weight_decay), scale_by_rms(alpha, eps), scale_by_learning_rate(learning_rate)],
-        alpha=alpha,
-        eps=eps,
-        weight_decay=weight_decay,
-    )
+    rule = scale_by_rms(alpha, eps)
+    return _coupled("rmsprop", rule, weight_decay, learning_rate, alpha=alpha, eps=eps)
 
 
 @OPTIMIZERS.register("lion")
@@ -582,13 +582,7 @@ def lion(
     b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, learning_rate: Any = None
 ) -> Chain:
     """Lion: p <- p - lr (sign(b1 m + (1 - b1) g) + weight_decay p)."""
-    return _named(
-        "lion",
-        [scale_by_lion(b1, b2), _decay(weight_decay), scale_by_learning_rate(learning_rate)],
-        b1=b1,
-        b2=b2,
-        weight_decay=weight_decay,
-    )
+    return _decoupled("lion", scale_by_lion(b1, b2), weight_decay, learning_rate, b1=b1, b2=b2)
 
 
 @OPTIMIZERS.register("lamb")
@@ -627,14 +621,8 @@ def radam(
     learning_rate: Any = None,
 ) -> Chain:
     """RAdam (torch.optim.RAdam, coupled ``weight_decay``)."""
-    return _named(
-        "radam",
-        [_decay(weight_decay), scale_by_radam(b1, b2, eps), scale_by_learning_rate(learning_rate)],
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-    )
+    rule = scale_by_radam(b1, b2, eps)
+    return _coupled("radam", rule, weight_decay, learning_rate, b1=b1, b2=b2, eps=eps)
 
 
 @OPTIMIZERS.register("adadelta")
@@ -643,13 +631,8 @@ def adadelta(
     rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0, learning_rate: Any = None
 ) -> Chain:
     """Adadelta (torch.optim.Adadelta; torch's default learning rate is 1.0)."""
-    return _named(
-        "adadelta",
-        [_decay(weight_decay), scale_by_adadelta(rho, eps), scale_by_learning_rate(learning_rate)],
-        rho=rho,
-        eps=eps,
-        weight_decay=weight_decay,
-    )
+    rule = scale_by_adadelta(rho, eps)
+    return _coupled("adadelta", rule, weight_decay, learning_rate, rho=rho, eps=eps)
 
 
 @OPTIMIZERS.register("adafactor")
