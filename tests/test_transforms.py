@@ -214,7 +214,8 @@ def unitwise_norm(x):
     return np.broadcast_to(np.sqrt(np.sum(x**2, axis=axes, keepdims=True)), x.shape)
 
 
-def test_adaptive_clip_is_the_paper_formula(rng):
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_adaptive_clip_is_the_paper_formula(dtype, rng):
     w0 = {
         "vec": rng.normal(size=5),
         "mat": rng.normal(size=(4, 3)),
@@ -224,12 +225,16 @@ def test_adaptive_clip_is_the_paper_formula(rng):
         n: rng.normal(size=v.shape) * np.linspace(0.01, 3, v.size).reshape(v.shape)
         for n, v in w0.items()
     }
+    w0 = {n: v.astype(dtype) for n, v in w0.items()}
+    g = {n: v.astype(dtype) for n, v in g.items()}
     out, _ = tx.adaptive_clip(0.1, eps=1e-3).update(g, {}, w0)
+    w0 = {n: v.astype(np.float64) for n, v in w0.items()}
+    g = {n: v.astype(np.float64) for n, v in g.items()}
     for n in g:
         limit = np.maximum(unitwise_norm(w0[n]), 1e-3) * 0.1
         g_norm = unitwise_norm(g[n])
         expected = np.where(g_norm < limit, g[n], g[n] * limit / np.maximum(g_norm, 1e-6))
-        np.testing.assert_allclose(out[n], expected, rtol=1e-12)
+        np.testing.assert_allclose(out[n], expected, rtol=TOL[dtype])
         assert not np.allclose(out[n], g[n])  # the draw does clip something
 
 
@@ -276,8 +281,9 @@ def test_lookahead_matches_the_paper(dtype, rng):
     assert_close(params, lookahead_reference(w0, grads, 0.1, 4, 0.3), dtype)
 
 
-def test_multi_steps_applies_the_mean_every_k_steps(rng):
-    w0, grads = problem(rng, np.float64, steps=9)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_multi_steps_applies_the_mean_every_k_steps(dtype, rng):
+    w0, grads = problem(rng, dtype, steps=9)
     opt = tx.multi_steps(optimizers.adam(), every_k=3)
     params, state = dict(w0), opt.init(w0)
     reference = optimizers.adam()
@@ -290,15 +296,19 @@ def test_multi_steps_applies_the_mean_every_k_steps(rng):
             for n in params:  # in between, nothing moves
                 np.testing.assert_array_equal(params[n], before[n])
         else:
-            mean = {n: sum(grads[s][n] for s in range(step - 2, step + 1)) / 3 for n in g}
+            mean = {
+                n: sum(grads[s][n].astype(np.float64) for s in range(step - 2, step + 1)) / 3
+                for n in g
+            }
             updates, ref_state = reference.update(mean, ref_state, ref_params, step // 3, 0.1)
             ref_params = tx.apply_updates(ref_params, updates)
             for n in params:
-                np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-12)
+                np.testing.assert_allclose(params[n], ref_params[n], rtol=TOL[dtype])
 
 
-def test_apply_if_finite_skips_and_counts(rng):
-    w0, grads = problem(rng, np.float64, steps=6)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_apply_if_finite_skips_and_counts(dtype, rng):
+    w0, grads = problem(rng, dtype, steps=6)
     grads[2] = {n: v.copy() for n, v in grads[2].items()}
     grads[2]["bias"][1] = np.nan
     grads[4] = {n: v.copy() for n, v in grads[4].items()}
@@ -324,7 +334,7 @@ def test_apply_if_finite_skips_and_counts(rng):
         applied += 1
     assert int(state["apply_if_finite.skipped"]) == 2
     for n in params:
-        np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-12)
+        np.testing.assert_allclose(params[n], ref_params[n], rtol=TOL[dtype])
 
 
 def test_masked_partition_and_freeze(rng):
@@ -521,3 +531,22 @@ def test_a_signature_that_disagrees_with_the_declared_state():
 
     with pytest.raises(TypeError, match="returns 2 value"):
         tx.Scripted("mine", extra_output, ())
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=3), min_size=1, max_size=3),
+    max_norm=st.floats(1e-3, 10.0),
+    scale_=st.floats(1e-3, 100.0),
+    seed=st.integers(0, 10_000),
+)
+def test_clip_by_global_norm_hypothesis(shapes, max_norm, scale_, seed):
+    """Any number of weights of any rank (scalars included)."""
+    rng = np.random.default_rng(seed)
+    w0 = {f"w{i}": rng.normal(size=tuple(s)) for i, s in enumerate(shapes)}
+    g = {n: scale_ * rng.normal(size=v.shape) for n, v in w0.items()}
+    out, _ = tx.clip_by_global_norm(max_norm).update(g, {}, w0)
+    norm = np.sqrt(sum(np.sum(v**2) for v in g.values()))
+    factor = 1.0 if norm < max_norm else max_norm / norm
+    for n in g:
+        np.testing.assert_allclose(out[n], g[n] * factor, rtol=1e-12)
