@@ -11,13 +11,16 @@
   (``distributed=True`` in both trainers, launched with ``torchrun``).
 """
 
-from graphkit_train import distributed
+from graphkit_train import checkpoint, distributed
+from graphkit_train.checkpoint import CheckpointError
 from graphkit_train.forward_backward import OrtGradientForwardBackward
 from graphkit_train.full import OrtGradientOptimizer
 from graphkit_train.partial import OrtGradientForwardBackwardOptimizer
 from graphkit_train.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 
 __all__ = [
+    "CheckpointError",
+    "checkpoint",
     "distributed",
     "OrtGradientForwardBackward",
     "OrtGradientForwardBackwardOptimizer",

@@ -27,6 +27,7 @@ from graphkit.losses import Loss
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
 from graphkit.transforms import ema_weights
+from graphkit_train import checkpoint
 from graphkit_train._base import (
     ParamsMixin,
     as_state,
@@ -146,6 +147,45 @@ class BaseTrainer(ParamsMixin, ABC):
         step = self.update_step_
         return {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
 
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write weights, optimizer state, step, the shuffling generator, the epoch count
+        and the loss history to ``path``, atomically (see :mod:`graphkit_train.checkpoint`)."""
+        arrays = self.get_state()
+        header = {
+            "trainer": type(self).__name__,
+            "graph_hash": self._graph_hash(),
+            "epochs": len(self.train_losses_),
+            "train_losses": [float(x) for x in self.train_losses_],
+            "validation_losses": [float(x) for x in self.validation_losses_],
+            "rng": self._rng.bit_generator.state if self._rng is not None else None,
+        }
+        checkpoint.write(path, arrays, header)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> BaseTrainer:
+        """Continue from a checkpoint of :meth:`save_checkpoint`: the next ``fit`` with
+        ``warm_start=True`` (or ``checkpoint=path``) goes on exactly where it stopped.
+
+        Raises:
+            CheckpointError: the file is truncated or corrupted, or belongs to another
+                model (other weights, shapes, dtypes, operators or optimizer).
+        """
+        self._build()
+        arrays, header = checkpoint.read(path)
+        step = self.update_step_
+        expected = {n: step.initial[n] for n in [*step.weights, *step.state, STEP]}
+        checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
+        self.set_state(arrays)
+        self.train_losses_ = list(header["train_losses"])
+        self.validation_losses_ = list(header["validation_losses"])
+        if header["rng"] is not None:
+            self._rng = np.random.default_rng()
+            self._rng.bit_generator.state = header["rng"]
+        return self
+
+    def _graph_hash(self) -> str:
+        """The structure of the user's graph and of the update step (no weight values)."""
+        return checkpoint.graph_hash(load_model(self.model_onnx), self.update_step_.model)
+
     def set_state(self, state: Mapping[str, Any]) -> BaseTrainer:
         """Load weights (and optionally optimizer state and ``"step"``) to train from.
 
@@ -185,6 +225,8 @@ class BaseTrainer(ParamsMixin, ABC):
         X_val: Any = None,
         y_val: Any = None,
         callback: Callable[[int, dict[str, float | None], BaseTrainer], Any] | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
     ) -> BaseTrainer:
         """Train for ``max_iter`` epochs of shuffled mini-batches.
 
@@ -197,6 +239,11 @@ class BaseTrainer(ParamsMixin, ABC):
             callback: called after every epoch as ``callback(epoch, losses, trainer)``
                 with ``losses = {"train": ..., "validation": ... or None}``; returning
                 True stops training.
+            checkpoint: a file to write a checkpoint to every ``checkpoint_every``
+                epochs and at the end (:meth:`save_checkpoint`). When the file exists,
+                training resumes from it and runs the epochs left to ``max_iter``: a
+                killed run, started again with the same call, ends with the weights an
+                uninterrupted run would have.
 
         Raises:
             ConvergenceError: the loss of an epoch is NaN, infinite, or negative for a
@@ -206,6 +253,12 @@ class BaseTrainer(ParamsMixin, ABC):
             ValueError: class labels outside the model's classes, and other bad input.
         """
         self._build()
+        if checkpoint is not None and self.distributed:
+            raise ValueError("checkpoint= is not supported with distributed=True yet.")
+        check_loop_param("checkpoint_every", checkpoint_every)
+        resumed = checkpoint is not None and os.path.exists(checkpoint)
+        if resumed:
+            self.load_checkpoint(checkpoint)  # type: ignore[arg-type]
         group = self._group = ProcessGroup() if self.distributed else None
         seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
         max_iter = check_loop_param("max_iter", self.max_iter)
@@ -215,7 +268,8 @@ class BaseTrainer(ParamsMixin, ABC):
         )
         if X.ndim == 2:
             self.n_features_in_ = int(X.shape[1])
-        if not (self.warm_start and self._fitted):
+        done = len(self.train_losses_) if resumed else 0
+        if not ((self.warm_start or resumed) and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
             self.validation_losses_ = []
@@ -229,7 +283,7 @@ class BaseTrainer(ParamsMixin, ABC):
         progress = EpochProgress(max_iter) if shows else None
         self.n_iter_ = 0
         try:
-            for epoch in range(max_iter):
+            for epoch in range(done, max_iter):
                 snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
                 self._resident[LOSS_SUM].update_inplace(zero)
                 loss = self._run_epoch(X, y, w, batch_size, group)
@@ -260,6 +314,10 @@ class BaseTrainer(ParamsMixin, ABC):
                     callback is not None
                     and callback(epoch + 1, {"train": loss, "validation": held_out}, self)
                 )
+                if checkpoint is not None and (
+                    stop or epoch + 1 == max_iter or (epoch + 1) % checkpoint_every == 0
+                ):
+                    self.save_checkpoint(checkpoint)
                 if stop if group is None else group.any(stop):
                     break
         finally:
