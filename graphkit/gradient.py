@@ -21,6 +21,7 @@ from graphkit._graph import fresh_name, graph_names
 from graphkit._ort import _short, onnxruntime
 from graphkit.compat import finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
+from graphkit.lowering import lower_float32_only_ops
 
 _NO_BUILDER = re.compile(r"gradient builder has not been registered: (\S+) for node (\S*)")
 
@@ -67,112 +68,6 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
         grad.graph.output.remove(extra)
         lower_float32_only_ops(grad)
     return finalize(grad)
-
-
-def lower_float32_only_ops(model: onnx.ModelProto) -> None:
-    """Rewrite gradient operators onnxruntime implements for float32 only (in place).
-
-    Used on float64 gradient graphs, each with its closed form in standard operators:
-
-    * FusedMatMul(A, B) = alpha op(A) @ op(B), op a transpose of the last two axes (Einsum)
-    * ReluGrad(dY, Y) = dY * (Y > 0); LeakyReluGrad(dY, Y) = dY * (Y > 0 ? 1 : alpha)
-    * SoftmaxGrad_13(dY, Y) = Y * (dY - sum(dY * Y, axis))
-    * LogSoftmaxGrad_13(dY, Y) = dY - exp(Y) * sum(dY, axis)
-    * Scale(X, s) = X * s or X / s (its kernel computes the factor in float32)
-    """
-    nodes: list[onnx.NodeProto] = []
-    for node in model.graph.node:
-        lower = _LOWERINGS.get(node.op_type) if node.domain == "com.microsoft" else None
-        replacement = lower(node) if lower else None
-        nodes.extend(replacement if replacement is not None else [node])
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _constant_like(name: str, value: float, like: str) -> list[onnx.NodeProto]:
-    make = onnx.helper.make_node
-    return [
-        make("Constant", [], [f"{name}/value"], value_float=float(value)),
-        make("CastLike", [f"{name}/value", like], [name]),
-    ]
-
-
-def _fused_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    attrs = _attrs(node)
-    if attrs.get("transBatchA") or attrs.get("transBatchB"):
-        return None
-    a = "...ji" if attrs.get("transA") else "...ij"
-    b = "...kj" if attrs.get("transB") else "...jk"
-    alpha = float(attrs.get("alpha", 1.0))  # type: ignore[arg-type]
-    out, base = node.output[0], f"{node.name or node.output[0]}/lowered"
-    product = out if alpha == 1.0 else f"{base}/product"
-    nodes = [
-        onnx.helper.make_node("Einsum", list(node.input), [product], equation=f"{a},{b}->...ik")
-    ]
-    if alpha != 1.0:
-        nodes += _constant_like(f"{base}/alpha", alpha, product)
-        nodes.append(onnx.helper.make_node("Mul", [product, f"{base}/alpha"], [out]))
-    return nodes
-
-
-def _relu_grad(node: onnx.NodeProto, slope: float = 0.0) -> list[onnx.NodeProto]:
-    make = onnx.helper.make_node
-    dy, y = node.input[0], node.input[1]
-    base = f"{node.name or node.output[0]}/lowered"
-    nodes = _constant_like(f"{base}/zero", 0.0, y) + _constant_like(f"{base}/slope", slope, y)
-    nodes += _constant_like(f"{base}/one", 1.0, y)
-    nodes.append(make("Greater", [y, f"{base}/zero"], [f"{base}/positive"]))
-    nodes.append(
-        make("Where", [f"{base}/positive", f"{base}/one", f"{base}/slope"], [f"{base}/gate"])
-    )
-    nodes.append(make("Mul", [dy, f"{base}/gate"], [node.output[0]]))
-    return nodes
-
-
-def _softmax_grad(node: onnx.NodeProto, log: bool) -> list[onnx.NodeProto]:
-    make = onnx.helper.make_node
-    dy, y = node.input[0], node.input[1]
-    axis = int(_attrs(node).get("axis", -1))  # type: ignore[arg-type]
-    base = f"{node.name or node.output[0]}/lowered"
-    nodes = [make("Constant", [], [f"{base}/axes"], value_ints=[axis])]
-    if log:  # dX = dY - exp(Y) sum(dY)
-        nodes.append(make("ReduceSum", [dy, f"{base}/axes"], [f"{base}/sum"], keepdims=1))
-        nodes.append(make("Exp", [y], [f"{base}/p"]))
-        nodes.append(make("Mul", [f"{base}/p", f"{base}/sum"], [f"{base}/scaled"]))
-        nodes.append(make("Sub", [dy, f"{base}/scaled"], [node.output[0]]))
-    else:  # dX = Y (dY - sum(dY Y))
-        nodes.append(make("Mul", [dy, y], [f"{base}/dyy"]))
-        nodes.append(
-            make("ReduceSum", [f"{base}/dyy", f"{base}/axes"], [f"{base}/sum"], keepdims=1)
-        )
-        nodes.append(make("Sub", [dy, f"{base}/sum"], [f"{base}/centered"]))
-        nodes.append(make("Mul", [y, f"{base}/centered"], [node.output[0]]))
-    return nodes
-
-
-def _scale(node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    make = onnx.helper.make_node
-    x, factor = node.input[0], node.input[1]
-    base = f"{node.name or node.output[0]}/lowered"
-    binary = "Div" if _attrs(node).get("scale_down") else "Mul"
-    return [
-        make("CastLike", [factor, x], [f"{base}/factor"]),
-        make(binary, [x, f"{base}/factor"], [node.output[0]]),
-    ]
-
-
-_LOWERINGS = {
-    "FusedMatMul": _fused_matmul,
-    "Scale": _scale,
-    "ReluGrad": _relu_grad,
-    "LeakyReluGrad": lambda n: _relu_grad(n, float(_attrs(n).get("alpha", 0.01))),  # type: ignore[arg-type]
-    "SoftmaxGrad_13": lambda n: _softmax_grad(n, log=False),
-    "LogSoftmaxGrad_13": lambda n: _softmax_grad(n, log=True),
-}
 
 
 def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:

@@ -29,11 +29,8 @@ from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_match
 from graphkit._ort import _short, inference_session, onnxruntime
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.gradient import (
-    _quiet_native_stderr,
-    explain_builder_failure,
-    lower_float32_only_ops,
-)
+from graphkit.gradient import _quiet_native_stderr, explain_builder_failure
+from graphkit.lowering import lower_float32_only_ops
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
 from graphkit_train._base import providers_for

@@ -1,0 +1,460 @@
+"""Gradient operators of onnxruntime-training, rewritten with standard ONNX operators.
+
+onnxruntime-training's gradient graphs use operators of its own (``com.microsoft``:
+``BroadcastGradientArgs``, ``ReluGrad``...). No other runtime implements them, and some
+of their kernels exist for float32 only. Each entry of :data:`LOWERINGS` replaces one such
+node with standard operators (opset 18) computing the formula in its docstring; each is
+checked against onnxruntime-training's own kernel on random inputs
+(``tests/test_lowering.py``).
+
+* :func:`lower_float32_only_ops`: the operators whose kernels are float32-only, on a
+  float64 gradient graph.
+* :func:`lower_to_standard`: every operator, so that the graph runs on plain onnxruntime
+  or ``onnx.reference``; an operator (or attribute combination) the table does not know
+  raises an error listing them all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import onnx
+from onnx import TensorProto, helper
+
+from graphkit.errors import IncompatibleModelError
+
+Lowering = Callable[[onnx.NodeProto], "list[onnx.NodeProto] | None"]
+"""A node -> its replacement, or None when its attributes are outside what is known."""
+
+make = helper.make_node
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _base(node: onnx.NodeProto) -> str:
+    return f"{node.name or node.output[0]}/lowered"
+
+
+def _constant_like(name: str, value: float, like: str) -> list[onnx.NodeProto]:
+    return [
+        make("Constant", [], [f"{name}/value"], value_float=float(value)),
+        make("CastLike", [f"{name}/value", like], [name]),
+    ]
+
+
+def _ints(name: str, values: list[int]) -> onnx.NodeProto:
+    return make("Constant", [], [name], value_ints=list(values))
+
+
+def _int(name: str, value: int) -> onnx.NodeProto:
+    return make("Constant", [], [name], value_int=int(value))
+
+
+# -- the float32-only kernels -----------------------------------------------------------------
+
+
+def fused_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """FusedMatMul(A, B) = alpha op(A) @ op(B), op a transpose of the last two axes"""
+    attrs = _attrs(node)
+    if attrs.get("transBatchA") or attrs.get("transBatchB"):
+        return None
+    a = "...ji" if attrs.get("transA") else "...ij"
+    b = "...kj" if attrs.get("transB") else "...jk"
+    alpha = float(attrs.get("alpha", 1.0))  # type: ignore[arg-type]
+    out, base = node.output[0], _base(node)
+    product = out if alpha == 1.0 else f"{base}/product"
+    nodes = [make("Einsum", list(node.input), [product], equation=f"{a},{b}->...ik")]
+    if alpha != 1.0:
+        nodes += _constant_like(f"{base}/alpha", alpha, product)
+        nodes.append(make("Mul", [product, f"{base}/alpha"], [out]))
+    return nodes
+
+
+def relu_grad(node: onnx.NodeProto, slope: float = 0.0) -> list[onnx.NodeProto]:
+    """ReluGrad(dY, Y) = dY * (Y > 0);  LeakyReluGrad(dY, Y) = dY * (Y > 0 ? 1 : alpha)"""
+    dy, y = node.input[0], node.input[1]
+    base = _base(node)
+    nodes = _constant_like(f"{base}/zero", 0.0, y) + _constant_like(f"{base}/slope", slope, y)
+    nodes += _constant_like(f"{base}/one", 1.0, y)
+    nodes.append(make("Greater", [y, f"{base}/zero"], [f"{base}/positive"]))
+    nodes.append(
+        make("Where", [f"{base}/positive", f"{base}/one", f"{base}/slope"], [f"{base}/gate"])
+    )
+    nodes.append(make("Mul", [dy, f"{base}/gate"], [node.output[0]]))
+    return nodes
+
+
+def softmax_grad(node: onnx.NodeProto, log: bool) -> list[onnx.NodeProto]:
+    """SoftmaxGrad_13(dY, Y) = Y (dY - sum(dY Y, axis));
+    LogSoftmaxGrad_13(dY, Y) = dY - exp(Y) sum(dY, axis)"""
+    dy, y = node.input[0], node.input[1]
+    axis = int(_attrs(node).get("axis", -1))  # type: ignore[arg-type]
+    base = _base(node)
+    nodes = [_ints(f"{base}/axes", [axis])]
+    if log:
+        nodes.append(make("ReduceSum", [dy, f"{base}/axes"], [f"{base}/sum"], keepdims=1))
+        nodes.append(make("Exp", [y], [f"{base}/p"]))
+        nodes.append(make("Mul", [f"{base}/p", f"{base}/sum"], [f"{base}/scaled"]))
+        nodes.append(make("Sub", [dy, f"{base}/scaled"], [node.output[0]]))
+    else:
+        nodes.append(make("Mul", [dy, y], [f"{base}/dyy"]))
+        nodes.append(
+            make("ReduceSum", [f"{base}/dyy", f"{base}/axes"], [f"{base}/sum"], keepdims=1)
+        )
+        nodes.append(make("Sub", [dy, f"{base}/sum"], [f"{base}/centered"]))
+        nodes.append(make("Mul", [y, f"{base}/centered"], [node.output[0]]))
+    return nodes
+
+
+def scale(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """Scale(X, s) = X * s, or X / s with scale_down (the kernel casts s to float32)"""
+    x, factor = node.input[0], node.input[1]
+    base = _base(node)
+    binary = "Div" if _attrs(node).get("scale_down") else "Mul"
+    return [
+        make("CastLike", [factor, x], [f"{base}/factor"]),
+        make(binary, [x, f"{base}/factor"], [node.output[0]]),
+    ]
+
+
+# -- the others ----------------------------------------------------------------------------------
+
+
+def broadcast_gradient_args(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """BroadcastGradientArgs(shape_a, shape_b) -> (axes_a, axes_b): the axes, in the
+    broadcast result's numbering and in decreasing order, along which each operand's
+    gradient must be summed. With both shapes left-padded with 1 to rank r, axis i is in
+    axes_a when it is a padding axis of a, or when a_i = 1 and b_i != 1 (and symmetrically)."""
+    a, b = node.input[0], node.input[1]
+    base = _base(node)
+    nodes = [
+        make("Size", [a], [f"{base}/rank_a"]),
+        make("Size", [b], [f"{base}/rank_b"]),
+        make("Max", [f"{base}/rank_a", f"{base}/rank_b"], [f"{base}/rank"]),
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{base}/one"],
+            value=helper.make_tensor("one", TensorProto.INT64, [], [1]),
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{base}/minus_one"],
+            value=helper.make_tensor("minus_one", TensorProto.INT64, [], [-1]),
+        ),
+        _ints(f"{base}/vector", [1]),
+        make("Sub", [f"{base}/rank", f"{base}/one"], [f"{base}/last"]),
+        make(
+            "Range",
+            [f"{base}/last", f"{base}/minus_one", f"{base}/minus_one"],
+            [f"{base}/axes"],
+        ),  # r-1, ..., 0
+    ]
+    padded = {}
+    for side, shape, rank in (("a", a, f"{base}/rank_a"), ("b", b, f"{base}/rank_b")):
+        pad = f"{base}/{side}/pad"
+        nodes += [
+            make("Sub", [f"{base}/rank", rank], [pad]),
+            make("Reshape", [pad, f"{base}/vector"], [f"{pad}/vector"]),
+            make(
+                "ConstantOfShape",
+                [f"{pad}/vector"],
+                [f"{pad}/ones"],
+                value=helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+            ),
+            make("Concat", [f"{pad}/ones", shape], [f"{base}/{side}/full"], axis=0),
+            make("Gather", [f"{base}/{side}/full", f"{base}/axes"], [f"{base}/{side}/dims"]),
+            make("Equal", [f"{base}/{side}/dims", f"{base}/one"], [f"{base}/{side}/is_one"]),
+            make("Less", [f"{base}/axes", pad], [f"{base}/{side}/padding"]),
+        ]
+        padded[side] = f"{base}/{side}"
+    for side, other, out in (("a", "b", node.output[0]), ("b", "a", node.output[1])):
+        if not out:
+            continue
+        s = padded[side]
+        nodes += [
+            make("Not", [f"{padded[other]}/is_one"], [f"{s}/other_not_one"]),
+            make("And", [f"{s}/is_one", f"{s}/other_not_one"], [f"{s}/broadcast"]),
+            make("Or", [f"{s}/padding", f"{s}/broadcast"], [f"{s}/reduced"]),
+            make("Compress", [f"{base}/axes", f"{s}/reduced"], [out]),
+        ]
+    return nodes
+
+
+def sigmoid_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """SigmoidGrad(dY, Y) = dY Y (1 - Y)"""
+    dy, y = node.input[0], node.input[1]
+    base = _base(node)
+    return [
+        *_constant_like(f"{base}/one", 1.0, y),
+        make("Sub", [f"{base}/one", y], [f"{base}/complement"]),
+        make("Mul", [dy, y], [f"{base}/dyy"]),
+        make("Mul", [f"{base}/dyy", f"{base}/complement"], [node.output[0]]),
+    ]
+
+
+def tanh_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """TanhGrad(dY, Y) = dY (1 - Y^2)"""
+    dy, y = node.input[0], node.input[1]
+    base = _base(node)
+    return [
+        *_constant_like(f"{base}/one", 1.0, y),
+        make("Mul", [y, y], [f"{base}/square"]),
+        make("Sub", [f"{base}/one", f"{base}/square"], [f"{base}/slope"]),
+        make("Mul", [dy, f"{base}/slope"], [node.output[0]]),
+    ]
+
+
+def gelu_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """GeluGrad(dY, X) = dY (Phi(X) + X phi(X)), Phi(x) = (1 + erf(x / sqrt 2)) / 2,
+    phi(x) = exp(-x^2 / 2) / sqrt(2 pi)"""
+    dy, x = node.input[0], node.input[1]
+    base = _base(node)
+    return [
+        *_constant_like(f"{base}/half", 0.5, x),
+        *_constant_like(f"{base}/one", 1.0, x),
+        *_constant_like(f"{base}/inv_sqrt2", 1.0 / math.sqrt(2.0), x),
+        *_constant_like(f"{base}/inv_sqrt2pi", 1.0 / math.sqrt(2.0 * math.pi), x),
+        make("Mul", [x, f"{base}/inv_sqrt2"], [f"{base}/scaled"]),
+        make("Erf", [f"{base}/scaled"], [f"{base}/erf"]),
+        make("Add", [f"{base}/erf", f"{base}/one"], [f"{base}/erf1"]),
+        make("Mul", [f"{base}/erf1", f"{base}/half"], [f"{base}/cdf"]),
+        make("Mul", [x, x], [f"{base}/square"]),
+        make("Mul", [f"{base}/square", f"{base}/half"], [f"{base}/half_square"]),
+        make("Neg", [f"{base}/half_square"], [f"{base}/exponent"]),
+        make("Exp", [f"{base}/exponent"], [f"{base}/gauss"]),
+        make("Mul", [f"{base}/gauss", f"{base}/inv_sqrt2pi"], [f"{base}/pdf"]),
+        make("Mul", [x, f"{base}/pdf"], [f"{base}/xpdf"]),
+        make("Add", [f"{base}/cdf", f"{base}/xpdf"], [f"{base}/slope"]),
+        make("Mul", [dy, f"{base}/slope"], [node.output[0]]),
+    ]
+
+
+def fast_gelu_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """FastGeluGrad(dY, X), the derivative of x (1 + tanh(u)) / 2 with
+    u = k (x + c x^3), k = sqrt(2 / pi), c = 0.044715:
+    dY ((1 + t) / 2 + x (1 - t^2) k (1 + 3 c x^2) / 2), t = tanh(u)"""
+    dy, x = node.input[0], node.input[1]
+    base = _base(node)
+    k, c = math.sqrt(2.0 / math.pi), 0.044715
+    return [
+        *_constant_like(f"{base}/half", 0.5, x),
+        *_constant_like(f"{base}/one", 1.0, x),
+        *_constant_like(f"{base}/k", k, x),
+        *_constant_like(f"{base}/c", c, x),
+        *_constant_like(f"{base}/c3", 3.0 * c, x),
+        make("Mul", [x, x], [f"{base}/x2"]),
+        make("Mul", [f"{base}/x2", f"{base}/c"], [f"{base}/cx2"]),
+        make("Add", [f"{base}/one", f"{base}/cx2"], [f"{base}/inner1"]),
+        make("Mul", [x, f"{base}/inner1"], [f"{base}/inner"]),
+        make("Mul", [f"{base}/inner", f"{base}/k"], [f"{base}/u"]),
+        make("Tanh", [f"{base}/u"], [f"{base}/t"]),
+        make("Add", [f"{base}/one", f"{base}/t"], [f"{base}/t1"]),
+        make("Mul", [f"{base}/t1", f"{base}/half"], [f"{base}/left"]),
+        make("Mul", [f"{base}/t", f"{base}/t"], [f"{base}/t2"]),
+        make("Sub", [f"{base}/one", f"{base}/t2"], [f"{base}/sech2"]),
+        make("Mul", [f"{base}/x2", f"{base}/c3"], [f"{base}/c3x2"]),
+        make("Add", [f"{base}/one", f"{base}/c3x2"], [f"{base}/du1"]),
+        make("Mul", [f"{base}/du1", f"{base}/k"], [f"{base}/du"]),
+        make("Mul", [x, f"{base}/sech2"], [f"{base}/xs"]),
+        make("Mul", [f"{base}/xs", f"{base}/du"], [f"{base}/xsdu"]),
+        make("Mul", [f"{base}/xsdu", f"{base}/half"], [f"{base}/right"]),
+        make("Add", [f"{base}/left", f"{base}/right"], [f"{base}/slope"]),
+        make("Mul", [dy, f"{base}/slope"], [node.output[0]]),
+    ]
+
+
+def reduce_sum_training(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """ReduceSumTraining(X, axes) = ReduceSum(X, axes) (opset 13+ takes axes as an input)"""
+    return [make("ReduceSum", list(node.input), list(node.output), **_attrs(node))]
+
+
+def softmax_grad_v1(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """SoftmaxGrad (opset < 13 semantics: the input seen as 2-D at ``axis``):
+    dX = Y (dY - sum(dY Y over the axes >= axis))"""
+    dy, y = node.input[0], node.input[1]
+    axis = int(_attrs(node).get("axis", 1))  # type: ignore[arg-type]
+    base = _base(node)
+    return [
+        make("Flatten", [dy], [f"{base}/dy2"], axis=axis),
+        make("Flatten", [y], [f"{base}/y2"], axis=axis),
+        make("Mul", [f"{base}/dy2", f"{base}/y2"], [f"{base}/dyy"]),
+        _ints(f"{base}/axes", [1]),
+        make("ReduceSum", [f"{base}/dyy", f"{base}/axes"], [f"{base}/sum"], keepdims=1),
+        make("Sub", [f"{base}/dy2", f"{base}/sum"], [f"{base}/centered"]),
+        make("Mul", [f"{base}/y2", f"{base}/centered"], [f"{base}/dx2"]),
+        make("Shape", [y], [f"{base}/shape"]),
+        make("Reshape", [f"{base}/dx2", f"{base}/shape"], [node.output[0]]),
+    ]
+
+
+def _zeros_like_shape(base: str, shape: str, like: str) -> list[onnx.NodeProto]:
+    """``{base}/zeros``: zeros of the int64 ``shape``, with the dtype of ``like``."""
+    return [
+        make("ConstantOfShape", [shape], [f"{base}/zeros_f32"]),
+        make("CastLike", [f"{base}/zeros_f32", like], [f"{base}/zeros"]),
+    ]
+
+
+def gather_elements_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """GatherElementsGrad(dY, shape, indices) = ScatterElements(zeros(shape), indices, dY,
+    axis, reduction=add): each gathered element's gradient added back to its source"""
+    dy, shape, indices = node.input[0], node.input[1], node.input[2]
+    axis = int(_attrs(node).get("axis", 0))  # type: ignore[arg-type]
+    base = _base(node)
+    return [
+        *_zeros_like_shape(base, shape, dy),
+        make(
+            "ScatterElements",
+            [f"{base}/zeros", indices, dy],
+            [node.output[0]],
+            axis=axis,
+            reduction="add",
+        ),
+    ]
+
+
+def gather_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """GatherGrad(shape, indices, dY), axis 0 (an embedding table): zeros(shape) with
+    dY[i...] added to row indices[i...] (ScatterND, reduction=add); negative indices
+    count from the end"""
+    if int(_attrs(node).get("axis", 0)) != 0:  # type: ignore[arg-type]
+        return None
+    shape, indices, dy = node.input[0], node.input[1], node.input[2]
+    base = _base(node)
+    return [
+        *_zeros_like_shape(base, shape, dy),
+        _ints(f"{base}/first", [0]),
+        _ints(f"{base}/second", [1]),
+        make("Slice", [shape, f"{base}/first", f"{base}/second"], [f"{base}/rows"]),
+        make("Cast", [indices], [f"{base}/indices64"], to=TensorProto.INT64),
+        make("Squeeze", [f"{base}/rows", f"{base}/first"], [f"{base}/rows_scalar"]),
+        make("Add", [f"{base}/indices64", f"{base}/rows_scalar"], [f"{base}/wrapped"]),
+        make("Mod", [f"{base}/wrapped", f"{base}/rows_scalar"], [f"{base}/positive"]),
+        _ints(f"{base}/last", [-1]),
+        make("Unsqueeze", [f"{base}/positive", f"{base}/last"], [f"{base}/index"]),
+        make(
+            "ScatterND",
+            [f"{base}/zeros", f"{base}/index", dy],
+            [node.output[0]],
+            reduction="add",
+        ),
+    ]
+
+
+def slice_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """SliceGrad(dY, shape, starts, ends[, axes[, steps]]): zeros(shape) with dY written
+    at the sliced positions (the flat positions are sliced like the input was)"""
+    dy, shape, *slicing = node.input
+    base = _base(node)
+    return [
+        *_zeros_like_shape(base, shape, dy),
+        _ints(f"{base}/all", [-1]),
+        make("ReduceProd", [shape], [f"{base}/size"], keepdims=0),
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{base}/zero"],
+            value=helper.make_tensor("z", TensorProto.INT64, [], [0]),
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            [f"{base}/one"],
+            value=helper.make_tensor("o", TensorProto.INT64, [], [1]),
+        ),
+        make("Range", [f"{base}/zero", f"{base}/size", f"{base}/one"], [f"{base}/flat"]),
+        make("Reshape", [f"{base}/flat", shape], [f"{base}/positions"]),
+        make("Slice", [f"{base}/positions", *slicing], [f"{base}/picked"]),
+        make("Reshape", [f"{base}/picked", f"{base}/all"], [f"{base}/picked_flat"]),
+        make("Unsqueeze", [f"{base}/picked_flat", f"{base}/all"], [f"{base}/index"]),
+        make("Reshape", [dy, f"{base}/all"], [f"{base}/dy_flat"]),
+        make("Reshape", [f"{base}/zeros", f"{base}/all"], [f"{base}/zeros_flat"]),
+        make(
+            "ScatterND",
+            [f"{base}/zeros_flat", f"{base}/index", f"{base}/dy_flat"],
+            [f"{base}/scattered"],
+        ),
+        make("Reshape", [f"{base}/scattered", shape], [node.output[0]]),
+    ]
+
+
+LOWERINGS: dict[str, Lowering] = {
+    "FusedMatMul": fused_matmul,
+    "Scale": scale,
+    "ReluGrad": relu_grad,
+    "LeakyReluGrad": lambda n: relu_grad(n, float(_attrs(n).get("alpha", 0.01))),  # type: ignore[arg-type]
+    "SoftmaxGrad_13": lambda n: softmax_grad(n, log=False),
+    "LogSoftmaxGrad_13": lambda n: softmax_grad(n, log=True),
+    "SoftmaxGrad": softmax_grad_v1,
+    "BroadcastGradientArgs": broadcast_gradient_args,
+    "SigmoidGrad": sigmoid_grad,
+    "TanhGrad": tanh_grad,
+    "GeluGrad": gelu_grad,
+    "FastGeluGrad": fast_gelu_grad,
+    "ReduceSumTraining": reduce_sum_training,
+    "GatherElementsGrad": gather_elements_grad,
+    "GatherGrad": gather_grad,
+    "SliceGrad": slice_grad,
+}
+"""com.microsoft operator -> its rewrite in standard operators."""
+
+FLOAT32_ONLY = frozenset(
+    {"FusedMatMul", "Scale", "ReluGrad", "LeakyReluGrad", "SoftmaxGrad_13", "LogSoftmaxGrad_13"}
+)
+"""The operators onnxruntime-training implements for float32 only."""
+
+RUNTIME_DOMAIN = "com.microsoft"
+# gradient operators onnxruntime places in the default domain, which no other runtime has
+INTERNAL_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "ConvGrad"})
+
+
+def _is_standard(node: onnx.NodeProto) -> bool:
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    return node.op_type not in INTERNAL_DEFAULT_DOMAIN
+
+
+def _rewrite(model: onnx.ModelProto, choose: Callable[[onnx.NodeProto], bool]) -> list[str]:
+    """Lower the chosen nodes in place; return the ones that could not be."""
+    nodes: list[onnx.NodeProto] = []
+    left = []
+    for node in model.graph.node:
+        lower = LOWERINGS.get(node.op_type) if node.domain == RUNTIME_DOMAIN else None
+        replacement = lower(node) if lower is not None and choose(node) else None
+        if replacement is None and choose(node) and not _is_standard(node):
+            left.append(node)
+        nodes.extend(replacement if replacement is not None else [node])
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return [f"{n.domain or 'ai.onnx'}:{n.op_type} (node {n.name!r})" for n in left]
+
+
+def lower_float32_only_ops(model: onnx.ModelProto) -> None:
+    """Rewrite the float32-only gradient operators of a float64 graph (in place)."""
+    _rewrite(model, lambda node: node.op_type in FLOAT32_ONLY)
+
+
+def lower_to_standard(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite every non-standard operator of ``model`` (in place; returned) so that it
+    runs on any ONNX runtime, and drop the opset imports it no longer uses.
+
+    Raises:
+        IncompatibleModelError: operators (or attribute combinations) the table does not
+            know; the message lists all of them.
+    """
+    left = _rewrite(model, lambda node: not _is_standard(node))
+    if left:
+        raise IncompatibleModelError(
+            f"Cannot lower {len(left)} operator(s) to standard ONNX: {'; '.join(left)}. "
+            f"graphkit knows {sorted(LOWERINGS)}."
+        )
+    used = {n.domain for n in model.graph.node}
+    keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(keep)
+    return model

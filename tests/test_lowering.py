@@ -1,0 +1,270 @@
+"""Each lowering against onnxruntime-training's own kernel on random inputs, run by
+onnxruntime and by onnx.reference; lowered training steps reproduce graphkit's training
+on onnx.reference, a runtime that knows no com.microsoft operator."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
+
+import graphkit as gk
+from graphkit._ort import Runner
+from graphkit.errors import IncompatibleModelError
+from graphkit.lowering import lower_to_standard
+from graphkit_train import OrtGradientOptimizer
+
+F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
+TYPE = {np.dtype(np.float32): F32, np.dtype(np.float64): F64, np.dtype(np.int64): I64}
+
+
+def one_node(op_type, feeds, n_outputs=1, out_type=None, **attrs):
+    """A model of one com.microsoft node over ``feeds``."""
+    node = helper.make_node(
+        op_type,
+        list(feeds),
+        [f"y{i}" for i in range(n_outputs)],
+        domain="com.microsoft",
+        **attrs,
+    )
+    inputs = [
+        helper.make_tensor_value_info(n, TYPE[np.asarray(v).dtype], None) for n, v in feeds.items()
+    ]
+    first = TYPE[np.asarray(next(iter(feeds.values()))).dtype]
+    outputs = [helper.make_tensor_value_info(o, out_type or first, None) for o in node.output]
+    graph = helper.make_graph([node], op_type, inputs, outputs)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10)
+
+
+def kernel_outputs(model, feeds):
+    """The com.microsoft kernel's outputs; where onnxruntime-training has only a float32
+    kernel, that kernel on the inputs cast to float32 (then compare at float32 precision)."""
+    try:
+        return Runner(model)(feeds), False
+    except IncompatibleModelError:
+        narrow = onnx.ModelProto()
+        narrow.CopyFrom(model)
+        for value in [*narrow.graph.input, *narrow.graph.output]:
+            if value.type.tensor_type.elem_type == F64:
+                value.type.tensor_type.elem_type = F32
+        cast = {n: v.astype(np.float32) if v.dtype == np.float64 else v for n, v in feeds.items()}
+        return [o.astype(np.float64) for o in Runner(narrow)(cast)], True
+
+
+def check(model, feeds, rtol=1e-6, atol=1e-7):
+    """The kernel's outputs equal the lowered graph's, on onnx.reference and (where it has
+    the standard kernels: no float64 Erf in 1.19.2) on onnxruntime."""
+    expected, narrowed = kernel_outputs(model, feeds)
+    if narrowed:
+        rtol, atol = max(rtol, 1e-5), max(atol, 1e-6)
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(model)
+    lower_to_standard(lowered)
+    assert {o.domain for o in lowered.opset_import} <= {"", "ai.onnx"}
+    runs = [ReferenceEvaluator(lowered).run(None, feeds)]
+    try:
+        runs.append(Runner(lowered)(feeds))
+    except IncompatibleModelError as exc:
+        assert "'Erf'" in str(exc), exc
+    for got in runs:
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.dtype == e.dtype
+            np.testing.assert_allclose(g, e, rtol=rtol, atol=atol)
+
+
+@st.composite
+def broadcastable(draw):
+    rank = draw(st.integers(0, 4))
+    full = draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    pair = []
+    for _ in range(2):
+        keep = draw(st.integers(0, rank))
+        dims = [d if not draw(st.booleans()) else 1 for d in full[rank - keep :]]
+        pair.append(dims)
+    return pair
+
+
+@settings(max_examples=60, deadline=None)
+@given(broadcastable())
+def test_broadcast_gradient_args(pair):
+    a, b = (np.array(s, dtype=np.int64) for s in pair)
+    check(one_node("BroadcastGradientArgs", {"a": a, "b": b}, 2, I64), {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "op,attrs,inputs",
+    [
+        ("SigmoidGrad", {}, "dy,sigmoid"),
+        ("TanhGrad", {}, "dy,tanh"),
+        ("ReluGrad", {}, "dy,relu"),
+        ("LeakyReluGrad", {"alpha": 0.2}, "dy,x"),
+        ("GeluGrad", {}, "dy,x"),
+        ("FastGeluGrad", {}, "dy,x"),
+        ("SoftmaxGrad_13", {"axis": 1}, "dy,softmax1"),
+        ("LogSoftmaxGrad_13", {"axis": -1}, "dy,logsoftmax"),
+        ("SoftmaxGrad", {"axis": 1}, "dy,softmax12"),
+    ],
+)
+def test_elementwise_and_softmax_gradients(op, attrs, inputs, dtype, rng):
+    x = rng.normal(size=(3, 4, 5))
+    values = {
+        "dy": rng.normal(size=x.shape),
+        "x": x,
+        "sigmoid": 1 / (1 + np.exp(-x)),
+        "tanh": np.tanh(x),
+        "relu": np.maximum(x, 0),
+        "softmax1": np.exp(x) / np.exp(x).sum(axis=1, keepdims=True),
+        "logsoftmax": x - np.log(np.exp(x).sum(axis=-1, keepdims=True)),
+        "softmax12": np.exp(x) / np.exp(x).sum(axis=(1, 2), keepdims=True),
+    }
+    feeds = {n: values[n].astype(dtype) for n in inputs.split(",")}
+    model = one_node(op, feeds, **attrs)
+    check(model, feeds, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"transA": 1}, {"transB": 1, "alpha": 0.5}])
+def test_fused_matmul(attrs, rng):
+    a = rng.normal(size=(2, 3, 4) if not attrs.get("transA") else (2, 4, 3)).astype(np.float32)
+    b = rng.normal(size=(4, 5) if not attrs.get("transB") else (5, 4)).astype(np.float32)
+    check(one_node("FusedMatMul", {"a": a, "b": b}, **attrs), {"a": a, "b": b}, rtol=1e-5)
+
+
+@pytest.mark.parametrize("down", [0, 1])
+def test_scale(down, rng):
+    x, s = rng.normal(size=(3, 2)).astype(np.float32), np.array(4.0, np.float32)
+    check(one_node("Scale", {"x": x, "s": s}, scale_down=down), {"x": x, "s": s})
+
+
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_sum_training(keepdims, rng):
+    x, axes = rng.normal(size=(3, 4, 2)).astype(np.float32), np.array([0, 2], np.int64)
+    check(
+        one_node("ReduceSumTraining", {"x": x, "axes": axes}, keepdims=keepdims),
+        {"x": x, "axes": axes},
+    )
+
+
+def test_gather_elements_grad_adds_repeated_indices(rng):
+    dy = rng.normal(size=(3, 6)).astype(np.float32)
+    shape = np.array([3, 4], np.int64)
+    indices = rng.integers(0, 4, size=(3, 6)).astype(np.int64)  # repeats on purpose
+    feeds = {"dy": dy, "shape": shape, "indices": indices}
+    check(one_node("GatherElementsGrad", feeds, axis=1), feeds, rtol=1e-5)
+
+
+def test_gather_grad_of_an_embedding(rng):
+    shape = np.array([7, 3], np.int64)
+    indices = np.array([[1, 1, -1], [0, 6, 1]], np.int64)  # repeated and negative
+    dy = rng.normal(size=(2, 3, 3)).astype(np.float32)
+    feeds = {"shape": shape, "indices": indices, "dy": dy}
+    check(one_node("GatherGrad", feeds, out_type=F32, axis=0), feeds, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "starts,ends,axes,steps",
+    [([1], [3], [0], [1]), ([0, 1], [4, 5], [0, 1], [2, 2]), ([-3], [100], [1], [2])],
+)
+def test_slice_grad(starts, ends, axes, steps, rng):
+    shape = np.array([4, 5], np.int64)
+    sliced = rng.normal(size=(4, 5))[
+        tuple(
+            slice(starts[axes.index(i)], ends[axes.index(i)], steps[axes.index(i)])
+            if i in axes
+            else slice(None)
+            for i in range(2)
+        )
+    ]
+    feeds = {
+        "dy": sliced.astype(np.float32),
+        "shape": shape,
+        "starts": np.array(starts, np.int64),
+        "ends": np.array(ends, np.int64),
+        "axes": np.array(axes, np.int64),
+        "steps": np.array(steps, np.int64),
+    }
+    check(one_node("SliceGrad", feeds, out_type=F32), feeds)
+
+
+def test_an_operator_the_table_does_not_know_is_listed(rng):
+    model = one_node("BiasSoftmax", {"x": rng.normal(size=(2, 3)).astype(np.float32)})
+    model.graph.node.append(helper.make_node("MaxPoolGrad", ["a", "b"], ["c"], name="pool_grad"))
+    with pytest.raises(
+        IncompatibleModelError, match=r"2 operator.*BiasSoftmax.*MaxPoolGrad.*pool_grad"
+    ):
+        lower_to_standard(model)
+
+
+def mlp(activation, n_out, dtype):
+    rng = np.random.default_rng(0)
+    t = TYPE[np.dtype(dtype)]
+    inits = {
+        "W1": rng.normal(size=(4, 6)).astype(dtype),
+        "b1": np.zeros(6, dtype),
+        "W2": rng.normal(size=(6, n_out)).astype(dtype),
+        "b2": np.zeros(n_out, dtype),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node(activation, ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["o0"]),
+        helper.make_node("Add", ["o0", "b2"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("X", t, ["N", 4])],
+        [helper.make_tensor_value_info("Y", t, ["N", n_out])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize(
+    "activation,loss,dtype",
+    [
+        ("Relu", "squared_error", np.float32),
+        ("Tanh", "squared_error", np.float32),
+        ("Sigmoid", "cross_entropy", np.float32),
+        ("Relu", "cross_entropy", np.float64),
+    ],
+)
+def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtype, rng):
+    """20 steps of Adam on onnx.reference (no com.microsoft kernels) follow graphkit."""
+    n_out = 3
+    X = rng.normal(size=(200, 4)).astype(dtype)
+    y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0) if loss == "cross_entropy" else X[:, :3]
+    y = y.astype(dtype) if loss == "squared_error" else y
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp(activation, n_out, dtype), loss),
+        learning_rate=(gk.optimizers.adam(), 0.01),
+        max_iter=1,
+        batch_size=10,
+        shuffle=False,
+    )
+    trainer.fit(X, y)
+    step = trainer.training_step_
+    lowered = onnx.ModelProto()
+    lowered.CopyFrom(step.model)
+    lower_to_standard(lowered)
+    assert all(n.domain in ("", "ai.onnx") for n in lowered.graph.node)
+    reference = ReferenceEvaluator(lowered)
+    resident = dict(step.initial)
+    outputs = [o.name for o in lowered.graph.output]
+    losses = []
+    for i in range(0, 200, 10):
+        feeds = {step.features: X[i : i + 10], step.label: y[i : i + 10], **resident}
+        out = dict(zip(outputs, reference.run(None, feeds)))
+        losses.append(float(out[step.loss]))
+        resident = {n: out[f"{n}.next"] for n in resident}
+    state = trainer.get_state()
+    tol = 1e-4 if dtype == np.float32 else 1e-10
+    for name in step.weights:
+        np.testing.assert_allclose(resident[name], state[name], rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.mean(losses), trainer.train_losses_[0], rtol=tol)
