@@ -383,6 +383,94 @@ def slice_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     ]
 
 
+def max_pool_grad(
+    node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]
+) -> list[onnx.NodeProto] | None:
+    """MaxPoolGrad(dY, Indices): zeros shaped like the MaxPool's input, with dY added at
+    the flat positions ``Indices`` holds (storage_order 0: row-major over the whole
+    tensor, batch and channels included)"""
+    pool = producers.get(node.input[1])
+    if pool is None or pool.op_type != "MaxPool" or _attrs(pool).get("storage_order", 0):
+        return None
+    dy, indices, x = node.input[0], node.input[1], pool.input[0]
+    base = _base(node)
+    return [
+        make("Shape", [x], [f"{base}/shape"]),
+        *_zeros_like_shape(base, f"{base}/shape", dy),
+        _ints(f"{base}/all", [-1]),
+        make("Reshape", [f"{base}/zeros", f"{base}/all"], [f"{base}/zeros_flat"]),
+        make("Reshape", [indices, f"{base}/all"], [f"{base}/indices_flat"]),
+        make("Unsqueeze", [f"{base}/indices_flat", f"{base}/all"], [f"{base}/index"]),
+        make("Reshape", [dy, f"{base}/all"], [f"{base}/dy_flat"]),
+        make(
+            "ScatterND",
+            [f"{base}/zeros_flat", f"{base}/index", f"{base}/dy_flat"],
+            [f"{base}/scattered"],
+            reduction="add",
+        ),
+        make("Reshape", [f"{base}/scattered", f"{base}/shape"], [node.output[0]]),
+    ]
+
+
+def conv_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ConvGrad(dY, X, W) -> (dX, dW, dB), for group 1 and explicit pads:
+
+    * dB = sum of dY over every axis but the channels;
+    * dW = Conv(X^T, dY^T) with strides and dilations swapped, cropped to W's size
+      (^T swaps batch and channels): the correlation of the input with the output grad;
+    * dX = ConvTranspose(dY, W) with the same pads and dilations, when the strides are
+      1 (a stride that does not divide the padded size needs an output padding the graph
+      cannot know: such a node is listed as not lowered).
+    """
+    attrs = _attrs(node)
+    if int(attrs.get("group", 1)) != 1 or attrs.get("auto_pad", b"NOTSET") not in (
+        b"NOTSET",
+        "NOTSET",
+    ):  # type: ignore[arg-type]
+        return None
+    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
+    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
+    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
+    dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
+    if dx_out and any(s != 1 for s in strides):
+        return None
+    dy, x, w = node.input[0], node.input[1], node.input[2]
+    base = _base(node)
+    spatial = len(pads) // 2 if pads else len(strides) or len(dilations)
+    if not spatial:
+        return None  # the rank is unknown without pads, strides or dilations
+    strides = strides or [1] * spatial
+    dilations = dilations or [1] * spatial
+    pads = pads or [0] * (2 * spatial)
+    swap = [1, 0, *range(2, 2 + spatial)]
+    nodes: list[onnx.NodeProto] = []
+    if db_out:
+        nodes += [
+            _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
+            make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
+        ]
+    if dw_out:
+        nodes += [
+            make("Transpose", [x], [f"{base}/x_t"], perm=swap),
+            make("Transpose", [dy], [f"{base}/dy_t"], perm=swap),
+            make(
+                "Conv",
+                [f"{base}/x_t", f"{base}/dy_t"],
+                [f"{base}/dw_t"],
+                pads=pads,
+                strides=dilations,
+                dilations=strides,
+            ),
+            make("Transpose", [f"{base}/dw_t"], [f"{base}/dw_full"], perm=swap),
+            make("Shape", [w], [f"{base}/w_shape"]),
+            _ints(f"{base}/zeros", [0] * (2 + spatial)),
+            make("Slice", [f"{base}/dw_full", f"{base}/zeros", f"{base}/w_shape"], [dw_out]),
+        ]
+    if dx_out:
+        nodes.append(make("ConvTranspose", [dy, w], [dx_out], pads=pads, dilations=dilations))
+    return nodes
+
+
 LOWERINGS: dict[str, Lowering] = {
     "FusedMatMul": fused_matmul,
     "Scale": scale,
@@ -400,8 +488,15 @@ LOWERINGS: dict[str, Lowering] = {
     "GatherElementsGrad": gather_elements_grad,
     "GatherGrad": gather_grad,
     "SliceGrad": slice_grad,
+    "ConvGrad": conv_grad,
 }
 """com.microsoft operator -> its rewrite in standard operators."""
+
+WITH_PRODUCERS: dict[str, Callable[..., list[onnx.NodeProto] | None]] = {
+    "MaxPoolGrad": max_pool_grad,
+}
+"""Operators (onnxruntime places these in the default domain) whose rewrite reads the
+node that produced one of their inputs."""
 
 FLOAT32_ONLY = frozenset(
     {"FusedMatMul", "Scale", "ReluGrad", "LeakyReluGrad", "SoftmaxGrad_13", "LogSoftmaxGrad_13"}
@@ -421,13 +516,18 @@ def _is_standard(node: onnx.NodeProto) -> bool:
 
 def _rewrite(model: onnx.ModelProto, choose: Callable[[onnx.NodeProto], bool]) -> list[str]:
     """Lower the chosen nodes in place; return the ones that could not be."""
+    producers = {out: n for n in model.graph.node for out in n.output if out}
     nodes: list[onnx.NodeProto] = []
     left = []
     for node in model.graph.node:
-        lower = LOWERINGS.get(node.op_type) if node.domain == RUNTIME_DOMAIN else None
-        replacement = lower(node) if lower is not None and choose(node) else None
-        if replacement is None and choose(node) and not _is_standard(node):
-            left.append(node)
+        replacement = None
+        if choose(node):
+            if node.domain == RUNTIME_DOMAIN and node.op_type in LOWERINGS:
+                replacement = LOWERINGS[node.op_type](node)
+            elif node.domain in ("", "ai.onnx") and node.op_type in WITH_PRODUCERS:
+                replacement = WITH_PRODUCERS[node.op_type](node, producers)
+            if replacement is None and not _is_standard(node):
+                left.append(node)
         nodes.extend(replacement if replacement is not None else [node])
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -451,7 +551,8 @@ def lower_to_standard(model: onnx.ModelProto) -> onnx.ModelProto:
     if left:
         raise IncompatibleModelError(
             f"Cannot lower {len(left)} operator(s) to standard ONNX: {'; '.join(left)}. "
-            f"graphkit knows {sorted(LOWERINGS)}."
+            f"graphkit knows {sorted([*LOWERINGS, *WITH_PRODUCERS])} (see the conditions "
+            "in graphkit.lowering)."
         )
     used = {n.domain for n in model.graph.node}
     keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]

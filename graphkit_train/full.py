@@ -231,6 +231,13 @@ class OrtGradientOptimizer(BaseTrainer):
         name = metadata(self.train_onnx_).get(META_PREDICTION) or next(iter(outputs))
         return outputs[name]
 
+    def export_training_step(self, path: Any = None) -> onnx.ModelProto:
+        """The training step in standard ONNX, to keep training on any runtime; see
+        :func:`graphkit_train.export.export_training_step`."""
+        from graphkit_train.export import export_training_step
+
+        return export_training_step(self, path)
+
     def _prediction_model(self) -> onnx.ModelProto:
         return strip_loss_output(self._user_onnx)
 

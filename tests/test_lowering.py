@@ -191,6 +191,61 @@ def test_slice_grad(starts, ends, axes, steps, rng):
     check(one_node("SliceGrad", feeds, out_type=F32), feeds)
 
 
+@pytest.mark.parametrize(
+    "attrs,outputs",
+    [
+        ({"pads": [1, 1, 1, 1]}, 3),
+        ({"pads": [0, 1, 2, 0], "dilations": [2, 1]}, 3),
+        ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, 2),  # dX not asked: the first layer
+        ({"pads": [0, 0, 0, 0], "strides": [3, 2]}, 2),  # strides that do not divide
+    ],
+)
+def test_conv_grad(attrs, outputs, rng):
+    x = rng.normal(size=(2, 3, 7, 6)).astype(np.float32)
+    w = rng.normal(size=(4, 3, 3, 2)).astype(np.float32)
+    forward = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
+        "conv",
+        [
+            helper.make_tensor_value_info("x", F32, x.shape),
+            helper.make_tensor_value_info("w", F32, w.shape),
+        ],
+        [helper.make_tensor_value_info("y", F32, None)],
+    )
+    y_shape = (
+        ReferenceEvaluator(helper.make_model(forward, opset_imports=[helper.make_opsetid("", 18)]))
+        .run(None, {"x": x, "w": w})[0]
+        .shape
+    )
+    feeds = {"dy": rng.normal(size=y_shape).astype(np.float32), "x": x, "w": w}
+    model = one_node("ConvGrad", feeds, 3, group=1, **attrs)
+    if outputs == 2:
+        model.graph.node[0].output[0] = ""
+        del model.graph.output[0]
+    check(model, feeds, rtol=1e-4, atol=1e-5)
+
+
+def test_max_pool_grad_scatters_to_the_maxima(rng):
+    x = rng.normal(size=(2, 3, 5, 6)).astype(np.float32)
+    dy = rng.normal(size=(2, 3, 2, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[3, 2], strides=[2, 2]),
+            helper.make_node(
+                "MaxPoolGrad", ["dy", "i"], ["dx"], kernel_shape=[3, 2], strides=[2, 2]
+            ),
+        ],
+        "max_pool_grad",
+        [
+            helper.make_tensor_value_info("x", F32, x.shape),
+            helper.make_tensor_value_info("dy", F32, dy.shape),
+        ],
+        [helper.make_tensor_value_info("dx", F32, x.shape)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    check(model, {"x": x, "dy": dy})
+
+
 def test_an_operator_the_table_does_not_know_is_listed(rng):
     model = one_node("BiasSoftmax", {"x": rng.normal(size=(2, 3)).astype(np.float32)})
     model.graph.node.append(helper.make_node("MaxPoolGrad", ["a", "b"], ["c"], name="pool_grad"))
@@ -226,6 +281,33 @@ def mlp(activation, n_out, dtype):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
+def cnn():
+    """Conv (stride 1, padded) + ReLU + MaxPool + Flatten + MatMul: 3 classes."""
+    rng = np.random.default_rng(0)
+    inits = {
+        "K": (rng.normal(size=(3, 1, 3, 3)) * 0.3).astype(np.float32),
+        "kb": np.zeros(3, np.float32),
+        "W": (rng.normal(size=(27, 3)) * 0.1).astype(np.float32),
+        "b": np.zeros(3, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["X", "K", "kb"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["r"]),
+        helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("MatMul", ["f", "W"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("X", F32, ["N", 1, 6, 6])],
+        [helper.make_tensor_value_info("Y", F32, ["N", 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
 @pytest.mark.parametrize(
     "activation,loss,dtype",
     [
@@ -233,21 +315,25 @@ def mlp(activation, n_out, dtype):
         ("Tanh", "squared_error", np.float32),
         ("Sigmoid", "cross_entropy", np.float32),
         ("Relu", "cross_entropy", np.float64),
+        ("cnn", "cross_entropy", np.float32),
     ],
 )
 def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtype, rng):
     """20 steps of Adam on onnx.reference (no com.microsoft kernels) follow graphkit."""
     n_out = 3
     X = rng.normal(size=(200, 4)).astype(dtype)
+    model = mlp(activation, n_out, dtype) if activation != "cnn" else cnn()
     y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0) if loss == "cross_entropy" else X[:, :3]
     y = y.astype(dtype) if loss == "squared_error" else y
     trainer = OrtGradientOptimizer(
-        gk.add_loss_output(mlp(activation, n_out, dtype), loss),
+        gk.add_loss_output(model, loss),
         learning_rate=(gk.optimizers.adam(), 0.01),
         max_iter=1,
         batch_size=10,
         shuffle=False,
     )
+    if activation == "cnn":
+        X = rng.normal(size=(200, 1, 6, 6)).astype(dtype)
     trainer.fit(X, y)
     step = trainer.training_step_
     lowered = onnx.ModelProto()
@@ -268,3 +354,40 @@ def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtyp
     for name in step.weights:
         np.testing.assert_allclose(resident[name], state[name], rtol=tol, atol=tol)
     np.testing.assert_allclose(np.mean(losses), trainer.train_losses_[0], rtol=tol)
+
+
+def test_an_exported_step_keeps_training_where_the_trainer_stopped(rng, tmp_path):
+    from graphkit_train import OrtGradientForwardBackwardOptimizer
+
+    X = rng.normal(size=(100, 4)).astype(np.float32)
+    y = np.tanh(X[:, :3]).astype(np.float32)
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp("Tanh", 3, np.float32)),
+        learning_rate=(gk.optimizers.adam(), gk.schedules.cosine(0.01, 100)),
+        max_iter=1,
+        batch_size=10,
+        shuffle=False,
+    )
+    trainer.fit(X, y)
+    path = tmp_path / "step.onnx"
+    trainer.export_training_step(path)
+    exported = onnx.load(path)
+    onnx.checker.check_model(exported, full_check=True)
+    assert {o.domain for o in exported.opset_import} <= {"", "ai.onnx"}
+
+    step = trainer.training_step_
+    reference = ReferenceEvaluator(exported)
+    outputs = [o.name for o in exported.graph.output]
+    resident: dict = {}  # the first batch runs on the exported values
+    for i in range(0, 100, 10):
+        feeds = {step.features: X[i : i + 10], step.label: y[i : i + 10], **resident}
+        out = dict(zip(outputs, reference.run(None, feeds)))
+        resident = {n: out[f"{n}.next"] for n in step.resident}
+    trainer.set_params(warm_start=True).fit(X, y)  # the same epoch, by graphkit
+    for name, value in trainer.get_state().items():
+        np.testing.assert_allclose(resident[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+    with pytest.raises(TypeError, match="no fused training step"):
+        from graphkit_train.export import export_training_step
+
+        export_training_step(OrtGradientForwardBackwardOptimizer(mlp("Tanh", 3, np.float32)))
