@@ -383,6 +383,99 @@ def slice_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     ]
 
 
+def _sum_to_shape(base: str, value: str, axes: str, shape: str, out: str) -> list[onnx.NodeProto]:
+    """``out`` = ``value`` summed over ``axes`` and reshaped to ``shape``."""
+    return [
+        make("ReduceSum", [value, axes], [f"{base}/summed"], keepdims=1, noop_with_empty_axes=1),
+        make("Reshape", [f"{base}/summed", shape], [out]),
+    ]
+
+
+def div_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """DivGrad(dY, A, B) -> (dA, dB) = (dY / B, -dY A / B^2), each summed back to its
+    operand's shape over the axes broadcasting stretched"""
+    dy, a, b = node.input[0], node.input[1], node.input[2]
+    base = _base(node)
+    da, db = (list(node.output) + ["", ""])[:2]
+    axes = helper.make_node(
+        "BroadcastGradientArgs",
+        [f"{base}/shape_a", f"{base}/shape_b"],
+        [f"{base}/axes_a", f"{base}/axes_b"],
+        name=f"{base}/axes",
+    )
+    nodes = [
+        make("Shape", [a], [f"{base}/shape_a"]),
+        make("Shape", [b], [f"{base}/shape_b"]),
+        *broadcast_gradient_args(axes),
+        make("Div", [dy, b], [f"{base}/dy_over_b"]),
+    ]
+    if da:
+        nodes += _sum_to_shape(
+            f"{base}/a", f"{base}/dy_over_b", f"{base}/axes_a", f"{base}/shape_a", da
+        )
+    if db:
+        nodes += [
+            make("Mul", [f"{base}/dy_over_b", a], [f"{base}/dya_over_b"]),
+            make("Div", [f"{base}/dya_over_b", b], [f"{base}/ratio"]),
+            make("Neg", [f"{base}/ratio"], [f"{base}/db_full"]),
+            *_sum_to_shape(f"{base}/b", f"{base}/db_full", f"{base}/axes_b", f"{base}/shape_b", db),
+        ]
+    return nodes
+
+
+def layer_norm_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """LayerNormalizationGrad(dY, X, scale, mean, inv_std) -> (dX, dScale, dBias), in the
+    2-D view (rows, normalized) at ``axis``, with x^ = (X - mean) inv_std, g = dY scale:
+
+        dX = inv_std (g - mean(g) - x^ mean(g x^))   (means over the normalized axes)
+        dScale = sum over rows of dY x^;  dBias = sum over rows of dY
+    """
+    dy, x, scale_, mean, inv_std = node.input[:5]
+    axis = int(_attrs(node).get("axis", -1))  # type: ignore[arg-type]
+    dx, dscale, dbias = (list(node.output) + ["", "", ""])[:3]
+    base = _base(node)
+    nodes = [
+        make("Flatten", [dy], [f"{base}/dy"], axis=axis),
+        make("Flatten", [x], [f"{base}/x"], axis=axis),
+        make("Flatten", [mean], [f"{base}/mean"], axis=axis),
+        make("Flatten", [inv_std], [f"{base}/inv_std"], axis=axis),
+        make("CastLike", [f"{base}/mean", f"{base}/x"], [f"{base}/mean_x"]),
+        make("CastLike", [f"{base}/inv_std", f"{base}/x"], [f"{base}/inv_x"]),
+        make("Sub", [f"{base}/x", f"{base}/mean_x"], [f"{base}/centered"]),
+        make("Mul", [f"{base}/centered", f"{base}/inv_x"], [f"{base}/xhat"]),
+        _ints(f"{base}/rows", [0]),
+        _ints(f"{base}/columns", [1]),
+        make("Shape", [scale_], [f"{base}/scale_shape"]),
+    ]
+    if dx:
+        nodes += [
+            _ints(f"{base}/row_vector", [1, -1]),
+            make("Reshape", [scale_, f"{base}/row_vector"], [f"{base}/scale"]),
+            make("Mul", [f"{base}/dy", f"{base}/scale"], [f"{base}/g"]),
+            make("ReduceMean", [f"{base}/g", f"{base}/columns"], [f"{base}/g_mean"], keepdims=1),
+            make("Mul", [f"{base}/g", f"{base}/xhat"], [f"{base}/gx"]),
+            make("ReduceMean", [f"{base}/gx", f"{base}/columns"], [f"{base}/gx_mean"], keepdims=1),
+            make("Sub", [f"{base}/g", f"{base}/g_mean"], [f"{base}/g_centered"]),
+            make("Mul", [f"{base}/xhat", f"{base}/gx_mean"], [f"{base}/projection"]),
+            make("Sub", [f"{base}/g_centered", f"{base}/projection"], [f"{base}/inner"]),
+            make("Mul", [f"{base}/inner", f"{base}/inv_x"], [f"{base}/dx2"]),
+            make("Shape", [x], [f"{base}/x_shape"]),
+            make("Reshape", [f"{base}/dx2", f"{base}/x_shape"], [dx]),
+        ]
+    if dscale:
+        nodes += [
+            make("Mul", [f"{base}/dy", f"{base}/xhat"], [f"{base}/dyx"]),
+            make("ReduceSum", [f"{base}/dyx", f"{base}/rows"], [f"{base}/dscale"], keepdims=0),
+            make("Reshape", [f"{base}/dscale", f"{base}/scale_shape"], [dscale]),
+        ]
+    if dbias:
+        nodes += [
+            make("ReduceSum", [f"{base}/dy", f"{base}/rows"], [f"{base}/dbias"], keepdims=0),
+            make("Reshape", [f"{base}/dbias", f"{base}/scale_shape"], [dbias]),
+        ]
+    return nodes
+
+
 def max_pool_grad(
     node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]
 ) -> list[onnx.NodeProto] | None:
@@ -489,6 +582,8 @@ LOWERINGS: dict[str, Lowering] = {
     "GatherGrad": gather_grad,
     "SliceGrad": slice_grad,
     "ConvGrad": conv_grad,
+    "DivGrad": div_grad,
+    "LayerNormalizationGrad": layer_norm_grad,
 }
 """com.microsoft operator -> its rewrite in standard operators."""
 
@@ -508,8 +603,11 @@ RUNTIME_DOMAIN = "com.microsoft"
 INTERNAL_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "ConvGrad"})
 
 
+STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
+
+
 def _is_standard(node: onnx.NodeProto) -> bool:
-    if node.domain not in ("", "ai.onnx"):
+    if node.domain not in STANDARD_DOMAINS:
         return False
     return node.op_type not in INTERNAL_DEFAULT_DOMAIN
 

@@ -22,12 +22,14 @@ from typing import Any
 
 import onnx
 
-from graphkit._graph import copy_model
 from graphkit.compat import finalize
 from graphkit.lowering import lower_to_standard
+from graphkit.rewrite import prune
 
 
-def export_training_step(trainer: Any, path: str | os.PathLike[str] | None = None) -> onnx.ModelProto:
+def export_training_step(
+    trainer: Any, path: str | os.PathLike[str] | None = None
+) -> onnx.ModelProto:
     """The trainer's training step in standard ONNX, its resident inputs defaulting to
     their current values (the initial ones before ``fit``).
 
@@ -48,9 +50,11 @@ def export_training_step(trainer: Any, path: str | os.PathLike[str] | None = Non
             f"{type(trainer).__name__} has no fused training step to export; "
             "OrtGradientOptimizer has one."
         )
-    model = lower_to_standard(copy_model(step.model))
+    # nodes no output needs (a ZipMap after the probabilities) are dropped first
+    model = lower_to_standard(prune(step.model))
     values = trainer.get_state() if trainer._fitted else {}
-    resident = {n: values.get(n, step.initial[n]) for n in step.resident}
+    inputs = {i.name for i in model.graph.input}
+    resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
     model.graph.initializer.extend(
         onnx.numpy_helper.from_array(value, name) for name, value in resident.items()
     )

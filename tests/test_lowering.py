@@ -246,6 +246,39 @@ def test_max_pool_grad_scatters_to_the_maxima(rng):
     check(model, {"x": x, "dy": dy})
 
 
+@pytest.mark.parametrize(
+    "shapes", [((3, 4), (3, 1)), ((4,), (3, 4)), ((2, 3), (2, 3)), ((3, 1), ())]
+)
+def test_div_grad_sums_back_to_each_operand(shapes, rng):
+    a = rng.normal(size=shapes[0]).astype(np.float32)
+    b = (rng.uniform(0.5, 2.0, size=shapes[1])).astype(np.float32)
+    dy = rng.normal(size=np.broadcast_shapes(a.shape, b.shape)).astype(np.float32)
+    feeds = {"dy": dy, "a": a, "b": b}
+    check(one_node("DivGrad", feeds, 2), feeds, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis,shape", [(-1, (4, 5)), (1, (2, 3, 4)), (-2, (2, 3, 4))])
+def test_layer_norm_grad(axis, shape, rng):
+    x = rng.normal(size=shape).astype(np.float32)
+    normalized = tuple(range(axis % len(shape), len(shape)))
+    mean = x.mean(axis=normalized, keepdims=True)
+    inv_std = 1 / np.sqrt(x.var(axis=normalized, keepdims=True) + 1e-5)
+    scale = rng.normal(size=x.shape[axis % len(shape) :]).astype(np.float32)
+    feeds = {
+        "dy": rng.normal(size=shape).astype(np.float32),
+        "x": x,
+        "scale": scale,
+        "mean": mean.astype(np.float32),
+        "inv_std": inv_std.astype(np.float32),
+    }
+    check(
+        one_node("LayerNormalizationGrad", feeds, 3, axis=axis, epsilon=1e-5),
+        feeds,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
 def test_an_operator_the_table_does_not_know_is_listed(rng):
     model = one_node("BiasSoftmax", {"x": rng.normal(size=(2, 3)).astype(np.float32)})
     model.graph.node.append(helper.make_node("MaxPoolGrad", ["a", "b"], ["c"], name="pool_grad"))
