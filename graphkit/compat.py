@@ -234,6 +234,9 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
         for value in [*converted.graph.input, *converted.graph.output]:
             if not value.HasField("type") and value.name in original:
                 value.type.CopyFrom(original[value.name].type)
+        # the converter drops ModelProto.training_info: the training graphs come back as
+        # they were (their operators are checked against the new opset by the checker)
+        converted.training_info.extend(model.training_info)
         onnx.checker.check_model(converted)
     except Exception as exc:
         direction = "down" if target < source else "up"

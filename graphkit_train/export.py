@@ -1,18 +1,20 @@
-"""Training steps that run anywhere ONNX runs.
+"""Training that runs anywhere ONNX runs.
 
-:func:`export_training_step` writes a trainer's fused training step with every
-onnxruntime-training operator lowered to standard ONNX (:mod:`graphkit.lowering`), so
-that plain onnxruntime, ``onnx.reference`` or any other runtime can keep training the
-model. Its contract::
+* :func:`export_training_step` writes a trainer's fused training step with every
+  onnxruntime-training operator lowered to standard ONNX (:mod:`graphkit.lowering`), so
+  that plain onnxruntime, ``onnx.reference`` or any other runtime can keep training::
 
-    inputs : <features>, <label>[, <sample weight>]           (one mini-batch)
-             <weights>, <optimizer state>, step, loss_sum       (resident: initializers
+      inputs : <features>, <label>[, <sample weight>]         (one mini-batch)
+               <weights>, <optimizer state>, step, loss_sum     (resident: initializers
                                                                  hold their current values)
-    outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
+      outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
-A loop feeds a batch and the resident tensors, then feeds each ``<name>.next`` back as
-``<name>``. ``step`` counts the updates applied (the schedule reads it); ``loss_sum``
-accumulates the batch losses.
+  A loop feeds a batch and the resident tensors, then feeds each ``<name>.next`` back as
+  ``<name>``. ``step`` counts the updates applied (the schedule reads it); ``loss_sum``
+  accumulates the batch losses.
+* :func:`export_training_info` writes the trained prediction model with the same step
+  inside it as an ONNX ``TrainingInfoProto``: a model that carries its own way to keep
+  training, run by :func:`graphkit.training_info.run_training_info`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,31 @@ import os
 from typing import Any
 
 import onnx
+from onnx import helper, numpy_helper
 
+from graphkit._graph import fresh_name, graph_names, rename_tensors
 from graphkit.compat import finalize
+from graphkit.errors import IncompatibleModelError
 from graphkit.lowering import lower_to_standard
 from graphkit.rewrite import prune
+from graphkit.training_info import check_training_info
+
+
+def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
+    """``(step, lowered step model, {resident input: current value})``."""
+    trainer._build()
+    step = getattr(trainer, "training_step_", None)
+    if step is None:
+        raise TypeError(
+            f"{type(trainer).__name__} has no fused training step to export; "
+            "OrtGradientOptimizer has one."
+        )
+    # nodes no output needs (a ZipMap after the probabilities) are dropped first
+    model = lower_to_standard(prune(step.model))
+    values = trainer.get_state() if trainer._fitted else {}
+    inputs = {i.name for i in model.graph.input}
+    resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
+    return step, model, resident
 
 
 def export_training_step(
@@ -43,29 +66,111 @@ def export_training_step(
         TypeError: the trainer has no fused training step (forward/backward training
             takes its gradients from the TrainingAgent at run time).
     """
-    trainer._build()
-    step = getattr(trainer, "training_step_", None)
-    if step is None:
-        raise TypeError(
-            f"{type(trainer).__name__} has no fused training step to export; "
-            "OrtGradientOptimizer has one."
-        )
-    # nodes no output needs (a ZipMap after the probabilities) are dropped first
-    model = lower_to_standard(prune(step.model))
-    values = trainer.get_state() if trainer._fitted else {}
-    inputs = {i.name for i in model.graph.input}
-    resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
+    step, model, resident = _portable_step(trainer)
     model.graph.initializer.extend(
-        onnx.numpy_helper.from_array(value, name) for name, value in resident.items()
+        numpy_helper.from_array(value, name) for name, value in resident.items()
     )
     data = [step.features, step.label] + ([step.sample_weight] if step.sample_weight else [])
     model.doc_string = (
         f"graphkit training step in standard ONNX. Feed one batch ({', '.join(data)}); the "
-        f"resident inputs ({', '.join(step.resident)}) default to the exported values. "
+        f"resident inputs ({', '.join(resident)}) default to the exported values. "
         "Feed each output '<name>.next' back as '<name>' for the next batch; "
         f"'{step.loss}' is the batch loss. {step.model.doc_string}"
     )
     finalize(model)
+    if path is not None:
+        onnx.save(model, os.fspath(path))
+    return model
+
+
+def export_training_info(
+    trainer: Any, path: str | os.PathLike[str] | None = None
+) -> onnx.ModelProto:
+    """The prediction model with the trained weights, carrying the training step as a
+    ``TrainingInfoProto``:
+
+    * ``algorithm``: the lowered step; it reads the weights from the prediction graph's
+      initializers and keeps the optimizer state, ``step`` and ``loss_sum`` as its own;
+      its inputs are the label (and sample weights) beside the prediction graph's
+      features; its outputs the batch loss and the ``.next`` values;
+    * ``update_binding``: each weight and state tensor <- its ``.next`` output;
+    * ``initialization``: resets the optimizer state, ``step`` and ``loss_sum`` (not the
+      weights).
+
+    Raises:
+        IncompatibleModelError: a weight of the step is not an initializer of the
+            prediction graph, or the lowering does not know an operator.
+    """
+    step, algorithm, resident = _portable_step(trainer)
+    inference = trainer.get_trained_onnx() if trainer._fitted else trainer._prediction_model()
+    main = inference.graph
+    weights = {t.name for t in main.initializer}
+    missing = [w for w in step.weights if w in resident and w not in weights]
+    if missing:
+        raise IncompatibleModelError(
+            f"Weights {missing} of the training step are not initializers of the prediction "
+            "graph, so a TrainingInfoProto could not update them; export_training_step "
+            "exports the step alone."
+        )
+    shared_inputs = {i.name for i in main.input}
+    taken = graph_names(main)
+    keep = set(step.weights) | (shared_inputs & {i.name for i in algorithm.graph.input})
+    renamed: dict[str, str] = {}
+    for name in sorted(graph_names(algorithm.graph)):
+        if name in taken and name not in keep:
+            renamed[name] = fresh_name(f"training/{name}", taken | graph_names(algorithm.graph))
+    rename_tensors(algorithm.graph, lambda n: renamed.get(n, n))
+    for node in algorithm.graph.node:
+        node.name = renamed.get(node.name, node.name)
+
+    graph = algorithm.graph
+    own = {n: v for n, v in resident.items() if n not in step.weights}
+    inputs = [i for i in graph.input if i.name not in keep and i.name not in own]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in own.items())
+    graph.name = "graphkit_training_step"
+    outputs = {o.name for o in graph.output}
+
+    info = onnx.TrainingInfoProto()
+    info.algorithm.CopyFrom(graph)
+    for name in resident:
+        target = renamed.get(f"{name}.next", f"{name}.next")
+        if target not in outputs:
+            raise IncompatibleModelError(f"The training step has no output {target!r}.")
+        info.update_binding.add(key=name, value=target)
+    init_nodes, init_outputs = [], []
+    for name, value in own.items():
+        out = f"initial/{name}"
+        init_nodes.append(
+            helper.make_node(
+                "Constant", [], [out], value=numpy_helper.from_array(step.initial[name], out)
+            )
+        )
+        init_outputs.append(
+            helper.make_tensor_value_info(
+                out, helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)
+            )
+        )
+        info.initialization_binding.add(key=name, value=out)
+    info.initialization.CopyFrom(
+        helper.make_graph(init_nodes, "graphkit_reset_optimizer", [], init_outputs)
+    )
+    model = onnx.ModelProto()
+    model.CopyFrom(inference)
+    model.training_info.append(info)
+    present = {o.domain for o in model.opset_import}
+    for entry in algorithm.opset_import:
+        if entry.domain not in present:
+            model.opset_import.append(entry)
+    model.doc_string = (
+        (model.doc_string + "\n" if model.doc_string else "")
+        + "Carries its training step (graphkit) as TrainingInfoProto 0: feed "
+        f"{', '.join(i.name for i in [*main.input, *inputs])} to its algorithm; "
+        "graphkit.training_info.run_training_info runs it."
+    )
+    finalize(model)
+    check_training_info(model)
     if path is not None:
         onnx.save(model, os.fspath(path))
     return model

@@ -238,6 +238,13 @@ class OrtGradientOptimizer(BaseTrainer):
 
         return export_training_step(self, path)
 
+    def export_training_info(self, path: Any = None) -> onnx.ModelProto:
+        """The trained prediction model carrying its training step as an ONNX
+        TrainingInfoProto; see :func:`graphkit_train.export.export_training_info`."""
+        from graphkit_train.export import export_training_info
+
+        return export_training_info(self, path)
+
     def _prediction_model(self) -> onnx.ModelProto:
         return strip_loss_output(self._user_onnx)
 

@@ -1,0 +1,184 @@
+"""Run the training algorithm an ONNX model carries in ``ModelProto.training_info``.
+
+ONNX can store how to keep training a model next to the model itself
+(``TrainingInfoProto``, see onnx.proto): an *algorithm* graph whose nodes may read the
+inference graph's tensors, computing new values that ``update_binding`` assigns to
+initializers after each run, and an *initialization* graph that resets some of them.
+:func:`graphkit_train.export.export_training_info` writes one; this module executes it
+with plain onnxruntime or ``onnx.reference``, so it needs only onnx and numpy (it can be
+loaded from its file where graphkit itself is not installed)::
+
+    model, outputs = run_training_info(model, batches, runtime="reference")
+    outputs[-1]["loss"]        # the last batch's loss; model holds the new weights
+
+``onnx.checker`` does not check the bindings; :func:`check_training_info` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+
+class TrainingInfoError(ValueError):
+    """A TrainingInfoProto whose bindings or graphs do not fit the model."""
+
+
+def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in graph.initializer}
+
+
+def check_training_info(model: onnx.ModelProto, index: int = 0) -> onnx.TrainingInfoProto:
+    """The ``index``-th TrainingInfoProto, its bindings checked.
+
+    Raises:
+        TrainingInfoError: no training info, or bindings that name tensors which do not
+            exist (update keys must be initializers of the inference or algorithm graph,
+            values outputs of the algorithm; likewise for the initialization).
+    """
+    if len(model.training_info) <= index:
+        raise TrainingInfoError(
+            f"The model carries {len(model.training_info)} TrainingInfoProto; index {index} "
+            "does not exist. Export one with graphkit_train.export.export_training_info."
+        )
+    info = model.training_info[index]
+    mutable = set(_initializers(model.graph)) | set(_initializers(info.algorithm))
+    problems = []
+    for label, bindings, graph in (
+        ("update_binding", info.update_binding, info.algorithm),
+        ("initialization_binding", info.initialization_binding, info.initialization),
+    ):
+        outputs = {o.name for o in graph.output}
+        for entry in bindings:
+            if entry.key not in mutable:
+                problems.append(f"{label} key {entry.key!r} is not an initializer")
+            if entry.value not in outputs:
+                problems.append(f"{label} value {entry.value!r} is not an output of its graph")
+    if problems:
+        raise TrainingInfoError(
+            f"TrainingInfoProto {index} does not fit the model: {'; '.join(problems)}."
+        )
+    return info
+
+
+def training_graph(model: onnx.ModelProto, index: int = 0) -> onnx.ModelProto:
+    """The inference graph and the algorithm graph combined (as onnx.proto defines), with
+    every bound initializer turned into an input so that a loop can feed its value."""
+    info = check_training_info(model, index)
+    bound = {entry.key for entry in info.update_binding}
+    graph = onnx.GraphProto()
+    graph.name = f"{model.graph.name}_training"
+    for part in (model.graph, info.algorithm):
+        graph.node.extend(part.node)
+        graph.input.extend(part.input)
+        graph.value_info.extend(part.value_info)
+        for tensor in part.initializer:
+            if tensor.name in bound:
+                graph.input.append(
+                    onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims)
+                )
+            else:
+                graph.initializer.append(tensor)
+    graph.output.extend(info.algorithm.output)
+    combined = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    combined.ir_version = model.ir_version
+    return combined
+
+
+def reattach(original: onnx.ModelProto, transformed: onnx.ModelProto) -> onnx.ModelProto:
+    """``transformed`` with ``original``'s training information put back.
+
+    onnx's version converter, onnx_ir and onnxscript's optimizer drop
+    ``ModelProto.training_info``; this restores it, then checks that the bindings still
+    name tensors of the transformed model (an optimizer that renamed or folded an
+    initializer the algorithm updates makes this raise :class:`TrainingInfoError`).
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(transformed)
+    del out.training_info[:]
+    out.training_info.extend(original.training_info)
+    for index in range(len(out.training_info)):
+        check_training_info(out, index)
+    return out
+
+
+def _session(model: onnx.ModelProto, runtime: str) -> Any:
+    if runtime == "reference":
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return lambda feeds: evaluator.run(None, feeds)
+    if runtime == "onnxruntime":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        return lambda feeds: session.run(None, feeds)
+    raise ValueError(f"runtime must be 'reference' or 'onnxruntime', got {runtime!r}.")
+
+
+def initialize(
+    model: onnx.ModelProto, index: int = 0, runtime: str = "reference"
+) -> onnx.ModelProto:
+    """A copy of ``model`` with the initialization graph's outputs bound (the optimizer
+    state reset, for graphkit's exports)."""
+    info = check_training_info(model, index)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    if not info.initialization_binding:
+        return out
+    init = onnx.helper.make_model(info.initialization, opset_imports=list(model.opset_import))
+    init.ir_version = model.ir_version
+    values = dict(zip([o.name for o in init.graph.output], _session(init, runtime)({})))
+    _assign(out, index, {e.key: values[e.value] for e in info.initialization_binding})
+    return out
+
+
+def _assign(model: onnx.ModelProto, index: int, values: Mapping[str, np.ndarray]) -> None:
+    for graph in (model.graph, model.training_info[index].algorithm):
+        for tensor in graph.initializer:
+            if tensor.name in values:
+                tensor.CopyFrom(
+                    numpy_helper.from_array(np.asarray(values[tensor.name]), tensor.name)
+                )
+
+
+def run_training_info(
+    model: onnx.ModelProto,
+    batches: Iterable[Mapping[str, np.ndarray]],
+    runtime: str = "reference",
+    index: int = 0,
+) -> tuple[onnx.ModelProto, list[dict[str, np.ndarray]]]:
+    """Run the training algorithm once per batch, applying ``update_binding`` after each.
+
+    Args:
+        model: a model with ``training_info``.
+        batches: feeds for the graph inputs the algorithm needs (features, labels...).
+        runtime: ``"reference"`` (onnx.reference) or ``"onnxruntime"``.
+
+    Returns:
+        The model with its initializers updated, and each run's outputs that no binding
+        consumes (the batch loss for graphkit's exports).
+    """
+    info = check_training_info(model, index)
+    combined = training_graph(model, index)
+    run = _session(combined, runtime)
+    names = [o.name for o in combined.graph.output]
+    bound = {e.key: e.value for e in info.update_binding}
+    consumed = set(bound.values())
+    initial = {**_initializers(model.graph), **_initializers(info.algorithm)}
+    values = {k: numpy_helper.to_array(initial[k]) for k in bound}
+    history = []
+    for batch in batches:
+        out = dict(zip(names, run({**batch, **values})))
+        values = {k: out[v] for k, v in bound.items()}
+        history.append({n: v for n, v in out.items() if n not in consumed})
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    _assign(result, index, values)
+    return result, history
