@@ -11,6 +11,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# Plain onnxruntime (the latest release) in an environment of its own: it shares its
+# import name with onnxruntime-training, so the two never meet. The suite runs graphkit's
+# exported training there (tests/test_plain_onnxruntime.py).
+PLAIN       := .venv-plain-ort
+PLAIN_STAMP := $(PLAIN)/.installed
+
+$(PLAIN_STAMP):
+	$(PYTHON) -m venv $(PLAIN)
+	$(PLAIN)/bin/python -m pip install --quiet onnxruntime numpy onnx
+	touch $(PLAIN_STAMP)
+
 # Reinstall when the dependency list changes.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
@@ -19,8 +30,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/graphkit-train --output out/demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest tests
+test: $(STAMP) $(PLAIN_STAMP)
+	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -35,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) .pytest_cache .ruff_cache .hypothesis

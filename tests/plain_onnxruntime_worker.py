@@ -1,0 +1,70 @@
+"""Runs graphkit's exported training in an environment with plain onnxruntime (the
+latest release from PyPI) and no graphkit, no onnxruntime-training:
+
+    python plain_onnxruntime_worker.py CASES_FOLDER
+
+For each ``<name>.step.onnx`` (an exported training step), ``<name>.info.onnx`` (a model
+carrying a TrainingInfoProto) and ``<name>.batches.npz`` in the folder, it trains over the
+batches and writes ``<name>.result.npz``: the step's final resident tensors (prefix
+``step/``), the TrainingInfoProto run's final initializers (prefix ``info/``), and the
+onnxruntime version.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_training_info():
+    """graphkit/training_info.py from its file: it needs only onnx and numpy."""
+    spec = importlib.util.spec_from_file_location(
+        "training_info", ROOT / "graphkit" / "training_info.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_step(path: Path, batches: list[dict]) -> dict[str, np.ndarray]:
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    outputs = [o.name for o in session.get_outputs()]
+    resident: dict[str, np.ndarray] = {}
+    for batch in batches:
+        values = dict(zip(outputs, session.run(None, {**batch, **resident})))
+        resident = {n[: -len(".next")]: v for n, v in values.items() if n.endswith(".next")}
+    return resident
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    assert not hasattr(onnxruntime, "training"), "this must be plain onnxruntime"
+    training_info = load_training_info()
+    for batches_file in sorted(folder.glob("*.batches.npz")):
+        name = batches_file.name[: -len(".batches.npz")]
+        data = np.load(batches_file)
+        count = len({k.split("/")[0] for k in data.files})
+        batches = [
+            {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(f"{i}/")}
+            for i in range(count)
+        ]
+        result = {
+            f"step/{k}": v for k, v in run_step(folder / f"{name}.step.onnx", batches).items()
+        }
+        model = onnx.load(folder / f"{name}.info.onnx")
+        model, _ = training_info.run_training_info(model, batches, runtime="onnxruntime")
+        for tensor in model.graph.initializer:
+            result[f"info/{tensor.name}"] = onnx.numpy_helper.to_array(tensor)
+        result["version"] = np.array(onnxruntime.__version__)
+        np.savez(folder / f"{name}.result.npz", **result)
+
+
+if __name__ == "__main__":
+    main()
