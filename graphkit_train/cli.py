@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Train the weights of an ONNX model with onnxruntime-training. With no MODEL "
             "and no --data, train the embedded default job (an MLP on scikit-learn's "
-            "diabetes data) and compare it with scikit-learn."
+            "diabetes data) and compare it with scikit-learn. Besides the trained model, "
+            "the output folder gets the training step in standard ONNX "
+            "(training_step.portable.onnx) and the trained model carrying it as a "
+            "TrainingInfoProto (model.trainable.onnx), so that training can continue on "
+            "any ONNX runtime; 'graphkit-train export ...' (same options) makes a model "
+            "that cannot be exported so an error."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -361,13 +366,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": dataset,
         "features": names,
         "rows": {"train": int(len(train_rows)), "held_out": int(len(test_rows))},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet",)},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
         "weights_trained": trainer.weights_to_train_,
         "processes": world_size,
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
         "epoch_end_seconds": epoch_ends,
+        "export": getattr(args, "export", False),
     }
     if len(test_rows):
         prediction = trainer.predict(X[test_rows])
@@ -427,6 +433,19 @@ def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -
     }
     onnx.save(trainer.get_trained_onnx(), files["model"])
     onnx.save(trainer.training_step_.model, files["training_step"])
+    # the same training in standard ONNX, to continue on any runtime
+    portable = {
+        "portable_training_step": os.path.join(folder, "training_step.portable.onnx"),
+        "model_with_training": os.path.join(folder, "model.trainable.onnx"),
+    }
+    try:
+        trainer.export_training_step(portable["portable_training_step"])
+        trainer.export_training_info(portable["model_with_training"])
+        files.update(portable)
+    except gk.IncompatibleModelError as exc:
+        if report.get("export"):
+            raise
+        print(f"graphkit-train: no portable export: {exc}", file=sys.stderr)
     try:
         import matplotlib
 
@@ -459,8 +478,10 @@ def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; every error is one line on stderr and exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    export = bool(argv) and argv[0] == "export"
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv[1:] if export else argv)
+        args.export = export
         if args.nproc > 1 and not args.distributed:
             return _relaunch(argv, args.nproc)
         run(args)

@@ -251,3 +251,45 @@ def test_cli_schedules_span_the_run():
     one_cycle = cli_schedule("one_cycle", 0.1, 500)
     assert max(one_cycle(t) for t in range(500)) == pytest.approx(0.1)
     assert one_cycle(499) < 1e-5
+
+
+def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_path, capsys):
+    """``graphkit-train export``: the trained model carries its training step, which
+    onnx.reference runs; a step the lowering cannot rewrite is a one-line error."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from graphkit.training_info import run_training_info
+
+    data, model, _, _ = csv_problem
+    out = tmp_path / "out"
+    assert main(["export", str(model), "--data", str(data), "--epochs", "2", "--quiet",
+                 "--output", str(out)]) == 0  # fmt: skip
+    trainable = onnx.load(out / "model.trainable.onnx")
+    rows = np.loadtxt(data, delimiter=",", skiprows=1, dtype=np.float32)
+    batch = {"X": rows[:8, :-1], "label": rows[:8, -1:]}
+    _, history = run_training_info(trainable, [batch], runtime="reference")
+    assert np.isfinite(float(history[0]["loss"]))
+    assert onnx.load(out / "training_step.portable.onnx").training_info == []
+
+    # Gather on axis 1 of a weight: its gradient (GatherGrad, axis 1) is not lowered yet
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["W", "pick"], ["Wp"], axis=1),
+            helper.make_node("MatMul", ["X", "Wp"], ["Y"]),
+        ],
+        "gathered",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+        [
+            numpy_helper.from_array(np.ones((3, 2), np.float32), "W"),
+            numpy_helper.from_array(np.array([1], np.int64), "pick"),
+        ],
+    )
+    gathered = tmp_path / "gathered.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), gathered)
+    argv = [str(gathered), "--data", str(data), "--epochs", "1", "--quiet", "--weights", "W"]
+    assert main([*argv, "--output", str(tmp_path / "a")]) == 0  # training alone still works
+    capsys.readouterr()
+    assert main(["export", *argv, "--output", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "GatherGrad" in err, err
