@@ -1,8 +1,9 @@
-"""The one place graphkit touches onnxruntime(-training).
+"""Importing onnxruntime, and inference sessions with its public API.
 
 onnxruntime is imported lazily: building graphs needs only ``onnx`` and ``onnxscript``.
-Only the C bindings (``onnxruntime.capi._pybind_state``) are used for training pieces;
-``onnxruntime.training`` would import torch.
+The training pieces (gradient builders, the TrainingAgent) go through
+:mod:`graphkit.backend`, which uses the C bindings directly: ``onnxruntime.training``
+would import torch.
 """
 
 from __future__ import annotations

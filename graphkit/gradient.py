@@ -1,29 +1,24 @@
-"""Gradient graphs from onnxruntime-training's ``GradientGraphBuilder``.
+"""Gradient graphs of a loss (onnxruntime-training's ``GradientGraphBuilder``, through
+:mod:`graphkit.backend`).
 
 The builder differentiates a scalar output with respect to initializers *or graph
 inputs*; the saved graph keeps the forward outputs and adds ``<name>_grad`` for each
 requested name. Gradient graphs use ``com.microsoft`` operators (``ReluGrad``,
-``SigmoidGrad``...), so they run on onnxruntime-training only.
+``SigmoidGrad``...): they run on onnxruntime-training, and :mod:`graphkit.lowering`
+rewrites them in standard ONNX for any other runtime.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import sys
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import onnx
 
+from graphkit import backend
 from graphkit._graph import fresh_name, graph_names
-from graphkit._ort import _short, onnxruntime
 from graphkit.compat import finalize
-from graphkit.errors import MissingGradientError, UnknownNameError
+from graphkit.errors import UnknownNameError
 from graphkit.lowering import lower_float32_only_ops
-
-_NO_BUILDER = re.compile(r"gradient builder has not been registered: (\S+) for node (\S*)")
 
 
 def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> onnx.ModelProto:
@@ -53,16 +48,7 @@ def gradient_model(model: onnx.ModelProto, output: str, wrt: Iterable[str]) -> o
         )
     model = _isolate(model, wrt)
     model, target = _float32_target(model, output)
-    builder_cls = onnxruntime().capi._pybind_state.GradientGraphBuilder
-    try:
-        with _quiet_native_stderr(), tempfile.TemporaryDirectory() as folder:
-            builder = builder_cls(model.SerializeToString(), {target}, set(wrt), target)
-            builder.build()
-            path = os.path.join(folder, "gradient.onnx")
-            builder.save(path)
-            grad = onnx.load(path)
-    except RuntimeError as exc:
-        raise explain_builder_failure(exc) from exc
+    grad = backend.gradient_graph(model, target, wrt)
     if target != output:
         extra = next(o for o in grad.graph.output if o.name == target)
         grad.graph.output.remove(extra)
@@ -89,20 +75,6 @@ def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
     return copy
 
 
-def explain_builder_failure(exc: BaseException) -> MissingGradientError:
-    """The error to raise when onnxruntime-training's gradient builders fail."""
-    found = _NO_BUILDER.search(str(exc))
-    if found:
-        op_type, node = found.groups()
-        return MissingGradientError(
-            f"onnxruntime-training 1.19.2 has no gradient for operator {op_type!r} "
-            f"(node {node!r}). Rewrite that part with differentiable operators "
-            "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
-            "keep it off the path between the weights and the loss."
-        )
-    return MissingGradientError(f"Building the gradient graph failed: {_short(exc)}")
-
-
 def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProto, str]:
     """The model and the name of a float32 version of ``output`` to differentiate.
 
@@ -126,25 +98,3 @@ def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProt
         )
     )
     return copy, target
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
-    """Silence the builder's C++ logging, which ignores onnxruntime's logger severity.
-
-    Failures still surface: the builder raises a Python exception, and the message is
-    rewritten above.
-    """
-    fd = 2  # the C++ side writes to fd 2 even where sys.stderr is no file (notebooks)
-    try:
-        sys.stderr.flush()
-    except (AttributeError, OSError, ValueError):
-        pass
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
-            yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)

@@ -12,15 +12,9 @@ import onnx
 
 from graphkit import optimizers
 from graphkit._graph import static_shape
-from graphkit._ort import onnxruntime
+from graphkit.backend import CUDA_HINT, providers_for  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.transforms import GradientTransformation
-
-CUDA_HINT = (
-    "device='cuda' needs the CUDA build of onnxruntime-training: "
-    "pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2 "
-    "(Linux x86_64, CPython <= 3.11)."
-)
 
 
 class ParamsMixin:
@@ -114,20 +108,6 @@ class ParamsMixin:
                 if not (isinstance(value, (int, float, str)) and value == defaults[name].default):
                     shown.append(f"{name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
-
-
-def providers_for(device: str) -> tuple[list[str], str, int]:
-    """``(providers, ort device name, device id)`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    if not isinstance(device, str):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}.")
-    if device == "cpu":
-        return ["CPUExecutionProvider"], "cpu", 0
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if "CUDAExecutionProvider" not in onnxruntime().get_available_providers():
-            raise RuntimeError(CUDA_HINT)
-        index = int(device[5:]) if ":" in device else 0
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda", index
-    raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.")
 
 
 def select_learning_rate(learning_rate: Any) -> GradientTransformation:

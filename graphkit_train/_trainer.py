@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit._ort import onnxruntime
+from graphkit import backend
 from graphkit.compat import load_model
 from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
 from graphkit.losses import Loss
@@ -101,8 +101,7 @@ class BaseTrainer(ParamsMixin, ABC):
             raise ValueError(f"tol must be >= 0, got {self.tol!r}.")
 
     def _ortvalue(self, array: np.ndarray) -> Any:
-        ort = onnxruntime()
-        return ort.OrtValue.ortvalue_from_numpy(np.array(array), self._ort_device, self._device_id)
+        return backend.ortvalue(np.array(array), self._ort_device, self._device_id)
 
     def _allocate(self, values: Mapping[str, np.ndarray]) -> None:
         """Two buffer sets holding ``values``, the two bindings that alternate, and a
@@ -434,8 +433,7 @@ class BaseTrainer(ParamsMixin, ABC):
         mean = self.loss_ is None or self.loss_.reduction != "sum"
         tensors = [_to_tensor(grads[n]) for n in names]  # DLPack views, as OnnxModule's
         reduced = group.average(tensors, _to_tensor(loss), weight, mean)
-        ort = onnxruntime()
-        values = [ort.OrtValue(_to_ortvalue(t)) for t in reduced]
+        values = [backend.python_ortvalue(_to_ortvalue(t)) for t in reduced]
         for value, tensor in zip(values, reduced):
             value._graphkit_owner = tensor  # the OrtValue borrows the tensor's memory
         self._apply_update(self._bindings[self._current], values[-1], dict(zip(names, values[:-1])))

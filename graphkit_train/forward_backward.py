@@ -25,11 +25,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphkit import backend
 from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
-from graphkit._ort import _short, inference_session, onnxruntime
+from graphkit._ort import inference_session
+from graphkit.backend import binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.gradient import _quiet_native_stderr, explain_builder_failure
 from graphkit.lowering import lower_float32_only_ops
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
@@ -159,45 +160,27 @@ class OrtGradientForwardBackward:
         return self._variants[requiring]
 
     def _build_variant(self, requiring: frozenset[str]) -> _Variant:
-        C = onnxruntime().capi._pybind_state
-        config = C.OrtModuleGraphBuilderConfiguration()
         internal = [self._internal[w] for w in self.weight_names]
-        config.initializer_names = internal
-        config.initializer_names_to_train = internal
-        config.input_names_require_grad = [n for n in self.input_names if n in requiring]
-        config.build_gradient_graph = True
-        builder = C.OrtModuleGraphBuilder()
-        try:
-            with _quiet_native_stderr():
-                builder.initialize(self._model.SerializeToString(), config)
-                builder.build(C.TrainingGraphTransformerConfiguration())
-        except RuntimeError as exc:
-            raise explain_builder_failure(exc) from exc
-        gradient = onnx.load_from_string(builder.get_gradient_model())
-        forward = onnx.load_from_string(builder.get_forward_model())
-        info = builder.get_graph_info()
+        inputs = [n for n in self.input_names if n in requiring]
+        graphs = backend.module_graphs(self._model, internal, inputs)
+        gradient, forward = graphs.gradient, graphs.forward
         if any(
             i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
         ):
             lower_float32_only_ops(gradient)
         session = inference_session(gradient, self.providers)
-        device = self._ort_device_info()
         feed_names = [i.name for i in gradient.graph.input]
         fetch_names = [o.name for o in gradient.graph.output]
-        agent = C.TrainingAgent(
-            session._sess,
-            feed_names,
-            [device] * len(info.user_output_names),
-            fetch_names,
-            [device] * len(fetch_names),
-            0,
+        device = backend.ort_device(self._ort_device, self._device_id)
+        agent = backend.training_agent(
+            session, feed_names, fetch_names, len(graphs.user_output_names), device
         )
         original = self._original
-        grad_of = {g: n for n, g in info.user_input_grad_names.items()}
+        grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}
         grad_of.update(
             zip(
-                info.initializer_grad_names_to_train,
-                (original[n] for n in info.initializer_names_to_train),
+                graphs.initializer_grad_names_to_train,
+                (original[n] for n in graphs.initializer_names_to_train),
             )
         )
         forward_session = inference_session(forward, self.providers)
@@ -205,22 +188,13 @@ class OrtGradientForwardBackward:
             gradient, forward, agent, session, forward_session, feed_names, fetch_names, grad_of
         )
 
-    def _ort_device_info(self) -> Any:
-        C = onnxruntime().capi._pybind_state
-        kind = C.OrtDevice.cuda() if self._ort_device == "cuda" else C.OrtDevice.cpu()
-        return C.OrtDevice(kind, C.OrtDevice.default_memory(), self._device_id)
-
     # -- values ------------------------------------------------------------------------
 
     def to_ortvalue(self, value: Any) -> Any:
         """An ``onnxruntime.OrtValue`` on this device from a numpy array (or itself)."""
-        ort = onnxruntime()
-        if isinstance(value, ort.OrtValue):
+        if backend.is_ortvalue(value):
             return value
-        array = np.asarray(value)
-        if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d weight 1-d)
-            array = np.ascontiguousarray(array)
-        return ort.OrtValue.ortvalue_from_numpy(array, self._ort_device, self._device_id)
+        return backend.ortvalue(np.asarray(value), self._ort_device, self._device_id)
 
     def _check_value(self, name: str, value: Any, expected: onnx.ValueInfoProto) -> None:
         elem = expected.type.tensor_type.elem_type
@@ -316,17 +290,8 @@ class OrtGradientForwardBackward:
 
         The outputs live in memory the matching backward reuses: read or copy them first.
         """
-        C = onnxruntime().capi._pybind_state
-        vector = C.OrtValueVector()
-        vector.reserve(len(feeds))
-        for value in feeds:
-            vector.push_back(value)
-        fetches, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-        try:
-            variant.agent.run_forward(vector, fetches, state, C.OrtValueCache())
-        except Exception as exc:
-            raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
-        outputs = _wrap(fetches)
+        fetches, state, vector = backend.run_forward(variant.agent, feeds)
+        outputs = backend.wrap(fetches)
         return PendingForward(variant, state, outputs, keep_alive=[feeds, vector])
 
     def backward(self, grad_outputs: Sequence[Any]) -> dict[str, Any]:
@@ -374,17 +339,9 @@ class OrtGradientForwardBackward:
 
     def run_backward(self, pending: PendingForward, grad_outputs: list[Any]) -> dict[str, Any]:
         """Backward on C OrtValues for an explicit pending forward."""
-        C = onnxruntime().capi._pybind_state
-        vector = C.OrtValueVector()
-        for value in grad_outputs:
-            vector.push_back(value)
-        fetches = C.OrtValueVector()
-        try:
-            pending.variant.agent.run_backward(vector, fetches, pending.state)
-        except Exception as exc:
-            raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
+        fetches = backend.run_backward(pending.variant.agent, grad_outputs, pending.state)
         names = pending.variant.fetch_names
-        return {pending.variant.grad_of[n]: value for n, value in zip(names, _wrap(fetches))}
+        return {pending.variant.grad_of[n]: value for n, value in zip(names, backend.wrap(fetches))}
 
     def feed_sources(self, variant: _Variant) -> list[str]:
         """The input or weight name each feed of ``variant`` takes, in feed order."""
@@ -408,23 +365,6 @@ class OrtGradientForwardBackward:
         return copy
 
 
-def _wrap(vector: Any) -> list[Any]:
-    """Python OrtValues for the elements of an OrtValueVector.
-
-    Indexing the vector returns references into it: each wrapper keeps the vector alive,
-    or the values would point to freed memory once the vector is collected. (Indexing is
-    also what makes this fast: onnxruntime's ``IOBinding.get_outputs()`` iterates the
-    vector, which ends in a C++ exception and costs about 35 us per call.)
-    """
-    ort = onnxruntime()
-    values = []
-    for i in range(len(vector)):
-        value = ort.OrtValue(vector[i])
-        value._graphkit_owner = vector
-        values.append(value)
-    return values
-
-
 _ORT_TYPE = {
     np.dtype(np.float32): "float",
     np.dtype(np.float64): "double",
@@ -433,11 +373,6 @@ _ORT_TYPE = {
     np.dtype(np.int32): "int32",
     np.dtype(np.bool_): "bool",
 }
-
-
-def binding_outputs(binding: Any) -> list[Any]:
-    """The outputs of an ``IOBinding`` after a run, read by index (see :func:`_wrap`)."""
-    return _wrap(binding._iobinding.get_outputs())
 
 
 __all__ = ["OrtGradientForwardBackward", "PendingForward", "binding_outputs"]

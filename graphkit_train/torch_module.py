@@ -23,8 +23,8 @@ import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from graphkit import backend
 from graphkit._graph import shape_matches, static_shape
-from graphkit._ort import onnxruntime
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
 from graphkit_train.forward_backward import OrtGradientForwardBackward
@@ -41,10 +41,7 @@ _TORCH_TO_NUMPY = {
 
 def _to_ortvalue(tensor: torch.Tensor) -> Any:
     """A C OrtValue sharing ``tensor``'s memory (DLPack, no copy)."""
-    C = onnxruntime().capi._pybind_state
-    return C.OrtValue.from_dlpack(
-        to_dlpack(tensor.detach().contiguous()), tensor.dtype == torch.bool
-    )
+    return backend.from_dlpack(to_dlpack(tensor.detach().contiguous()), tensor.dtype == torch.bool)
 
 
 def _to_tensor(value: Any) -> torch.Tensor:
