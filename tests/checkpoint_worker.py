@@ -11,37 +11,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from conftest import mlp_onnx  # the script's folder, tests/, is on sys.path
 
 import graphkit as gk
 from graphkit_train import OrtGradientOptimizer
 
 EPOCHS = 6
-
-
-def mlp_onnx() -> object:
-    rng = np.random.default_rng(0)
-    inits = {
-        "W1": rng.normal(size=(10, 32)).astype(np.float32) * 0.3,
-        "b1": np.zeros(32, np.float32),
-        "W2": rng.normal(size=(32, 1)).astype(np.float32) * 0.3,
-        "b2": np.zeros(1, np.float32),
-    }
-    nodes = [
-        helper.make_node("MatMul", ["X", "W1"], ["h0"]),
-        helper.make_node("Add", ["h0", "b1"], ["h1"]),
-        helper.make_node("Tanh", ["h1"], ["h"]),
-        helper.make_node("MatMul", ["h", "W2"], ["o0"]),
-        helper.make_node("Add", ["o0", "b2"], ["Y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 10])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
 def data() -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +31,7 @@ def main() -> None:
     X, y = data()
     learning_rate = (gk.optimizers.adam(), gk.schedules.cosine(0.01, EPOCHS * 3000))
     trainer = OrtGradientOptimizer(
-        gk.add_loss_output(mlp_onnx()),
+        gk.add_loss_output(mlp_onnx(10, 32, 1, "Tanh", scale=0.3)),
         learning_rate=learning_rate,
         max_iter=EPOCHS,
         batch_size=10,

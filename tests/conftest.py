@@ -32,6 +32,41 @@ def linear_regression_onnx(coef: np.ndarray, intercept: np.ndarray) -> onnx.Mode
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
+def mlp_onnx(
+    n_in: int,
+    hidden: int,
+    n_out: int,
+    activation: str = "Relu",
+    dtype: type = np.float32,
+    scale: float = 1.0,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """Y = act(X W1 + b1) W2 + b2, built by hand (opset 18, IR 10); weights N(0, scale^2)."""
+    rng = np.random.default_rng(seed)
+    elem = TensorProto.FLOAT if np.dtype(dtype) == np.float32 else TensorProto.DOUBLE
+    inits = {
+        "W1": (rng.normal(size=(n_in, hidden)) * scale).astype(dtype),
+        "b1": np.zeros(hidden, dtype),
+        "W2": (rng.normal(size=(hidden, n_out)) * scale).astype(dtype),
+        "b2": np.zeros(n_out, dtype),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["X", "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h1"]),
+        helper.make_node(activation, ["h1"], ["h"]),
+        helper.make_node("MatMul", ["h", "W2"], ["o0"]),
+        helper.make_node("Add", ["o0", "b2"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("X", elem, ["N", n_in])],
+        [helper.make_tensor_value_info("Y", elem, ["N", n_out])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
 @pytest.fixture(scope="session")
 def regression_data() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import make_regression

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from conftest import mlp_onnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -289,29 +290,7 @@ def test_an_operator_the_table_does_not_know_is_listed(rng):
 
 
 def mlp(activation, n_out, dtype):
-    rng = np.random.default_rng(0)
-    t = TYPE[np.dtype(dtype)]
-    inits = {
-        "W1": rng.normal(size=(4, 6)).astype(dtype),
-        "b1": np.zeros(6, dtype),
-        "W2": rng.normal(size=(6, n_out)).astype(dtype),
-        "b2": np.zeros(n_out, dtype),
-    }
-    nodes = [
-        helper.make_node("MatMul", ["X", "W1"], ["h0"]),
-        helper.make_node("Add", ["h0", "b1"], ["h1"]),
-        helper.make_node(activation, ["h1"], ["h"]),
-        helper.make_node("MatMul", ["h", "W2"], ["o0"]),
-        helper.make_node("Add", ["o0", "b2"], ["Y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("X", t, ["N", 4])],
-        [helper.make_tensor_value_info("Y", t, ["N", n_out])],
-        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return mlp_onnx(4, 6, n_out, activation, dtype)
 
 
 def cnn():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx
+from conftest import linear_regression_onnx, mlp_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -95,27 +95,7 @@ def test_accumulating_k_batches_equals_one_batch_k_times_larger(kind, regression
 
 def two_layer_onnx(rng):
     """Y = relu(X W1 + b1) W2 + b2, float32."""
-    inits = {
-        "W1": rng.normal(size=(4, 5)).astype(np.float32),
-        "b1": np.zeros(5, np.float32),
-        "W2": rng.normal(size=(5, 1)).astype(np.float32),
-        "b2": np.zeros(1, np.float32),
-    }
-    nodes = [
-        helper.make_node("MatMul", ["X", "W1"], ["h0"]),
-        helper.make_node("Add", ["h0", "b1"], ["h1"]),
-        helper.make_node("Relu", ["h1"], ["h"]),
-        helper.make_node("MatMul", ["h", "W2"], ["o0"]),
-        helper.make_node("Add", ["o0", "b2"], ["Y"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
-        [numpy_helper.from_array(v, k) for k, v in inits.items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return mlp_onnx(4, 5, 1, "Relu", np.float32, seed=int(rng.integers(1000)))
 
 
 @pytest.mark.parametrize("kind", TRAINERS)
