@@ -318,31 +318,62 @@ def gather_elements_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     ]
 
 
-def gather_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """GatherGrad(shape, indices, dY), axis 0 (an embedding table): zeros(shape) with
-    dY[i...] added to row indices[i...] (ScatterND, reduction=add); negative indices
-    count from the end"""
-    if int(_attrs(node).get("axis", 0)) != 0:  # type: ignore[arg-type]
-        return None
+def gather_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """GatherGrad(shape, indices, dY) on ``axis``: zeros(shape) with each slice of dY added
+    at the position its index names (repeated indices add up, negative ones count from
+    the end). In the 3-D view (P, D, R) = (before the axis, the axis, after it), dY is
+    (P, Q, R) for Q indices: transposed to (Q, P, R), it is a ScatterND (reduction add)
+    of rows into zeros (D, P, R)."""
     shape, indices, dy = node.input[0], node.input[1], node.input[2]
+    axis = int(_attrs(node).get("axis", 0))  # type: ignore[arg-type]
     base = _base(node)
+    scalar = lambda name, value: helper.make_node(  # noqa: E731
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value])
+    )
     return [
         *_zeros_like_shape(base, shape, dy),
-        _ints(f"{base}/first", [0]),
-        _ints(f"{base}/second", [1]),
-        make("Slice", [shape, f"{base}/first", f"{base}/second"], [f"{base}/rows"]),
+        scalar(f"{base}/axis_value", axis),
+        scalar(f"{base}/zero", 0),
+        scalar(f"{base}/one", 1),
+        _ints(f"{base}/vector", [1]),
+        _ints(f"{base}/flat", [-1]),
+        make("Size", [shape], [f"{base}/rank"]),
+        make("Less", [f"{base}/axis_value", f"{base}/zero"], [f"{base}/negative"]),
+        make("Add", [f"{base}/axis_value", f"{base}/rank"], [f"{base}/wrapped_axis"]),
+        make(
+            "Where",
+            [f"{base}/negative", f"{base}/wrapped_axis", f"{base}/axis_value"],
+            [f"{base}/axis"],
+        ),
+        make("Add", [f"{base}/axis", f"{base}/one"], [f"{base}/after"]),
+        make("Reshape", [f"{base}/axis", f"{base}/vector"], [f"{base}/axis_1d"]),
+        make("Reshape", [f"{base}/after", f"{base}/vector"], [f"{base}/after_1d"]),
+        make("Reshape", [f"{base}/zero", f"{base}/vector"], [f"{base}/zero_1d"]),
+        make("Reshape", [f"{base}/rank", f"{base}/vector"], [f"{base}/rank_1d"]),
+        make("Slice", [shape, f"{base}/zero_1d", f"{base}/axis_1d"], [f"{base}/before_dims"]),
+        make("Slice", [shape, f"{base}/axis_1d", f"{base}/after_1d"], [f"{base}/D"]),
+        make("Slice", [shape, f"{base}/after_1d", f"{base}/rank_1d"], [f"{base}/after_dims"]),
+        make("ReduceProd", [f"{base}/before_dims"], [f"{base}/P"], keepdims=1),
+        make("ReduceProd", [f"{base}/after_dims"], [f"{base}/R"], keepdims=1),
+        make("Concat", [f"{base}/P", f"{base}/flat", f"{base}/R"], [f"{base}/pqr"], axis=0),
+        make("Reshape", [dy, f"{base}/pqr"], [f"{base}/dy3"]),
+        make("Transpose", [f"{base}/dy3"], [f"{base}/qpr"], perm=[1, 0, 2]),
         make("Cast", [indices], [f"{base}/indices64"], to=TensorProto.INT64),
-        make("Squeeze", [f"{base}/rows", f"{base}/first"], [f"{base}/rows_scalar"]),
-        make("Add", [f"{base}/indices64", f"{base}/rows_scalar"], [f"{base}/wrapped"]),
-        make("Mod", [f"{base}/wrapped", f"{base}/rows_scalar"], [f"{base}/positive"]),
-        _ints(f"{base}/last", [-1]),
-        make("Unsqueeze", [f"{base}/positive", f"{base}/last"], [f"{base}/index"]),
+        make("Reshape", [f"{base}/indices64", f"{base}/flat"], [f"{base}/index_flat"]),
+        make("Squeeze", [f"{base}/D", f"{base}/zero_1d"], [f"{base}/D_scalar"]),
+        make("Add", [f"{base}/index_flat", f"{base}/D_scalar"], [f"{base}/shifted"]),
+        make("Mod", [f"{base}/shifted", f"{base}/D_scalar"], [f"{base}/positive"]),
+        make("Unsqueeze", [f"{base}/positive", f"{base}/flat"], [f"{base}/index"]),
+        make("Concat", [f"{base}/D", f"{base}/P", f"{base}/R"], [f"{base}/dpr"], axis=0),
+        make("Reshape", [f"{base}/zeros", f"{base}/dpr"], [f"{base}/zeros3"]),
         make(
             "ScatterND",
-            [f"{base}/zeros", f"{base}/index", dy],
-            [node.output[0]],
+            [f"{base}/zeros3", f"{base}/index", f"{base}/qpr"],
+            [f"{base}/scattered"],
             reduction="add",
         ),
+        make("Transpose", [f"{base}/scattered"], [f"{base}/pdr"], perm=[1, 0, 2]),
+        make("Reshape", [f"{base}/pdr", shape], [node.output[0]]),
     ]
 
 
@@ -505,62 +536,154 @@ def max_pool_grad(
     ]
 
 
+def _conv_weight_grad(
+    base: str, x: str, dy: str, pads: list[int], strides: list[int], dilations: list[int]
+) -> tuple[list[onnx.NodeProto], str]:
+    """dW of a one-group Conv, uncropped: Conv(X^T, dY^T) with strides and dilations
+    swapped (^T swaps batch and channels), transposed back."""
+    swap = [1, 0, *range(2, 2 + len(strides))]
+    nodes = [
+        make("Transpose", [x], [f"{base}/x_t"], perm=swap),
+        make("Transpose", [dy], [f"{base}/dy_t"], perm=swap),
+        make(
+            "Conv",
+            [f"{base}/x_t", f"{base}/dy_t"],
+            [f"{base}/dw_t"],
+            pads=pads,
+            strides=dilations,
+            dilations=strides,
+        ),
+        make("Transpose", [f"{base}/dw_t"], [f"{base}/dw_full"], perm=swap),
+    ]
+    return nodes, f"{base}/dw_full"
+
+
+def _channel_slice(
+    base: str, tensor: str, count: str, index: int, out: str, axis: int = 1
+) -> list[onnx.NodeProto]:
+    """``out`` = [index * count, (index + 1) * count) of ``tensor`` along ``axis``."""
+    return [
+        _ints(f"{base}/index", [index]),
+        _ints(f"{base}/next", [index + 1]),
+        _ints(f"{base}/axis", [axis]),
+        make("Mul", [count, f"{base}/index"], [f"{base}/start"]),
+        make("Mul", [count, f"{base}/next"], [f"{base}/end"]),
+        make("Slice", [tensor, f"{base}/start", f"{base}/end", f"{base}/axis"], [out]),
+    ]
+
+
 def conv_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """ConvGrad(dY, X, W) -> (dX, dW, dB), for group 1 and explicit pads:
+    """ConvGrad(dY, X, W) -> (dX, dW, dB) for explicit pads (``auto_pad`` NOTSET):
 
     * dB = sum of dY over every axis but the channels;
-    * dW = Conv(X^T, dY^T) with strides and dilations swapped, cropped to W's size
-      (^T swaps batch and channels): the correlation of the input with the output grad;
-    * dX = ConvTranspose(dY, W) with the same pads and dilations, when the strides are
-      1 (a stride that does not divide the padded size needs an output padding the graph
-      cannot know: such a node is listed as not lowered).
+    * dW = Conv(X^T, dY^T) with strides and dilations swapped, cropped to W's size (^T
+      swaps batch and channels): the correlation of the input with the output
+      gradient, group by group (channel slices) when ``group`` > 1;
+    * dX = ConvTranspose(dY, W) without padding, padded at the end by stride - 1 zeros
+      (the output padding a stride that does not divide the input needs) and cropped to
+      X's size from the leading pads.
     """
     attrs = _attrs(node)
-    if int(attrs.get("group", 1)) != 1 or attrs.get("auto_pad", b"NOTSET") not in (
-        b"NOTSET",
-        "NOTSET",
-    ):  # type: ignore[arg-type]
+    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
         return None
+    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
     strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
     dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
     pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
-    dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
-    if dx_out and any(s != 1 for s in strides):
-        return None
-    dy, x, w = node.input[0], node.input[1], node.input[2]
-    base = _base(node)
-    spatial = len(pads) // 2 if pads else len(strides) or len(dilations)
+    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
+    spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
     if not spatial:
-        return None  # the rank is unknown without pads, strides or dilations
+        return None  # the rank is unknown
     strides = strides or [1] * spatial
     dilations = dilations or [1] * spatial
     pads = pads or [0] * (2 * spatial)
-    swap = [1, 0, *range(2, 2 + spatial)]
-    nodes: list[onnx.NodeProto] = []
+    dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
+    dy, x, w = node.input[0], node.input[1], node.input[2]
+    base = _base(node)
+    nodes: list[onnx.NodeProto] = [_ints(f"{base}/zeros", [0] * (2 + spatial))]
+    if group > 1:  # channels per group, of the input (c_group) and of the output (o_group)
+        nodes += [
+            _ints(f"{base}/groups", [group]),
+            _ints(f"{base}/zero_1d", [0]),
+            _ints(f"{base}/one", [1]),
+            _ints(f"{base}/two", [2]),
+            make("Shape", [x], [f"{base}/x_shape"]),
+            make("Slice", [f"{base}/x_shape", f"{base}/one", f"{base}/two"], [f"{base}/c"]),
+            make("Div", [f"{base}/c", f"{base}/groups"], [f"{base}/c_group"]),
+            make("Shape", [w], [f"{base}/w_dims"]),
+            make("Slice", [f"{base}/w_dims", f"{base}/zero_1d", f"{base}/one"], [f"{base}/o"]),
+            make("Div", [f"{base}/o", f"{base}/groups"], [f"{base}/o_group"]),
+        ]
     if db_out:
         nodes += [
             _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
             make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
         ]
     if dw_out:
-        nodes += [
-            make("Transpose", [x], [f"{base}/x_t"], perm=swap),
-            make("Transpose", [dy], [f"{base}/dy_t"], perm=swap),
-            make(
-                "Conv",
-                [f"{base}/x_t", f"{base}/dy_t"],
-                [f"{base}/dw_t"],
-                pads=pads,
-                strides=dilations,
-                dilations=strides,
-            ),
-            make("Transpose", [f"{base}/dw_t"], [f"{base}/dw_full"], perm=swap),
-            make("Shape", [w], [f"{base}/w_shape"]),
-            _ints(f"{base}/zeros", [0] * (2 + spatial)),
-            make("Slice", [f"{base}/dw_full", f"{base}/zeros", f"{base}/w_shape"], [dw_out]),
-        ]
+        nodes.append(make("Shape", [w], [f"{base}/w_shape"]))
+        if group == 1:
+            part, full = _conv_weight_grad(base, x, dy, pads, strides, dilations)
+            nodes += part
+        else:
+            parts = []
+            for g in range(group):
+                gb = f"{base}/group{g}"
+                nodes += _channel_slice(f"{gb}/x", x, f"{base}/c_group", g, f"{gb}/x_part")
+                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, f"{gb}/dy_part")
+                part, out = _conv_weight_grad(
+                    gb, f"{gb}/x_part", f"{gb}/dy_part", pads, strides, dilations
+                )
+                nodes += part
+                parts.append(out)
+            full = f"{base}/dw_full"
+            nodes.append(make("Concat", parts, [full], axis=0))
+        nodes.append(make("Slice", [full, f"{base}/zeros", f"{base}/w_shape"], [dw_out]))
     if dx_out:
-        nodes.append(make("ConvTranspose", [dy, w], [dx_out], pads=pads, dilations=dilations))
+        end_pads = [0, 0] + [0] * spatial + [0, 0] + [s - 1 for s in strides]
+        axes = list(range(2, 2 + spatial))
+        # one ConvTranspose per group (onnx.reference has no grouped ConvTranspose)
+        parts = []
+        for g in range(group):
+            gb = f"{base}/dx_group{g}"
+            dy_g, w_g = dy, w
+            if group > 1:
+                dy_g, w_g = f"{gb}/dy_part", f"{gb}/w_part"
+                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, dy_g)
+                nodes += _channel_slice(f"{gb}/w", w, f"{base}/o_group", g, w_g, axis=0)
+            parts.append(f"{gb}/out")
+            nodes.append(
+                make(
+                    "ConvTranspose",
+                    [dy_g, w_g],
+                    [parts[-1]],
+                    strides=strides,
+                    dilations=dilations,
+                )
+            )
+        if group > 1:
+            nodes.append(make("Concat", parts, [f"{base}/dx_full"], axis=1))
+        else:
+            nodes.append(make("Identity", parts, [f"{base}/dx_full"]))
+        nodes += [
+            _ints(f"{base}/end_pads", end_pads),
+            make("Pad", [f"{base}/dx_full", f"{base}/end_pads"], [f"{base}/dx_padded"]),
+            make("Shape", [x], [f"{base}/x_dims"]),
+            _ints(f"{base}/spatial_start", [2]),
+            _ints(f"{base}/spatial_end", [2 + spatial]),
+            make(
+                "Slice",
+                [f"{base}/x_dims", f"{base}/spatial_start", f"{base}/spatial_end"],
+                [f"{base}/size"],
+            ),
+            _ints(f"{base}/begin", pads[:spatial]),
+            make("Add", [f"{base}/begin", f"{base}/size"], [f"{base}/end"]),
+            _ints(f"{base}/axes", axes),
+            make(
+                "Slice",
+                [f"{base}/dx_padded", f"{base}/begin", f"{base}/end", f"{base}/axes"],
+                [dx_out],
+            ),
+        ]
     return nodes
 
 

@@ -271,25 +271,29 @@ def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_p
     assert np.isfinite(float(history[0]["loss"]))
     assert onnx.load(out / "training_step.portable.onnx").training_info == []
 
-    # Gather on axis 1 of a weight: its gradient (GatherGrad, axis 1) is not lowered yet
+    # a Conv with auto_pad=SAME_UPPER: its gradient (ConvGrad) is not lowered
     graph = helper.make_graph(
         [
-            helper.make_node("Gather", ["W", "pick"], ["Wp"], axis=1),
-            helper.make_node("MatMul", ["X", "Wp"], ["Y"]),
+            helper.make_node("Reshape", ["X", "as_signal"], ["signal"]),
+            helper.make_node("Conv", ["signal", "K"], ["conv"], auto_pad="SAME_UPPER"),
+            helper.make_node("Reshape", ["conv", "as_rows"], ["rows"]),
+            helper.make_node("MatMul", ["rows", "W"], ["Y"]),
         ],
-        "gathered",
+        "same_upper",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
         [
-            numpy_helper.from_array(np.ones((3, 2), np.float32), "W"),
-            numpy_helper.from_array(np.array([1], np.int64), "pick"),
+            numpy_helper.from_array(np.ones((1, 1, 2), np.float32), "K"),
+            numpy_helper.from_array(np.ones((3, 1), np.float32) * 0.1, "W"),
+            numpy_helper.from_array(np.array([-1, 1, 3], np.int64), "as_signal"),
+            numpy_helper.from_array(np.array([-1, 3], np.int64), "as_rows"),
         ],
     )
     gathered = tmp_path / "gathered.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), gathered)
-    argv = [str(gathered), "--data", str(data), "--epochs", "1", "--quiet", "--weights", "W"]
+    argv = [str(gathered), "--data", str(data), "--epochs", "1", "--quiet", "--weights", "K,W"]
     assert main([*argv, "--output", str(tmp_path / "a")]) == 0  # training alone still works
     capsys.readouterr()
     assert main(["export", *argv, "--output", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "GatherGrad" in err, err
+    assert len(err.strip().splitlines()) == 1 and "ConvGrad" in err, err

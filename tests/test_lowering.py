@@ -159,12 +159,25 @@ def test_gather_elements_grad_adds_repeated_indices(rng):
     check(one_node("GatherElementsGrad", feeds, axis=1), feeds, rtol=1e-5)
 
 
-def test_gather_grad_of_an_embedding(rng):
-    shape = np.array([7, 3], np.int64)
-    indices = np.array([[1, 1, -1], [0, 6, 1]], np.int64)  # repeated and negative
-    dy = rng.normal(size=(2, 3, 3)).astype(np.float32)
-    feeds = {"shape": shape, "indices": indices, "dy": dy}
-    check(one_node("GatherGrad", feeds, out_type=F32, axis=0), feeds, rtol=1e-5)
+@pytest.mark.parametrize(
+    "axis,data_shape,indices",
+    [
+        (0, (7, 3), [[1, 1, -1], [0, 6, 1]]),  # an embedding: repeated, negative
+        (1, (2, 5, 3), [4, 0, 4, -2]),
+        (-1, (3, 4), [[3], [0]]),
+        (2, (2, 3, 4), 1),  # a scalar index removes the axis
+    ],
+)
+def test_gather_grad(axis, data_shape, indices, rng):
+    indices = np.array(indices, np.int64)
+    out_shape = data_shape[: axis % len(data_shape)] + indices.shape
+    out_shape += data_shape[axis % len(data_shape) + 1 :]
+    feeds = {
+        "shape": np.array(data_shape, np.int64),
+        "indices": indices,
+        "dy": rng.normal(size=out_shape).astype(np.float32),
+    }
+    check(one_node("GatherGrad", feeds, out_type=F32, axis=axis), feeds, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -199,13 +212,19 @@ def test_slice_grad(starts, ends, axes, steps, rng):
         ({"pads": [0, 1, 2, 0], "dilations": [2, 1]}, 3),
         ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, 2),  # dX not asked: the first layer
         ({"pads": [0, 0, 0, 0], "strides": [3, 2]}, 2),  # strides that do not divide
+        ({"pads": [1, 0, 1, 1], "strides": [2, 2]}, 3),  # dX at a stride that does not divide
+        ({"pads": [0, 1, 2, 0], "strides": [3, 1], "dilations": [1, 2]}, 3),
+        ({"pads": [1, 1, 1, 1], "strides": [2, 2], "group": 3}, 3),  # depthwise
+        ({"pads": [0, 0, 0, 0], "group": 3}, 2),
     ],
 )
 def test_conv_grad(attrs, outputs, rng):
+    attrs = dict(attrs)
+    group = attrs.pop("group", 1)
     x = rng.normal(size=(2, 3, 7, 6)).astype(np.float32)
-    w = rng.normal(size=(4, 3, 3, 2)).astype(np.float32)
+    w = rng.normal(size=(6 if group > 1 else 4, 3 // group, 3, 2)).astype(np.float32)
     forward = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
+        [helper.make_node("Conv", ["x", "w"], ["y"], group=group, **attrs)],
         "conv",
         [
             helper.make_tensor_value_info("x", F32, x.shape),
@@ -219,7 +238,7 @@ def test_conv_grad(attrs, outputs, rng):
         .shape
     )
     feeds = {"dy": rng.normal(size=y_shape).astype(np.float32), "x": x, "w": w}
-    model = one_node("ConvGrad", feeds, 3, group=1, **attrs)
+    model = one_node("ConvGrad", feeds, 3, group=group, **attrs)
     if outputs == 2:
         model.graph.node[0].output[0] = ""
         del model.graph.output[0]

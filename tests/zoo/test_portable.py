@@ -1,6 +1,5 @@
 """The zoo's training steps in standard ONNX: each exported step trains on
-onnx.reference (which knows no com.microsoft operator) exactly as graphkit trains, or its
-export is refused with an error naming the operator the lowering does not know yet."""
+onnx.reference (which knows no com.microsoft operator) exactly as graphkit trains."""
 
 from __future__ import annotations
 
@@ -16,11 +15,6 @@ from graphkit_train import OrtGradientOptimizer
 from .models import CASES, FULL
 from .run import built
 
-# operators graphkit.lowering does not rewrite yet, and the zoo models that use them
-NOT_LOWERED = {
-    "LinearSVC (its positive-class score)": "GatherGrad",  # Gather on axis 1
-    "CNN(Conv, AvgPool, Flatten, Linear)": "ConvGrad",  # AveragePool as a grouped Conv
-}
 PORTABLE = [case for case in CASES if case.refusal(FULL) is None]
 BATCHES = 3
 
@@ -37,10 +31,6 @@ def test_exported_step_trains_on_onnx_reference(case):
             batch_size=case.batch_size,
             shuffle=False,
         )
-        if case.name in NOT_LOWERED:
-            with pytest.raises(gk.IncompatibleModelError, match=NOT_LOWERED[case.name]):
-                trainer.export_training_step()
-            return
         exported = trainer.export_training_step()
     step = trainer.training_step_
     rows = BATCHES * case.batch_size
