@@ -422,6 +422,85 @@ def _sum_to_shape(base: str, value: str, axes: str, shape: str, out: str) -> lis
     ]
 
 
+def conv_transpose_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+    """ConvTransposeGrad(dY, X, W) -> (dX, dW, dB): a ConvTranspose is the adjoint of a
+    Conv with the same attributes, so
+
+    * dX = Conv(dY, W) (same strides, pads, dilations, groups);
+    * dW = the correlation of dY with X: Conv(dY^T, X^T) with strides and dilations
+      swapped, cropped to W's size, group by group;
+    * dB = sum of dY over every axis but the channels.
+
+    Explicit pads only (``auto_pad`` NOTSET, no ``output_shape``).
+    """
+    attrs = _attrs(node)
+    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attrs:
+        return None
+    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
+    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
+    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
+    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
+    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
+    spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
+    if not spatial:
+        return None
+    strides = strides or [1] * spatial
+    dilations = dilations or [1] * spatial
+    pads = pads or [0] * (2 * spatial)
+    dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
+    dy, x, w = node.input[0], node.input[1], node.input[2]
+    base = _base(node)
+    nodes: list[onnx.NodeProto] = [_ints(f"{base}/zeros", [0] * (2 + spatial))]
+    if db_out:
+        nodes += [
+            _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
+            make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
+        ]
+    if dx_out:
+        nodes.append(
+            make(
+                "Conv",
+                [dy, w],
+                [dx_out],
+                pads=pads,
+                strides=strides,
+                dilations=dilations,
+                group=group,
+            )
+        )
+    if dw_out:
+        nodes.append(make("Shape", [w], [f"{base}/w_shape"]))
+        if group == 1:
+            part, full = _conv_weight_grad(base, dy, x, pads, strides, dilations)
+            nodes += part
+        else:  # W is (C_in, C_out / group, k...): group g pairs X's and dY's channel slices
+            nodes += [
+                _ints(f"{base}/groups", [group]),
+                _ints(f"{base}/one", [1]),
+                _ints(f"{base}/two", [2]),
+                make("Shape", [x], [f"{base}/x_shape"]),
+                make("Slice", [f"{base}/x_shape", f"{base}/one", f"{base}/two"], [f"{base}/c"]),
+                make("Div", [f"{base}/c", f"{base}/groups"], [f"{base}/c_group"]),
+                make("Shape", [dy], [f"{base}/dy_shape"]),
+                make("Slice", [f"{base}/dy_shape", f"{base}/one", f"{base}/two"], [f"{base}/o"]),
+                make("Div", [f"{base}/o", f"{base}/groups"], [f"{base}/o_group"]),
+            ]
+            parts = []
+            for g in range(group):
+                gb = f"{base}/group{g}"
+                nodes += _channel_slice(f"{gb}/x", x, f"{base}/c_group", g, f"{gb}/x_part")
+                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, f"{gb}/dy_part")
+                part, out = _conv_weight_grad(
+                    gb, f"{gb}/dy_part", f"{gb}/x_part", pads, strides, dilations
+                )
+                nodes += part
+                parts.append(out)
+            full = f"{base}/dw_full"
+            nodes.append(make("Concat", parts, [full], axis=0))
+        nodes.append(make("Slice", [full, f"{base}/zeros", f"{base}/w_shape"], [dw_out]))
+    return nodes
+
+
 def div_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """DivGrad(dY, A, B) -> (dA, dB) = (dY / B, -dY A / B^2), each summed back to its
     operand's shape over the axes broadcasting stretched"""
@@ -705,6 +784,7 @@ LOWERINGS: dict[str, Lowering] = {
     "GatherGrad": gather_grad,
     "SliceGrad": slice_grad,
     "ConvGrad": conv_grad,
+    "ConvTransposeGrad": conv_transpose_grad,
     "DivGrad": div_grad,
     "LayerNormalizationGrad": layer_norm_grad,
 }
@@ -724,6 +804,8 @@ FLOAT32_ONLY = frozenset(
 RUNTIME_DOMAIN = "com.microsoft"
 # gradient operators onnxruntime places in the default domain, which no other runtime has
 INTERNAL_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "ConvGrad"})
+# AveragePoolGrad reads the pooled input's shape from static graph dims; graphkit never
+# produces it (prepare_for_training turns AveragePool into a Conv), so it stays refused.
 
 
 STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")

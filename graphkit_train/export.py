@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
 from graphkit.lowering import lower_to_standard
 from graphkit.rewrite import prune
+from graphkit.step_trainer import META
 from graphkit.training_info import check_training_info
 
 
@@ -77,6 +79,15 @@ def export_training_step(
         "Feed each output '<name>.next' back as '<name>' for the next batch; "
         f"'{step.loss}' is the batch loss. {step.model.doc_string}"
     )
+    inputs = {i.name for i in model.graph.input}
+    roles = {
+        "features": step.features,
+        "label": step.label,
+        "sample_weight": step.sample_weight if step.sample_weight in inputs else None,
+        "loss": step.loss,
+        "resident": list(resident),
+    }
+    model.metadata_props.add(key=META, value=json.dumps(roles))  # for StepTrainer
     finalize(model)
     if path is not None:
         onnx.save(model, os.fspath(path))

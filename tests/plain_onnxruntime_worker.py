@@ -4,10 +4,11 @@ latest release from PyPI) and no graphkit, no onnxruntime-training:
     python plain_onnxruntime_worker.py CASES_FOLDER
 
 For each ``<name>.step.onnx`` (an exported training step), ``<name>.info.onnx`` (a model
-carrying a TrainingInfoProto) and ``<name>.batches.npz`` in the folder, it trains over the
-batches and writes ``<name>.result.npz``: the step's final resident tensors (prefix
-``step/``), the TrainingInfoProto run's final initializers (prefix ``info/``), and the
-onnxruntime version.
+carrying a TrainingInfoProto), ``<name>.batches.npz`` and ``<name>.rows.npz`` (optional) in
+the folder, it trains over the batches and writes ``<name>.result.npz``: the step's final
+resident tensors (prefix ``step/``), the TrainingInfoProto run's final initializers
+(prefix ``info/``), the state after two shuffled epochs of ``StepTrainer`` over the rows
+(prefix ``trainer/``) and the onnxruntime version.
 """
 
 from __future__ import annotations
@@ -23,11 +24,9 @@ import onnxruntime
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_training_info():
-    """graphkit/training_info.py from its file: it needs only onnx and numpy."""
-    spec = importlib.util.spec_from_file_location(
-        "training_info", ROOT / "graphkit" / "training_info.py"
-    )
+def load(name: str):
+    """graphkit/<name>.py from its file: it needs only onnx, numpy and the runtime."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "graphkit" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -46,7 +45,7 @@ def run_step(path: Path, batches: list[dict]) -> dict[str, np.ndarray]:
 def main() -> None:
     folder = Path(sys.argv[1])
     assert not hasattr(onnxruntime, "training"), "this must be plain onnxruntime"
-    training_info = load_training_info()
+    training_info, step_trainer = load("training_info"), load("step_trainer")
     for batches_file in sorted(folder.glob("*.batches.npz")):
         name = batches_file.name[: -len(".batches.npz")]
         data = np.load(batches_file)
@@ -62,6 +61,15 @@ def main() -> None:
         model, _ = training_info.run_training_info(model, batches, runtime="onnxruntime")
         for tensor in model.graph.initializer:
             result[f"info/{tensor.name}"] = onnx.numpy_helper.to_array(tensor)
+        if (folder / f"{name}.rows.npz").exists():
+            # two epochs of the step trainer over the same rows, shuffled with seed 0
+            rows = np.load(folder / f"{name}.rows.npz")
+            trainer = step_trainer.StepTrainer(
+                folder / f"{name}.step.onnx", batch_size=10, shuffle=True, random_state=0
+            )
+            trainer.fit(rows["X"], rows["y"], epochs=2)
+            result.update({f"trainer/{k}": v for k, v in trainer.state().items()})
+            result["trainer_losses"] = np.array(trainer.train_losses_)
         result["version"] = np.array(onnxruntime.__version__)
         np.savez(folder / f"{name}.result.npz", **result)
 

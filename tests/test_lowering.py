@@ -245,6 +245,45 @@ def test_conv_grad(attrs, outputs, rng):
     check(model, feeds, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "attrs",
+    [
+        {"pads": [1, 1, 1, 1]},
+        {"pads": [0, 1, 0, 1], "strides": [2, 3], "output_padding": [1, 0]},
+        {"pads": [1, 0, 1, 0], "dilations": [2, 1], "strides": [2, 2]},
+        {"pads": [0, 0, 0, 0], "strides": [2, 2], "group": 3},
+    ],
+)
+def test_conv_transpose_grad_against_torch(attrs, rng):
+    """onnxruntime-training 1.19.2 has no CPU kernel for ConvTransposeGrad: torch's
+    autograd is the reference."""
+    torch = pytest.importorskip("torch")
+    attrs = dict(attrs)
+    group = attrs.pop("group", 1)
+    x = rng.normal(size=(2, 3, 4, 5)).astype(np.float32)
+    w = rng.normal(size=(3, 2, 3, 2)).astype(np.float32)
+    tx, tw = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+    pads = attrs.get("pads", [0, 0, 0, 0])
+    y = torch.nn.functional.conv_transpose2d(
+        tx,
+        tw,
+        stride=attrs.get("strides", 1),
+        padding=pads[:2],
+        output_padding=attrs.get("output_padding", 0),
+        groups=group,
+        dilation=attrs.get("dilations", 1),
+    )
+    dy = rng.normal(size=tuple(y.shape)).astype(np.float32)
+    y.backward(torch.tensor(dy))
+    expected = [tx.grad.numpy(), tw.grad.numpy(), dy.sum(axis=(0, 2, 3))]
+    feeds = {"dy": dy, "x": x, "w": w}
+    lowered = one_node("ConvTransposeGrad", feeds, 3, group=group, **attrs)
+    lower_to_standard(lowered)
+    for got in (Runner(lowered)(feeds), ReferenceEvaluator(lowered).run(None, feeds)):
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
 def test_max_pool_grad_scatters_to_the_maxima(rng):
     x = rng.normal(size=(2, 3, 5, 6)).astype(np.float32)
     dy = rng.normal(size=(2, 3, 2, 3)).astype(np.float32)

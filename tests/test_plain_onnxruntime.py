@@ -60,11 +60,21 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
             batches[f"{i}/X"] = X[start : start + 10]
             batches[f"{i}/{label}"] = y[start : start + 10]
         np.savez(tmp_path / f"{name}.batches.npz", **batches)
+        np.savez(tmp_path / f"{name}.rows.npz", X=X, y=y)
+        shuffled = OrtGradientOptimizer(
+            gk.add_loss_output(model, loss),
+            learning_rate=(gk.optimizers.adam(), gk.schedules.cosine(0.01, 100)),
+            max_iter=1,
+            batch_size=10,
+            random_state=0,
+        )
+        shuffled.set_state(trainer.get_state())
+        shuffled.set_params(warm_start=True, max_iter=2).fit(X, y)  # 2 epochs, by graphkit
         trainer.set_params(warm_start=True).fit(X, y)  # the same epoch, by graphkit
-        expected[name] = (trainer.get_state(), trainer.training_step_.weights)
+        expected[name] = (trainer.get_state(), trainer.training_step_.weights, shuffled)
 
     subprocess.run([python, str(WORKER), str(tmp_path)], check=True)
-    for name, (state, weights) in expected.items():
+    for name, (state, weights, shuffled) in expected.items():
         result = np.load(tmp_path / f"{name}.result.npz")
         version = tuple(int(p) for p in str(result["version"]).split(".")[:2])
         assert version >= (1, 20), result["version"]  # newer than the frozen training build
@@ -72,4 +82,7 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
             np.testing.assert_allclose(result[f"step/{key}"], value, rtol=1e-5, atol=1e-6)
         for key in weights:
             np.testing.assert_allclose(result[f"info/{key}"], state[key], rtol=1e-5, atol=1e-6)
+        for key, value in shuffled.get_state().items():
+            np.testing.assert_allclose(result[f"trainer/{key}"], value, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result["trainer_losses"], shuffled.train_losses_, rtol=1e-5)
     assert onnx.load(tmp_path / "cnn.step.onnx").opset_import[0].domain in ("", "ai.onnx")

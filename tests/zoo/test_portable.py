@@ -1,8 +1,10 @@
-"""The zoo's training steps in standard ONNX: each exported step trains on
-onnx.reference (which knows no com.microsoft operator) exactly as graphkit trains."""
+"""The zoo's training steps in standard ONNX: each exported step, and each trained model
+carrying it as a TrainingInfoProto, trains on onnx.reference (which knows no com.microsoft
+operator) and on the latest plain onnxruntime exactly as graphkit trains."""
 
 from __future__ import annotations
 
+import subprocess
 import warnings
 
 import numpy as np
@@ -19,31 +21,75 @@ PORTABLE = [case for case in CASES if case.refusal(FULL) is None]
 BATCHES = 3
 
 
-@pytest.mark.parametrize("case", PORTABLE, ids=[c.id for c in PORTABLE])
-def test_exported_step_trains_on_onnx_reference(case):
-    onx, data = built(case)
+def batches_of(case, trainer):
+    """The first BATCHES batches of the case's training data, as the step's feeds."""
+    _, data = built(case)
+    step = trainer.training_step_
+    rows = BATCHES * case.batch_size
+    X, y = data.X_train[:rows], data.y_train[:rows]
+    feeds = []
+    for i in range(0, rows, case.batch_size):
+        batch = {step.features: X[i : i + case.batch_size], step.label: y[i : i + case.batch_size]}
+        if batch[step.label].dtype.kind == "f":
+            batch[step.label] = batch[step.label].reshape(-1, 1).astype(X.dtype)
+        feeds.append(batch)
+    return X, y, feeds
+
+
+def zoo_trainer(case):
+    onx, _ = built(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = OrtGradientOptimizer(
+        return OrtGradientOptimizer(
             gk.add_loss_output(onx, case.loss, output_index=case.output_index, label_name="y"),
             learning_rate=(gk.optimizers.get(case.optimizer), case.lr),
             max_iter=1,
             batch_size=case.batch_size,
             shuffle=False,
         )
-        exported = trainer.export_training_step()
-    step = trainer.training_step_
-    rows = BATCHES * case.batch_size
-    X, y = data.X_train[:rows], data.y_train[:rows]
+
+
+def test_exported_zoo_training_runs_on_plain_onnxruntime(tmp_path):
+    from test_plain_onnxruntime import WORKER, plain_python
+
+    python = plain_python()
+    expected = {}
+    for number, case in enumerate(PORTABLE):
+        name = f"case{number}"
+        trainer = zoo_trainer(case)
+        trainer.export_training_step(tmp_path / f"{name}.step.onnx")
+        trainer.export_training_info(tmp_path / f"{name}.info.onnx")
+        X, y, feeds = batches_of(case, trainer)
+        packed = {f"{i}/{k}": v for i, batch in enumerate(feeds) for k, v in batch.items()}
+        np.savez(tmp_path / f"{name}.batches.npz", **packed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(X, y)
+        expected[name] = (case, trainer.get_state(), trainer.training_step_.weights)
+    subprocess.run([python, str(WORKER), str(tmp_path)], check=True)
+    for name, (case, state, weights) in expected.items():
+        result = np.load(tmp_path / f"{name}.result.npz")
+        for key, value in state.items():
+            np.testing.assert_allclose(
+                result[f"step/{key}"], value, rtol=2e-4, atol=2e-5, err_msg=f"{case.id} {key}"
+            )
+        for key in weights:
+            np.testing.assert_allclose(
+                result[f"info/{key}"], state[key], rtol=2e-4, atol=2e-5, err_msg=f"{case.id} {key}"
+            )
+
+
+@pytest.mark.parametrize("case", PORTABLE, ids=[c.id for c in PORTABLE])
+def test_exported_step_trains_on_onnx_reference(case):
+    trainer = zoo_trainer(case)
+    exported = trainer.export_training_step()
+    X, y, feeds = batches_of(case, trainer)
     reference = ReferenceEvaluator(exported)
     outputs = [o.name for o in exported.graph.output]
     resident: dict = {}
-    for i in range(0, rows, case.batch_size):
-        batch = {step.features: X[i : i + case.batch_size], step.label: y[i : i + case.batch_size]}
-        if batch[step.label].dtype.kind == "f":
-            batch[step.label] = batch[step.label].reshape(-1, 1).astype(X.dtype)
+    for batch in feeds:
         out = dict(zip(outputs, reference.run(None, {**batch, **resident})))
-        resident = {n: out[f"{n}.next"] for n in step.resident}
+        resident = {n: out[f"{n}.next"] for n in trainer.training_step_.resident}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(X, y)

@@ -1,0 +1,126 @@
+"""Keep training an exported step on any ONNX runtime: plain onnxruntime, onnx.reference.
+
+:func:`graphkit_train.export.export_training_step` writes a training step in standard
+ONNX whose metadata names its data inputs and resident tensors. :class:`StepTrainer`
+runs it epoch after epoch, as graphkit's own trainer does (same batches, same
+``random_state`` permutation), with nothing but onnx, numpy and the runtime: like
+:mod:`graphkit.training_info`, this file can be loaded where graphkit and
+onnxruntime-training are not installed::
+
+    trainer = StepTrainer("step.onnx", batch_size=32).fit(X, y, epochs=5)
+    trainer.train_losses_, trainer.state()["W1"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+META = "graphkit.training_step"
+"""The metadata key of an exported step: JSON with features, label, sample_weight, loss,
+resident."""
+
+
+class StepTrainer:
+    """Mini-batch training with an exported training step.
+
+    Args:
+        step: the exported step (ModelProto or path).
+        batch_size: rows per step.
+        shuffle: a new permutation of the rows every epoch (numpy's ``default_rng``
+            seeded with ``random_state``, as graphkit's trainers draw them).
+        random_state: the seed.
+        runtime: ``"onnxruntime"`` or ``"reference"`` (onnx.reference).
+    """
+
+    def __init__(
+        self,
+        step: onnx.ModelProto | str | os.PathLike[str],
+        batch_size: int = 10,
+        shuffle: bool = True,
+        random_state: int | None = None,
+        runtime: str = "onnxruntime",
+    ) -> None:
+        self.model = step if isinstance(step, onnx.ModelProto) else onnx.load(os.fspath(step))
+        meta = {p.key: p.value for p in self.model.metadata_props}
+        if META not in meta:
+            raise ValueError(
+                "This model is not a graphkit training step: export one with "
+                "OrtGradientOptimizer.export_training_step."
+            )
+        self.roles = json.loads(meta[META])
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        self.batch_size, self.shuffle, self.runtime = batch_size, shuffle, runtime
+        self._rng = np.random.default_rng(random_state)
+        initial = {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
+        self._resident = {n: initial[n] for n in self.roles["resident"]}
+        inputs = {i.name: i for i in self.model.graph.input}
+        self._label_rank = len(inputs[self.roles["label"]].type.tensor_type.shape.dim)
+        self._run = _session(self.model, runtime)
+        self._outputs = [o.name for o in self.model.graph.output]
+        self.train_losses_: list[float] = []
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The current weights, optimizer state, ``step`` and ``loss_sum``."""
+        return {n: np.array(v) for n, v in self._resident.items()}
+
+    def fit(
+        self, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None, epochs: int = 1
+    ) -> StepTrainer:
+        """Train ``epochs`` more epochs; ``train_losses_`` gets each epoch's mean batch loss."""
+        X, y = np.asarray(X), np.asarray(y)
+        if y.ndim == 1 and self._label_rank == 2:
+            y = y.reshape(-1, 1)
+        weight = self.roles.get("sample_weight")
+        if sample_weight is not None and not weight:
+            raise ValueError("This training step takes no sample weights.")
+        for _ in range(epochs):
+            order = self._rng.permutation(len(X)) if self.shuffle else np.arange(len(X))
+            self._resident["loss_sum"] = np.zeros_like(self._resident["loss_sum"])
+            batches = 0
+            for start in range(0, len(X), self.batch_size):
+                rows = order[start : start + self.batch_size]
+                feeds = {self.roles["features"]: X[rows], self.roles["label"]: y[rows]}
+                if weight:
+                    w = (
+                        np.ones(len(rows), X.dtype)
+                        if sample_weight is None
+                        else sample_weight[rows]
+                    )
+                    feeds[weight] = np.asarray(w, dtype=X.dtype)
+                out = dict(zip(self._outputs, self._run({**feeds, **self._resident})))
+                self._resident = {n: out[f"{n}.next"] for n in self._resident}
+                batches += 1
+            self.train_losses_.append(float(self._resident["loss_sum"]) / batches)
+        return self
+
+    def to_model(self) -> onnx.ModelProto:
+        """The step with its resident inputs defaulting to the current values."""
+        out = onnx.ModelProto()
+        out.CopyFrom(self.model)
+        for tensor in out.graph.initializer:
+            if tensor.name in self._resident:
+                tensor.CopyFrom(numpy_helper.from_array(self._resident[tensor.name], tensor.name))
+        return out
+
+
+def _session(model: onnx.ModelProto, runtime: str) -> Any:
+    if runtime == "reference":
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+        return lambda feeds: evaluator.run(None, feeds)
+    if runtime == "onnxruntime":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        return lambda feeds: session.run(None, feeds)
+    raise ValueError(f"runtime must be 'reference' or 'onnxruntime', got {runtime!r}.")
