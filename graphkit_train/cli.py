@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Train the weights of an ONNX model with onnxruntime-training. With no MODEL "
             "and no --data, train the embedded default job (an MLP on scikit-learn's "
             "diabetes data) and compare it with scikit-learn. Besides the trained model, "
-            "the output folder gets the training step in standard ONNX "
-            "(training_step.portable.onnx) and the trained model carrying it as a "
+            "the output folder gets the training step and a whole epoch in standard ONNX "
+            "(training_step.portable.onnx, training_epoch.portable.onnx) and the trained "
+            "model carrying the step as a "
             "TrainingInfoProto (model.trainable.onnx), so that training can continue on "
             "any ONNX runtime; 'graphkit-train export ...' (same options) makes a model "
             "that cannot be exported so an error."
@@ -436,10 +437,12 @@ def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -
     # the same training in standard ONNX, to continue on any runtime
     portable = {
         "portable_training_step": os.path.join(folder, "training_step.portable.onnx"),
+        "portable_training_epoch": os.path.join(folder, "training_epoch.portable.onnx"),
         "model_with_training": os.path.join(folder, "model.trainable.onnx"),
     }
     try:
         trainer.export_training_step(portable["portable_training_step"])
+        trainer.export_training_epoch(portable["portable_training_epoch"])
         trainer.export_training_info(portable["model_with_training"])
         files.update(portable)
     except gk.IncompatibleModelError as exc:

@@ -238,6 +238,13 @@ class OrtGradientOptimizer(BaseTrainer):
 
         return export_training_step(self, path)
 
+    def export_training_epoch(self, path: Any = None) -> onnx.ModelProto:
+        """One epoch as one standard-ONNX model (the step in a Loop over the batches);
+        see :func:`graphkit_train.export.export_training_epoch`."""
+        from graphkit_train.export import export_training_epoch
+
+        return export_training_epoch(self, path)
+
     def export_training_info(self, path: Any = None) -> onnx.ModelProto:
         """The trained prediction model carrying its training step as an ONNX
         TrainingInfoProto; see :func:`graphkit_train.export.export_training_info`."""

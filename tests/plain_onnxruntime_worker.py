@@ -4,7 +4,8 @@ latest release from PyPI) and no graphkit, no onnxruntime-training:
     python plain_onnxruntime_worker.py CASES_FOLDER
 
 For each ``<name>.step.onnx`` (an exported training step), ``<name>.info.onnx`` (a model
-carrying a TrainingInfoProto), ``<name>.batches.npz`` and ``<name>.rows.npz`` (optional) in
+carrying a TrainingInfoProto), ``<name>.batches.npz``, and optionally ``<name>.epoch.onnx`` with
+``<name>.epoch_feeds.npz`` and ``<name>.rows.npz``, in
 the folder, it trains over the batches and writes ``<name>.result.npz``: the step's final
 resident tensors (prefix ``step/``), the TrainingInfoProto run's final initializers
 (prefix ``info/``), the state after two shuffled epochs of ``StepTrainer`` over the rows
@@ -61,6 +62,15 @@ def main() -> None:
         model, _ = training_info.run_training_info(model, batches, runtime="onnxruntime")
         for tensor in model.graph.initializer:
             result[f"info/{tensor.name}"] = onnx.numpy_helper.to_array(tensor)
+        if (folder / f"{name}.epoch.onnx").exists():
+            # one epoch as one Loop, over the rows and permutation the test chose
+            session = onnxruntime.InferenceSession(
+                str(folder / f"{name}.epoch.onnx"), providers=["CPUExecutionProvider"]
+            )
+            feeds = dict(np.load(folder / f"{name}.epoch_feeds.npz"))
+            names = [o.name for o in session.get_outputs()]
+            epoch = dict(zip(names, session.run(None, feeds)))
+            result.update({f"epoch/{k}": v for k, v in epoch.items()})
         if (folder / f"{name}.rows.npz").exists():
             # two epochs of the step trainer over the same rows, shuffled with seed 0
             rows = np.load(folder / f"{name}.rows.npz")

@@ -461,3 +461,42 @@ def test_an_exported_step_keeps_training_where_the_trainer_stopped(rng, tmp_path
         from graphkit_train.export import export_training_step
 
         export_training_step(OrtGradientForwardBackwardOptimizer(mlp("Tanh", 3, np.float32)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_exported_epoch_is_graphkits_epoch(dtype, rng, tmp_path):
+    """The step in a Loop over the batches of a permutation (a short last batch, sample
+    weights): the same weights and batch losses as graphkit's shuffled epoch."""
+    X = rng.normal(size=(95, 4)).astype(dtype)
+    y = np.tanh(X[:, :3]).astype(dtype)
+    w = rng.uniform(0.5, 2.0, size=95).astype(dtype)
+
+    def trainer():
+        return OrtGradientOptimizer(
+            gk.add_loss_output(mlp("Tanh", 3, dtype), weight_name="weight"),
+            learning_rate=(gk.optimizers.adam(), gk.schedules.cosine(0.01, 100)),
+            max_iter=1,
+            batch_size=10,
+            random_state=5,
+        )
+
+    exported = trainer().export_training_epoch(tmp_path / "epoch.onnx")
+    onnx.checker.check_model(onnx.load(tmp_path / "epoch.onnx"), full_check=True)
+    assert any(n.op_type == "Loop" for n in exported.graph.node)
+    graphkit = trainer().fit(X, y, w)
+    step = graphkit.training_step_
+    feeds = {
+        "X": X,
+        step.label: y,
+        "weight": w,
+        "permutation": np.random.default_rng(5).permutation(95),  # graphkit's first epoch
+        "batch_size": np.array(10, np.int64),
+    }
+    names = [o.name for o in exported.graph.output]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for run in (Runner(exported), ReferenceEvaluator(exported).run):
+        out = dict(zip(names, run(feeds) if isinstance(run, Runner) else run(None, feeds)))
+        assert out["batch_losses"].size == 10
+        for name, value in graphkit.get_state().items():
+            np.testing.assert_allclose(out[f"{name}.next"], value, rtol=tol, atol=tol)
+        np.testing.assert_allclose(out["batch_losses"].mean(), graphkit.train_losses_[0], rtol=tol)

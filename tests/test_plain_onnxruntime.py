@@ -54,6 +54,7 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
         trainer.fit(X, y)
         trainer.export_training_step(tmp_path / f"{name}.step.onnx")
         trainer.export_training_info(tmp_path / f"{name}.info.onnx")
+        trainer.export_training_epoch(tmp_path / f"{name}.epoch.onnx")
         label = trainer.training_step_.label
         batches = {}
         for i, start in enumerate(range(0, len(X), 10)):
@@ -61,6 +62,13 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
             batches[f"{i}/{label}"] = y[start : start + 10]
         np.savez(tmp_path / f"{name}.batches.npz", **batches)
         np.savez(tmp_path / f"{name}.rows.npz", X=X, y=y)
+        np.savez(
+            tmp_path / f"{name}.epoch_feeds.npz",
+            X=X,
+            **{label: y},
+            permutation=np.random.default_rng(0).permutation(len(X)),
+            batch_size=np.array(10, np.int64),
+        )
         shuffled = OrtGradientOptimizer(
             gk.add_loss_output(model, loss),
             learning_rate=(gk.optimizers.adam(), gk.schedules.cosine(0.01, 100)),
@@ -69,12 +77,14 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
             random_state=0,
         )
         shuffled.set_state(trainer.get_state())
-        shuffled.set_params(warm_start=True, max_iter=2).fit(X, y)  # 2 epochs, by graphkit
+        shuffled.set_params(warm_start=True).fit(X, y)  # 1 shuffled epoch, by graphkit
+        after_one = shuffled.get_state()
+        shuffled.fit(X, y)  # and a second one
         trainer.set_params(warm_start=True).fit(X, y)  # the same epoch, by graphkit
-        expected[name] = (trainer.get_state(), trainer.training_step_.weights, shuffled)
+        expected[name] = (trainer.get_state(), trainer.training_step_.weights, shuffled, after_one)
 
     subprocess.run([python, str(WORKER), str(tmp_path)], check=True)
-    for name, (state, weights, shuffled) in expected.items():
+    for name, (state, weights, shuffled, after_one) in expected.items():
         result = np.load(tmp_path / f"{name}.result.npz")
         version = tuple(int(p) for p in str(result["version"]).split(".")[:2])
         assert version >= (1, 20), result["version"]  # newer than the frozen training build
@@ -85,4 +95,6 @@ def test_exported_training_runs_on_the_latest_plain_onnxruntime(rng, tmp_path):
         for key, value in shuffled.get_state().items():
             np.testing.assert_allclose(result[f"trainer/{key}"], value, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result["trainer_losses"], shuffled.train_losses_, rtol=1e-5)
+        for key, value in after_one.items():  # the exported epoch: one Loop, same epoch
+            np.testing.assert_allclose(result[f"epoch/{key}.next"], value, rtol=1e-5, atol=1e-6)
     assert onnx.load(tmp_path / "cnn.step.onnx").opset_import[0].domain in ("", "ai.onnx")

@@ -36,7 +36,7 @@ def batches_of(case, trainer):
     return X, y, feeds
 
 
-def zoo_trainer(case):
+def zoo_trainer(case, shuffle=False):
     onx, _ = built(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -45,8 +45,30 @@ def zoo_trainer(case):
             learning_rate=(gk.optimizers.get(case.optimizer), case.lr),
             max_iter=1,
             batch_size=case.batch_size,
-            shuffle=False,
+            shuffle=shuffle,
+            random_state=0,
         )
+
+
+def epoch_feeds(case, trainer, X, y):
+    """The exported epoch's inputs: all rows, numpy's permutation with seed 0 (the first
+    epoch of a trainer with random_state=0)."""
+    step = trainer.training_step_
+    label = y.reshape(-1, 1).astype(X.dtype) if y.dtype.kind == "f" else y
+    return {
+        step.features: X,
+        step.label: label,
+        "permutation": np.random.default_rng(0).permutation(len(X)),
+        "batch_size": np.array(case.batch_size, np.int64),
+    }
+
+
+def shuffled_epoch(case, X, y):
+    """graphkit's own first shuffled epoch over the rows."""
+    trainer = zoo_trainer(case, shuffle=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer.fit(X, y).get_state()
 
 
 def test_exported_zoo_training_runs_on_plain_onnxruntime(tmp_path):
@@ -59,15 +81,19 @@ def test_exported_zoo_training_runs_on_plain_onnxruntime(tmp_path):
         trainer = zoo_trainer(case)
         trainer.export_training_step(tmp_path / f"{name}.step.onnx")
         trainer.export_training_info(tmp_path / f"{name}.info.onnx")
+        trainer.export_training_epoch(tmp_path / f"{name}.epoch.onnx")
         X, y, feeds = batches_of(case, trainer)
+        epoch = epoch_feeds(case, trainer, X, y)
+        np.savez(tmp_path / f"{name}.epoch_feeds.npz", **epoch)
         packed = {f"{i}/{k}": v for i, batch in enumerate(feeds) for k, v in batch.items()}
         np.savez(tmp_path / f"{name}.batches.npz", **packed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(X, y)
         expected[name] = (case, trainer.get_state(), trainer.training_step_.weights)
+        expected[name] += (shuffled_epoch(case, X, y),)
     subprocess.run([python, str(WORKER), str(tmp_path)], check=True)
-    for name, (case, state, weights) in expected.items():
+    for name, (case, state, weights, epoch) in expected.items():
         result = np.load(tmp_path / f"{name}.result.npz")
         for key, value in state.items():
             np.testing.assert_allclose(
@@ -77,12 +103,17 @@ def test_exported_zoo_training_runs_on_plain_onnxruntime(tmp_path):
             np.testing.assert_allclose(
                 result[f"info/{key}"], state[key], rtol=2e-4, atol=2e-5, err_msg=f"{case.id} {key}"
             )
+        for key, value in epoch.items():
+            np.testing.assert_allclose(
+                result[f"epoch/{key}.next"], value, rtol=2e-4, atol=2e-5, err_msg=f"{case.id} {key}"
+            )
 
 
 @pytest.mark.parametrize("case", PORTABLE, ids=[c.id for c in PORTABLE])
 def test_exported_step_trains_on_onnx_reference(case):
     trainer = zoo_trainer(case)
     exported = trainer.export_training_step()
+    epoch = trainer.export_training_epoch()  # both from the initial weights
     X, y, feeds = batches_of(case, trainer)
     reference = ReferenceEvaluator(exported)
     outputs = [o.name for o in exported.graph.output]
@@ -95,3 +126,8 @@ def test_exported_step_trains_on_onnx_reference(case):
         trainer.fit(X, y)
     for name, value in trainer.get_state().items():
         np.testing.assert_allclose(resident[name], value, rtol=2e-4, atol=2e-5, err_msg=name)
+    # the epoch as one Loop, shuffled, on onnx.reference
+    names = [o.name for o in epoch.graph.output]
+    out = dict(zip(names, ReferenceEvaluator(epoch).run(None, epoch_feeds(case, trainer, X, y))))
+    for name, value in shuffled_epoch(case, X, y).items():
+        np.testing.assert_allclose(out[f"{name}.next"], value, rtol=2e-4, atol=2e-5, err_msg=name)
