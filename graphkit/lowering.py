@@ -450,7 +450,7 @@ def conv_transpose_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
     dy, x, w = node.input[0], node.input[1], node.input[2]
     base = _base(node)
-    nodes: list[onnx.NodeProto] = [_ints(f"{base}/zeros", [0] * (2 + spatial))]
+    nodes: list[onnx.NodeProto] = []
     if db_out:
         nodes += [
             _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
@@ -468,36 +468,8 @@ def conv_transpose_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
                 group=group,
             )
         )
-    if dw_out:
-        nodes.append(make("Shape", [w], [f"{base}/w_shape"]))
-        if group == 1:
-            part, full = _conv_weight_grad(base, dy, x, pads, strides, dilations)
-            nodes += part
-        else:  # W is (C_in, C_out / group, k...): group g pairs X's and dY's channel slices
-            nodes += [
-                _ints(f"{base}/groups", [group]),
-                _ints(f"{base}/one", [1]),
-                _ints(f"{base}/two", [2]),
-                make("Shape", [x], [f"{base}/x_shape"]),
-                make("Slice", [f"{base}/x_shape", f"{base}/one", f"{base}/two"], [f"{base}/c"]),
-                make("Div", [f"{base}/c", f"{base}/groups"], [f"{base}/c_group"]),
-                make("Shape", [dy], [f"{base}/dy_shape"]),
-                make("Slice", [f"{base}/dy_shape", f"{base}/one", f"{base}/two"], [f"{base}/o"]),
-                make("Div", [f"{base}/o", f"{base}/groups"], [f"{base}/o_group"]),
-            ]
-            parts = []
-            for g in range(group):
-                gb = f"{base}/group{g}"
-                nodes += _channel_slice(f"{gb}/x", x, f"{base}/c_group", g, f"{gb}/x_part")
-                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, f"{gb}/dy_part")
-                part, out = _conv_weight_grad(
-                    gb, f"{gb}/dy_part", f"{gb}/x_part", pads, strides, dilations
-                )
-                nodes += part
-                parts.append(out)
-            full = f"{base}/dw_full"
-            nodes.append(make("Concat", parts, [full], axis=0))
-        nodes.append(make("Slice", [full, f"{base}/zeros", f"{base}/w_shape"], [dw_out]))
+    if dw_out:  # W is (C_in, C_out / group, k...): the roles of X and dY swap
+        nodes += _weight_grad(f"{base}/dw", dy, x, w, dw_out, group, pads, strides, dilations)
     return nodes
 
 
@@ -637,6 +609,58 @@ def _conv_weight_grad(
     return nodes, f"{base}/dw_full"
 
 
+def _group_size(base: str, tensor: str, group: int, out: str) -> list[onnx.NodeProto]:
+    """``out`` = the channels (axis 1) of ``tensor`` per group, a 1-D int64."""
+    return [
+        _ints(f"{base}/groups", [group]),
+        _ints(f"{base}/one", [1]),
+        _ints(f"{base}/two", [2]),
+        make("Shape", [tensor], [f"{base}/shape"]),
+        make("Slice", [f"{base}/shape", f"{base}/one", f"{base}/two"], [f"{base}/channels"]),
+        make("Div", [f"{base}/channels", f"{base}/groups"], [out]),
+    ]
+
+
+def _weight_grad(
+    base: str,
+    source: str,
+    grad: str,
+    w: str,
+    out: str,
+    group: int,
+    pads: list[int],
+    strides: list[int],
+    dilations: list[int],
+) -> list[onnx.NodeProto]:
+    """``out`` = the correlation of ``source`` with ``grad`` (a Conv's input and output
+    gradient), group by group along the channels, cropped to ``w``'s shape."""
+    spatial = len(strides)
+    nodes = [
+        _ints(f"{base}/zeros", [0] * (2 + spatial)),
+        make("Shape", [w], [f"{base}/w_shape"]),
+    ]
+    if group == 1:
+        part, full = _conv_weight_grad(base, source, grad, pads, strides, dilations)
+        nodes += part
+    else:
+        nodes += _group_size(f"{base}/source", source, group, f"{base}/source_group")
+        nodes += _group_size(f"{base}/grad", grad, group, f"{base}/grad_group")
+        parts = []
+        for g in range(group):
+            gb = f"{base}/group{g}"
+            nodes += _channel_slice(f"{gb}/s", source, f"{base}/source_group", g, f"{gb}/source")
+            nodes += _channel_slice(f"{gb}/g", grad, f"{base}/grad_group", g, f"{gb}/grad")
+            part, piece = _conv_weight_grad(
+                gb, f"{gb}/source", f"{gb}/grad", pads, strides, dilations
+            )
+            nodes += part
+            parts.append(piece)
+        full = f"{base}/dw_full"
+        nodes.append(make("Concat", parts, [full], axis=0))
+    nodes.append(make("Slice", [full, f"{base}/zeros", f"{base}/w_shape"], [out]))
+    return nodes
+
+
 def _channel_slice(
     base: str, tensor: str, count: str, index: int, out: str, axis: int = 1
 ) -> list[onnx.NodeProto]:
@@ -679,48 +703,20 @@ def conv_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
     dy, x, w = node.input[0], node.input[1], node.input[2]
     base = _base(node)
-    nodes: list[onnx.NodeProto] = [_ints(f"{base}/zeros", [0] * (2 + spatial))]
-    if group > 1:  # channels per group, of the input (c_group) and of the output (o_group)
-        nodes += [
-            _ints(f"{base}/groups", [group]),
-            _ints(f"{base}/zero_1d", [0]),
-            _ints(f"{base}/one", [1]),
-            _ints(f"{base}/two", [2]),
-            make("Shape", [x], [f"{base}/x_shape"]),
-            make("Slice", [f"{base}/x_shape", f"{base}/one", f"{base}/two"], [f"{base}/c"]),
-            make("Div", [f"{base}/c", f"{base}/groups"], [f"{base}/c_group"]),
-            make("Shape", [w], [f"{base}/w_dims"]),
-            make("Slice", [f"{base}/w_dims", f"{base}/zero_1d", f"{base}/one"], [f"{base}/o"]),
-            make("Div", [f"{base}/o", f"{base}/groups"], [f"{base}/o_group"]),
-        ]
+    nodes: list[onnx.NodeProto] = []
     if db_out:
         nodes += [
             _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
             make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
         ]
     if dw_out:
-        nodes.append(make("Shape", [w], [f"{base}/w_shape"]))
-        if group == 1:
-            part, full = _conv_weight_grad(base, x, dy, pads, strides, dilations)
-            nodes += part
-        else:
-            parts = []
-            for g in range(group):
-                gb = f"{base}/group{g}"
-                nodes += _channel_slice(f"{gb}/x", x, f"{base}/c_group", g, f"{gb}/x_part")
-                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, f"{gb}/dy_part")
-                part, out = _conv_weight_grad(
-                    gb, f"{gb}/x_part", f"{gb}/dy_part", pads, strides, dilations
-                )
-                nodes += part
-                parts.append(out)
-            full = f"{base}/dw_full"
-            nodes.append(make("Concat", parts, [full], axis=0))
-        nodes.append(make("Slice", [full, f"{base}/zeros", f"{base}/w_shape"], [dw_out]))
+        nodes += _weight_grad(f"{base}/dw", x, dy, w, dw_out, group, pads, strides, dilations)
     if dx_out:
         end_pads = [0, 0] + [0] * spatial + [0, 0] + [s - 1 for s in strides]
         axes = list(range(2, 2 + spatial))
         # one ConvTranspose per group (onnx.reference has no grouped ConvTranspose)
+        if group > 1:
+            nodes += _group_size(f"{base}/dy", dy, group, f"{base}/o_group")
         parts = []
         for g in range(group):
             gb = f"{base}/dx_group{g}"

@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+try:
+    from graphkit.training_info import session
+except ImportError:  # loaded from its file where graphkit is not installed: so is its sibling
+    import importlib.util
+    import pathlib
+
+    _spec = importlib.util.spec_from_file_location(
+        "training_info", pathlib.Path(__file__).with_name("training_info.py")
+    )
+    _sibling = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+    _spec.loader.exec_module(_sibling)  # type: ignore[union-attr]
+    session = _sibling.session
 
 META = "graphkit.training_step"
 """The metadata key of an exported step: JSON with features, label, sample_weight, loss,
@@ -62,7 +74,7 @@ class StepTrainer:
         self._resident = {n: initial[n] for n in self.roles["resident"]}
         inputs = {i.name: i for i in self.model.graph.input}
         self._label_rank = len(inputs[self.roles["label"]].type.tensor_type.shape.dim)
-        self._run = _session(self.model, runtime)
+        self._run = session(self.model, runtime)
         self._outputs = [o.name for o in self.model.graph.output]
         self.train_losses_: list[float] = []
 
@@ -108,19 +120,3 @@ class StepTrainer:
             if tensor.name in self._resident:
                 tensor.CopyFrom(numpy_helper.from_array(self._resident[tensor.name], tensor.name))
         return out
-
-
-def _session(model: onnx.ModelProto, runtime: str) -> Any:
-    if runtime == "reference":
-        from onnx.reference import ReferenceEvaluator
-
-        evaluator = ReferenceEvaluator(model)
-        return lambda feeds: evaluator.run(None, feeds)
-    if runtime == "onnxruntime":
-        import onnxruntime
-
-        session = onnxruntime.InferenceSession(
-            model.SerializeToString(), providers=["CPUExecutionProvider"]
-        )
-        return lambda feeds: session.run(None, feeds)
-    raise ValueError(f"runtime must be 'reference' or 'onnxruntime', got {runtime!r}.")

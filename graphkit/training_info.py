@@ -106,7 +106,8 @@ def reattach(original: onnx.ModelProto, transformed: onnx.ModelProto) -> onnx.Mo
     return out
 
 
-def _session(model: onnx.ModelProto, runtime: str) -> Any:
+def session(model: onnx.ModelProto, runtime: str) -> Any:
+    """``feeds -> outputs`` for ``model`` on ``"reference"`` or ``"onnxruntime"``."""
     if runtime == "reference":
         from onnx.reference import ReferenceEvaluator
 
@@ -134,7 +135,7 @@ def initialize(
         return out
     init = onnx.helper.make_model(info.initialization, opset_imports=list(model.opset_import))
     init.ir_version = model.ir_version
-    values = dict(zip([o.name for o in init.graph.output], _session(init, runtime)({})))
+    values = dict(zip([o.name for o in init.graph.output], session(init, runtime)({})))
     _assign(out, index, {e.key: values[e.value] for e in info.initialization_binding})
     return out
 
@@ -167,7 +168,7 @@ def run_training_info(
     """
     info = check_training_info(model, index)
     combined = training_graph(model, index)
-    run = _session(combined, runtime)
+    run = session(combined, runtime)
     names = [o.name for o in combined.graph.output]
     bound = {e.key: e.value for e in info.update_binding}
     consumed = set(bound.values())

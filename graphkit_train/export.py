@@ -88,10 +88,7 @@ def export_training_step(
         "resident": list(resident),
     }
     model.metadata_props.add(key=META, value=json.dumps(roles))  # for StepTrainer
-    finalize(model)
-    if path is not None:
-        onnx.save(model, os.fspath(path))
-    return model
+    return _finish(model, path)
 
 
 def export_training_info(
@@ -180,11 +177,8 @@ def export_training_info(
         f"{', '.join(i.name for i in [*main.input, *inputs])} to its algorithm; "
         "graphkit.training_info.run_training_info runs it."
     )
-    finalize(model)
     check_training_info(model)
-    if path is not None:
-        onnx.save(model, os.fspath(path))
-    return model
+    return _finish(model, path)
 
 
 def export_training_epoch(
@@ -307,6 +301,11 @@ def export_training_epoch(
         f"graphkit training epoch in standard ONNX: the step of {step.model.doc_string!r} "
         "as the body of a Loop over the batches permutation[k*batch_size:(k+1)*batch_size]."
     )
+    return _finish(model, path)
+
+
+def _finish(model: onnx.ModelProto, path: str | os.PathLike[str] | None) -> onnx.ModelProto:
+    """Check ``model``, save it to ``path`` when given, and return it."""
     finalize(model)
     if path is not None:
         onnx.save(model, os.fspath(path))
