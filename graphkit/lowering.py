@@ -433,29 +433,14 @@ def conv_transpose_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
 
     Explicit pads only (``auto_pad`` NOTSET, no ``output_shape``).
     """
-    attrs = _attrs(node)
-    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attrs:
+    geometry = _conv_geometry(node)
+    if geometry is None:
         return None
-    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
-    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
-    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
-    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
-    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
-    spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
-    if not spatial:
-        return None
-    strides = strides or [1] * spatial
-    dilations = dilations or [1] * spatial
-    pads = pads or [0] * (2 * spatial)
+    group, pads, strides, dilations = geometry
     dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
     dy, x, w = node.input[0], node.input[1], node.input[2]
     base = _base(node)
-    nodes: list[onnx.NodeProto] = []
-    if db_out:
-        nodes += [
-            _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
-            make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
-        ]
+    nodes = _bias_grad(base, dy, db_out, len(strides))
     if dx_out:
         nodes.append(
             make(
@@ -609,6 +594,35 @@ def _conv_weight_grad(
     return nodes, f"{base}/dw_full"
 
 
+def _conv_geometry(
+    node: onnx.NodeProto,
+) -> tuple[int, list[int], list[int], list[int]] | None:
+    """``(group, pads, strides, dilations)`` of a Conv(Transpose)Grad node, defaults
+    filled in; None for ``auto_pad``, ``output_shape`` or an unknown rank."""
+    attrs = _attrs(node)
+    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attrs:
+        return None
+    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
+    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
+    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
+    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
+    spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
+    if not spatial:
+        return None
+    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
+    return group, pads or [0] * (2 * spatial), strides or [1] * spatial, dilations or [1] * spatial
+
+
+def _bias_grad(base: str, dy: str, out: str, spatial: int) -> list[onnx.NodeProto]:
+    """``out`` = dY summed over every axis but the channels (nothing when not asked)."""
+    if not out:
+        return []
+    return [
+        _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
+        make("ReduceSum", [dy, f"{base}/bias_axes"], [out], keepdims=0),
+    ]
+
+
 def _group_size(base: str, tensor: str, group: int, out: str) -> list[onnx.NodeProto]:
     """``out`` = the channels (axis 1) of ``tensor`` per group, a 1-D int64."""
     return [
@@ -686,29 +700,15 @@ def conv_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
       (the output padding a stride that does not divide the input needs) and cropped to
       X's size from the leading pads.
     """
-    attrs = _attrs(node)
-    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+    geometry = _conv_geometry(node)
+    if geometry is None:
         return None
-    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
-    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
-    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
-    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
-    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
-    spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
-    if not spatial:
-        return None  # the rank is unknown
-    strides = strides or [1] * spatial
-    dilations = dilations or [1] * spatial
-    pads = pads or [0] * (2 * spatial)
+    group, pads, strides, dilations = geometry
+    spatial = len(strides)
     dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
     dy, x, w = node.input[0], node.input[1], node.input[2]
     base = _base(node)
-    nodes: list[onnx.NodeProto] = []
-    if db_out:
-        nodes += [
-            _ints(f"{base}/bias_axes", [0, *range(2, 2 + spatial)]),
-            make("ReduceSum", [dy, f"{base}/bias_axes"], [db_out], keepdims=0),
-        ]
+    nodes = _bias_grad(base, dy, db_out, spatial)
     if dw_out:
         nodes += _weight_grad(f"{base}/dw", x, dy, w, dw_out, group, pads, strides, dilations)
     if dx_out:
