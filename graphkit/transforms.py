@@ -29,6 +29,7 @@ fills it with a schedule, so one optimizer serves any schedule.
 
 from __future__ import annotations
 
+import abc
 import copy
 import functools
 import inspect
@@ -200,7 +201,7 @@ class Emitter:
 # -- the base class --------------------------------------------------------------------
 
 
-class GradientTransformation:
+class GradientTransformation(abc.ABC):
     """``init(params) -> state`` and ``update(updates, state, params, step)``.
 
     Subclasses implement :meth:`init` and :meth:`emit` (the update written as ONNX
@@ -214,16 +215,16 @@ class GradientTransformation:
     name: str = "transformation"
     params: dict[str, Any]
 
+    @abc.abstractmethod
     def init(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The initial state, ``{state name: array}``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def emit(
         self, g: Emitter, updates: Tensors, state: Tensors, params: Tensors, step: str
     ) -> tuple[Tensors, Tensors]:
         """Write the update into ``g``; return the new updates and the new values of the
         state this transformation owns (``state`` maps every state name to its tensor)."""
-        raise NotImplementedError
 
     def children(self) -> tuple[GradientTransformation, ...]:
         return ()
@@ -920,10 +921,10 @@ class ApplyIfFinite(_Wrapper):
         self, g: Emitter, updates: Tensors, state: Tensors, params: Tensors, step: str
     ) -> tuple[Tensors, Tensors]:
         # u * 0 is NaN exactly where u is NaN or infinite: one sum tells them all
+        zeros = {w: _zero_like(g, w, f"apply_if_finite/{w}") for w in updates}
         parts = []
         for w in updates:
-            zero = _zero_like(g, w, f"apply_if_finite/{w}")
-            probe = g.node("Mul", [updates[w], zero], f"apply_if_finite/{w}/probe")
+            probe = g.node("Mul", [updates[w], zeros[w]], f"apply_if_finite/{w}/probe")
             total = g.node("ReduceSum", [probe], f"apply_if_finite/{w}/sum", keepdims=0)
             parts.append(g.node("Cast", [total], "apply_if_finite/sum", to=TensorProto.DOUBLE))
         bad = g.node(
@@ -933,7 +934,6 @@ class ApplyIfFinite(_Wrapper):
         skipped = state[self.counter]
         inner_step = g.node("Sub", [step, skipped], "apply_if_finite/inner_step")
         inner_updates, inner_state = self.inner.emit(g, updates, state, params, inner_step)
-        zeros = {w: _zero_like(g, w, f"apply_if_finite/{w}") for w in updates}
         new_updates = _where_all(g, finite, inner_updates, zeros, "apply_if_finite/update")
         owned = _where_all(g, finite, inner_state, state, "apply_if_finite/state")
         count = g.node("Cast", [bad], "apply_if_finite/bad_int", to=TensorProto.INT64)

@@ -123,10 +123,12 @@ def export_training_info(
     shared_inputs = {i.name for i in main.input}
     taken = graph_names(main)
     keep = set(step.weights) | (shared_inputs & {i.name for i in algorithm.graph.input})
+    own_names = graph_names(algorithm.graph)
+    avoid = taken | own_names  # fresh_name adds each new name to it
     renamed: dict[str, str] = {}
-    for name in sorted(graph_names(algorithm.graph)):
+    for name in sorted(own_names):
         if name in taken and name not in keep:
-            renamed[name] = fresh_name(f"training/{name}", taken | graph_names(algorithm.graph))
+            renamed[name] = fresh_name(f"training/{name}", avoid)
     rename_tensors(algorithm.graph, lambda n: renamed.get(n, n))
     for node in algorithm.graph.node:
         node.name = renamed.get(node.name, node.name)

@@ -166,7 +166,8 @@ def build_update_step(
         value_info(next_name(LOSS_SUM), loss_elem, []),
         value_info(next_name(STEP), TensorProto.INT64, []),
     ]
-    for value in inputs[: len(names)] + inputs[2 * len(names) : 2 * len(names) + len(state)]:
+    resident = {i.name: i for i in inputs if i.name in produced}  # the weights and state
+    for value in resident.values():
         add(helper.make_node("Identity", [produced[value.name]], [next_name(value.name)]))
         out_value = onnx.ValueInfoProto()
         out_value.CopyFrom(value)
