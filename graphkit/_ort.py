@@ -12,6 +12,7 @@ import functools
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,18 +56,56 @@ def onnxruntime() -> Any:
     return ort
 
 
-def session_options() -> Any:
-    options = onnxruntime().SessionOptions()
+EXECUTION_MODES = ("sequential", "parallel")
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How onnxruntime runs a trainer's sessions (its ``SessionOptions``).
+
+    ``intra_op``: threads per kernel (None: onnxruntime's default, one per core);
+    ``mode``: ``"sequential"`` runs one node at a time, ``"parallel"`` runs independent
+    nodes at once on an inter-op pool; ``spinning``: whether idle pool threads spin
+    (lower latency, but sessions that spin at once fight over the cores).
+    """
+
+    intra_op: int | None = None
+    mode: str = "sequential"
+    spinning: bool = True
+
+    @classmethod
+    def checked(cls, intra_op: Any, mode: Any) -> Threads:
+        if intra_op is not None and (
+            isinstance(intra_op, bool) or not isinstance(intra_op, int) or intra_op < 1
+        ):
+            raise ValueError(f"intra_op_num_threads must be None or an int >= 1, got {intra_op!r}.")
+        if mode not in EXECUTION_MODES:
+            raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {mode!r}.")
+        return cls(intra_op, mode)
+
+
+def session_options(threads: Threads | None = None) -> Any:
+    ort = onnxruntime()
+    options = ort.SessionOptions()
     options.log_severity_level = 4
+    if threads is not None:
+        if threads.intra_op is not None:
+            options.intra_op_num_threads = threads.intra_op
+        if threads.mode == "parallel":
+            options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+        if not threads.spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
-def inference_session(model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU) -> Any:
+def inference_session(
+    model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU, threads: Threads | None = None
+) -> Any:
     """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``."""
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     try:
-        return ort.InferenceSession(data, session_options(), providers=list(providers))
+        return ort.InferenceSession(data, session_options(threads), providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))
         if missing:

@@ -110,14 +110,24 @@ class BaseTrainer(ParamsMixin, ABC):
         self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
         self._bindings = []
         for k in (0, 1):
-            binding = self._resident_session.io_binding()
-            for name in step.resident:
-                binding.bind_ortvalue_input(name, self._buffers[k][name])
-                binding.bind_ortvalue_output(next_name(name), self._buffers[1 - k][name])
+            binding = self._bind_resident(self._resident_session, k)
             self._bind_scratch(binding)
             self._bindings.append(binding)
         self._update_caches = [BindingCache(b) for b in self._bindings]
         self._current = 0
+        self._buffers_changed()
+
+    def _bind_resident(self, session: Any, k: int) -> Any:
+        """A binding of ``session`` reading buffer set ``k`` and writing set ``1 - k``."""
+        binding = session.io_binding()
+        for name in self.update_step_.resident:
+            binding.bind_ortvalue_input(name, self._buffers[k][name])  # type: ignore[index]
+            binding.bind_ortvalue_output(next_name(name), self._buffers[1 - k][name])  # type: ignore[index]
+        return binding
+
+    def _buffers_changed(self) -> None:
+        """The buffer sets were (re)allocated: bindings made on the old ones are stale
+        (subclasses that keep more bindings drop them here)."""
 
     def _bind_scratch(self, binding: Any) -> None:
         """Bind the session's outputs that are not resident (subclasses)."""
@@ -281,6 +291,8 @@ class BaseTrainer(ParamsMixin, ABC):
         shows = self.verbose and (group is None or group.rank == 0)
         progress = EpochProgress(max_iter) if shows else None
         self.n_iter_ = 0
+        if group is None:
+            self._prepare_epochs(X, y, w, batch_size)
         try:
             for epoch in range(done, max_iter):
                 snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
@@ -373,8 +385,39 @@ class BaseTrainer(ParamsMixin, ABC):
     ) -> float:
         """One pass over the rows (this rank's share of them); the mean batch loss."""
         order = self._rng.permutation(len(X)) if self.shuffle else None  # type: ignore[union-attr]
-        if group is not None:
-            order = shard(np.arange(len(X)) if order is None else order, *group.place)
+        if group is None:
+            return self._run_rows(X, y, w, order, batch_size)
+        order = shard(np.arange(len(X)) if order is None else order, *group.place)
+        return self._run_steps(X, y, w, order, batch_size, group)
+
+    def _prepare_epochs(
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, batch_size: int
+    ) -> None:
+        """Called once per ``fit`` before the first epoch, with the training data
+        (subclasses that bind the whole data once do it here)."""
+
+    def _run_rows(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        order: np.ndarray | None,
+        batch_size: int,
+    ) -> float:
+        """One epoch over the rows in ``order`` (all rows in order when None); the mean
+        batch loss. Here one run per batch; full training overrides it."""
+        return self._run_steps(X, y, w, order, batch_size, None)
+
+    def _run_steps(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        order: np.ndarray | None,
+        batch_size: int,
+        group: ProcessGroup | None,
+    ) -> float:
+        """One run of the resident session per batch."""
         if order is not None:
             X, y, w = X[order], y[order], None if w is None else w[order]
         starts = range(0, len(X), batch_size)

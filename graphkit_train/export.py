@@ -33,6 +33,7 @@ from graphkit.lowering import lower_to_standard
 from graphkit.rewrite import prune
 from graphkit.step_trainer import META
 from graphkit.training_info import check_training_info
+from graphkit_train.epoch import loop_over_batches
 
 
 def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
@@ -201,104 +202,14 @@ def export_training_epoch(
     one may be shorter), as graphkit's trainers do.
     """
     step, body_model, resident = _portable_step(trainer)
+    present = {i.name for i in body_model.graph.input}
     data = [step.features, step.label] + ([step.sample_weight] if step.sample_weight else [])
-    data = [d for d in data if d in {i.name for i in body_model.graph.input}]
-    inputs = {i.name: i for i in body_model.graph.input}
-    carried = list(resident)
-
-    # the body: the step with its names in a scope of their own
-    body = onnx.GraphProto()
-    body.CopyFrom(body_model.graph)
-    scoped = {n: f"body/{n}" for n in graph_names(body)}
-    rename_tensors(body, lambda n: scoped.get(n, n))
-    for node in body.node:
-        node.name = scoped.get(node.name, node.name)
-    del body.input[:]
-    del body.output[:]
-    make = helper.make_node
-    rows, start, end, stop = "body/rows", "body/start", "body/end", "body/stop"
-    gather = [
-        make("Mul", ["body/iteration", "batch_size"], [start]),
-        make("Add", [start, "batch_size"], [stop]),
-        make("Min", [stop, "epoch/rows"], [end]),
-        make("Reshape", [start, "epoch/vector"], ["body/start_1d"]),
-        make("Reshape", [end, "epoch/vector"], ["body/end_1d"]),
-        make("Slice", ["permutation", "body/start_1d", "body/end_1d"], [rows]),
-    ]
-    gather += [make("Gather", [name, rows], [scoped[name]], axis=0) for name in data]
-    step_nodes = list(body.node)
-    del body.node[:]
-    body.node.extend([*gather, *step_nodes])
-    body.input.extend(
-        [
-            helper.make_tensor_value_info("body/iteration", onnx.TensorProto.INT64, []),
-            helper.make_tensor_value_info("body/cond_in", onnx.TensorProto.BOOL, []),
-        ]
+    model = loop_over_batches(
+        body_model, [d for d in data if d in present], list(resident), step.loss
     )
-    for name in carried:
-        value = onnx.ValueInfoProto()
-        value.CopyFrom(inputs[name])
-        value.name = scoped[name]
-        body.input.append(value)
-    body.node.append(make("Identity", ["body/cond_in"], ["body/cond_out"]))
-    body.output.append(helper.make_tensor_value_info("body/cond_out", onnx.TensorProto.BOOL, []))
-    outputs = {o.name: o for o in body_model.graph.output}
-    for name in carried:
-        value = onnx.ValueInfoProto()
-        value.CopyFrom(outputs[f"{name}.next"])
-        value.name = scoped[f"{name}.next"]
-        body.output.append(value)
-    loss = onnx.ValueInfoProto()
-    loss.CopyFrom(outputs[step.loss])
-    loss.name = scoped[step.loss]
-    body.output.append(loss)
-    body.name = "graphkit_training_step"
-
-    # the epoch: count the batches, loop, hand out the final values
-    graph = helper.make_graph(
-        [
-            make("Shape", ["permutation"], ["epoch/rows_1d"]),
-            helper.make_node("Constant", [], ["epoch/vector"], value_ints=[1]),
-            make("Squeeze", ["epoch/rows_1d"], ["epoch/rows"]),
-            helper.make_node(
-                "Constant",
-                [],
-                ["epoch/one"],
-                value=helper.make_tensor("one", onnx.TensorProto.INT64, [], [1]),
-            ),
-            make("Sub", ["batch_size", "epoch/one"], ["epoch/round_up"]),
-            make("Add", ["epoch/rows", "epoch/round_up"], ["epoch/padded"]),
-            make("Div", ["epoch/padded", "batch_size"], ["epoch/batches"]),
-            helper.make_node(
-                "Constant",
-                [],
-                ["epoch/true"],
-                value=helper.make_tensor("true", onnx.TensorProto.BOOL, [], [True]),
-            ),
-            make(
-                "Loop",
-                ["epoch/batches", "epoch/true", *carried],
-                [*(f"{n}.next" for n in carried), "batch_losses"],
-                body=body,
-            ),
-        ],
-        "graphkit_training_epoch",
-        [
-            *(inputs[d] for d in data),
-            helper.make_tensor_value_info("permutation", onnx.TensorProto.INT64, ["rows"]),
-            helper.make_tensor_value_info("batch_size", onnx.TensorProto.INT64, []),
-            *(inputs[n] for n in carried),
-        ],
-        [
-            *(_renamed(outputs[f"{n}.next"], f"{n}.next") for n in carried),
-            helper.make_tensor_value_info(
-                "batch_losses", outputs[step.loss].type.tensor_type.elem_type, ["batches"]
-            ),
-        ],
-        [numpy_helper.from_array(v, n) for n, v in resident.items()],
+    model.graph.initializer.extend(
+        numpy_helper.from_array(value, name) for name, value in resident.items()
     )
-    model = helper.make_model(graph, opset_imports=list(body_model.opset_import))
-    model.ir_version = body_model.ir_version
     model.doc_string = (
         f"graphkit training epoch in standard ONNX: the step of {step.model.doc_string!r} "
         "as the body of a Loop over the batches permutation[k*batch_size:(k+1)*batch_size]."
@@ -312,10 +223,3 @@ def _finish(model: onnx.ModelProto, path: str | os.PathLike[str] | None) -> onnx
     if path is not None:
         onnx.save(model, os.fspath(path))
     return model
-
-
-def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(value)
-    out.name = name
-    return out

@@ -18,7 +18,7 @@ import onnx
 
 from graphkit import losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit._ort import inference_session
+from graphkit._ort import Threads, inference_session
 from graphkit.compat import load_model, make_compatible
 from graphkit.errors import MissingGradientError
 from graphkit.gradient import gradient_model
@@ -33,10 +33,18 @@ from graphkit.rewrite import (
     metadata,
     strip_loss_output,
 )
+from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
+from graphkit_train.epoch import BATCHES, loop_over_batches
 from graphkit_train.forward_backward import binding_outputs
-from graphkit_train.step import TrainingStep, build_training_step, build_update_step, grad_name
+from graphkit_train.step import (
+    LOSS_SUM,
+    TrainingStep,
+    build_training_step,
+    build_update_step,
+    grad_name,
+)
 
 
 class OrtGradientOptimizer(BaseTrainer):
@@ -74,6 +82,17 @@ class OrtGradientOptimizer(BaseTrainer):
             ``torch.distributed`` process group (see :mod:`graphkit_train.distributed`):
             the fused step is split into a gradient graph and an update graph around
             one all-reduce per step.
+        steps_per_run: training steps per onnxruntime call: ``"epoch"`` (the default)
+            runs every full batch of an epoch in one call of a ``Loop`` graph over data
+            bound once per ``fit`` (:mod:`graphkit_train.epoch`); an int k runs k
+            batches per call; 1 runs one call per batch. The weights are the same
+            whichever is chosen; only the speed differs.
+        static_shapes: build the step for the concrete ``batch_size`` with its shape
+            arithmetic folded away (:mod:`graphkit.static_shapes`); a last, shorter
+            batch runs the step built for any batch size.
+        intra_op_num_threads: threads per kernel (None: one per core, onnxruntime's
+            default).
+        execution_mode: ``"sequential"`` or ``"parallel"`` (independent nodes at once).
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -104,14 +123,28 @@ class OrtGradientOptimizer(BaseTrainer):
         n_iter_no_change: int = 10,
         tol: float = 1e-4,
         distributed: bool = False,
+        steps_per_run: int | str = "epoch",
+        static_shapes: bool = True,
+        intra_op_num_threads: int | None = None,
+        execution_mode: str = "sequential",
     ) -> None:
         self._store_params(locals())
         self._invalidate()
+
+    # changing how many steps a run takes, or whether the step is specialized, keeps
+    # the built graphs: the fused sessions are built per batch size when first needed
+    _loop_params = BaseTrainer._loop_params | {"steps_per_run", "static_shapes"}
+
+    def _invalidate(self) -> None:
+        super()._invalidate()
+        self._fused_runners: dict[tuple[int, bool, bool], FusedRunner] = {}
 
     def _build(self) -> None:
         if self._built:
             return
         self._check_loop_params()
+        steps_per_run(self.steps_per_run)
+        self._threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
         # the graph exported with the trained weights: the user's, linear models written
         # with standard operators (their coefficients are the weights)
@@ -140,7 +173,7 @@ class OrtGradientOptimizer(BaseTrainer):
         if self.distributed:  # gradients and update apart, an all-reduce between them
             self._build_distributed()
         else:
-            self._resident_session = inference_session(step.model, self._providers)
+            self._resident_session = self._session(step.model)
             self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
         self.loss_ = _recorded_loss(self.train_onnx_)
@@ -152,9 +185,83 @@ class OrtGradientOptimizer(BaseTrainer):
         # the training graph and the prediction graph, reading the weights as inputs
         self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
         self.prediction_onnx_ = strip_loss_output(self.evaluation_onnx_)
-        self._eval_session = inference_session(self.evaluation_onnx_, self._providers)
-        self._predict_session = inference_session(self.prediction_onnx_, self._providers)
+        self._eval_session = self._session(self.evaluation_onnx_)
+        self._predict_session = self._session(self.prediction_onnx_)
         self._built = True
+
+    def _session(self, model: onnx.ModelProto) -> Any:
+        return inference_session(model, self._providers, self._threads)
+
+    # -- fused steps: one run for many batches ---------------------------------------------
+
+    def _runner(self, batch_size: int) -> FusedRunner:
+        """The fused sessions for this batch size (built once, kept across fits)."""
+        k = steps_per_run(self.steps_per_run)
+        key = (batch_size, bool(self.static_shapes), k != 1)
+        runner = self._fused_runners.get(key)
+        if runner is None:
+            runner = self._fused_runners[key] = FusedRunner(
+                self.training_step_, batch_size, self._session, *key[1:]
+            )
+        if runner.bindings is None:
+            runner.bind(self)
+        return runner
+
+    def _buffers_changed(self) -> None:
+        for runner in getattr(self, "_fused_runners", {}).values():
+            runner.bindings = None
+
+    def _prepare_epochs(
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, batch_size: int
+    ) -> None:
+        runner = self._runner(batch_size)
+        if runner.loop is not None:
+            runner.bind_data(self, X, y, w)
+
+    def _run_rows(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        order: np.ndarray | None,
+        batch_size: int,
+    ) -> float:
+        """Full batches through the fused sessions, a last shorter one through the step
+        built for any batch size."""
+        runner = self._runner(batch_size)
+        n = len(X)
+        full = n // batch_size
+        if runner.loop is not None:
+            rows = np.arange(n, dtype=np.int64) if order is None else order.astype(np.int64)
+            batches = rows[: full * batch_size].reshape(full, batch_size)
+            chunk = steps_per_run(self.steps_per_run)
+            chunk = full if chunk == "epoch" else chunk
+            for start in range(0, full, max(chunk, 1)):
+                binding = runner.bindings[self._current]  # type: ignore[index]
+                binding.bind_cpu_input(BATCHES, batches[start : start + chunk])
+                runner.loop.run_with_iobinding(binding)
+                self._current = 1 - self._current
+            rest = rows[full * batch_size :]
+            if len(rest):
+                self._run_batch(
+                    self._bindings[self._current],
+                    X[rest],
+                    y[rest],
+                    None if w is None else w[rest],
+                )
+                self._current = 1 - self._current
+        else:
+            if order is not None:
+                X, y, w = X[order], y[order], None if w is None else w[order]
+            for start in range(0, n, batch_size):
+                stop = start + batch_size
+                binding = (runner.bindings if stop <= n else self._bindings)[self._current]  # type: ignore[index]
+                self._run_batch(
+                    binding, X[start:stop], y[start:stop], None if w is None else w[start:stop]
+                )
+                self._current = 1 - self._current
+        batches_run = -(-n // batch_size)
+        return float(self._resident[LOSS_SUM].numpy()) / batches_run
 
     def _is_classifier(self) -> bool:
         """Class labels (an int64 label input), read from the graph without building."""
@@ -173,13 +280,13 @@ class OrtGradientOptimizer(BaseTrainer):
         step = self.training_step_
         weighted = initializers_to_inputs(self.train_onnx_, step.weights)
         self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights)
-        self._gradient_session = inference_session(self.gradient_onnx_, self._providers)
+        self._gradient_session = self._session(self.gradient_onnx_)
         self._gradient_outputs = [step.loss, *(grad_name(w) for w in step.weights)]
         loss_value = next(o for o in self.gradient_onnx_.graph.output if o.name == step.loss)
         loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
         values = {w: step.initial[w] for w in step.weights}
         self.update_step_ = build_update_step(values, self.learning_rate_, None, loss_dtype)
-        self._resident_session = inference_session(self.update_step_.model, self._providers)
+        self._resident_session = self._session(self.update_step_.model)
 
     def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         step = self.training_step_
@@ -267,6 +374,66 @@ class OrtGradientOptimizer(BaseTrainer):
         if self.distributed:
             graphs.update(gradient=self.gradient_onnx_, update=self.update_step_.model)
         return graphs
+
+
+def steps_per_run(value: Any) -> int | str:
+    """The checked ``steps_per_run``: ``"epoch"`` or an int >= 1."""
+    if value == "epoch" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"steps_per_run must be 'epoch' or an int >= 1, got {value!r}.")
+
+
+class FusedRunner:
+    """The sessions full training runs for full batches of one size.
+
+    ``step``: the training step (specialized to the batch size when ``static``), run
+    once per batch when ``looped`` is False; ``loop``: that step as the body of a Loop
+    over the rows of ``batches`` (:func:`graphkit_train.epoch.loop_over_batches`), run
+    once per ``steps_per_run`` batches, the data bound once per ``fit``.
+    """
+
+    def __init__(
+        self, step: TrainingStep, batch_size: int, session: Any, static: bool, looped: bool
+    ) -> None:
+        self.step = step
+        self.data = [step.features, step.label] + (
+            [step.sample_weight] if step.sample_weight else []
+        )
+        model = (
+            specialize(step.model, dict.fromkeys(self.data, batch_size)) if static else step.model
+        )
+        self.model = model
+        self.loop = None
+        self.session = None
+        if looped:
+            self.loop_model = loop_over_batches(
+                model, self.data, step.resident, step.loss, batch_size, batch_losses=False
+            )
+            self.loop = session(self.loop_model)
+        else:
+            self.session = session(model)
+        self.bindings: list[Any] | None = None
+        self._data: list[Any] = []
+
+    def bind(self, trainer: OrtGradientOptimizer) -> None:
+        """Bindings reading buffer set k and writing 1 - k, k = 0, 1."""
+        bindings = []
+        for k in (0, 1):
+            binding = trainer._bind_resident(self.loop or self.session, k)
+            if self.loop is None:
+                trainer._bind_scratch(binding)
+            bindings.append(binding)
+        self.bindings = bindings
+
+    def bind_data(
+        self, trainer: OrtGradientOptimizer, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+    ) -> None:
+        """Bind the whole training data to the loop (no copy on the CPU)."""
+        arrays = [X, y] + ([w] if w is not None else [])
+        self._data = [trainer._ortvalue(a) for a in arrays]  # kept alive while bound
+        for binding in self.bindings:  # type: ignore[union-attr]
+            for name, value in zip(self.data, self._data):
+                binding.bind_ortvalue_input(name, value)
 
 
 def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:
