@@ -133,7 +133,7 @@ def trace(
             return m * v + update, v
 
         fn = velocity_nesterov if nesterov else velocity_trace
-        return Scripted("momentum", fn, (Field("velocity"),), params=params)
+        return Scripted("momentum", fn, (Field("velocity"),), params=params, elementwise=True)
 
     @script()
     def buffer_trace(
@@ -153,7 +153,7 @@ def trace(
         return update + m * b, b
 
     fn = buffer_nesterov if nesterov else buffer_trace
-    return Scripted("momentum", fn, (Field("buffer"),), params=params)
+    return Scripted("momentum", fn, (Field("buffer"),), params=params, elementwise=True)
 
 
 @factory
@@ -204,7 +204,7 @@ def scale_by_adam(
         return scale * m_new / (op.Sqrt(v_new) + op.CastLike(e, update)), m_new, v_new
 
     fn = adam_corrected if eps_mode == "corrected" else adam_uncorrected
-    return Scripted("adam", fn, (Field("m"), Field("v")), params=params)
+    return Scripted("adam", fn, (Field("m"), Field("v")), params=params, elementwise=True)
 
 
 @factory
@@ -224,7 +224,11 @@ def scale_by_adagrad(
 
     params = dict(eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value)
     return Scripted(
-        "adagrad", adagrad, (Field("sum_sq", initial_accumulator_value),), params=params
+        "adagrad",
+        adagrad,
+        (Field("sum_sq", initial_accumulator_value),),
+        params=params,
+        elementwise=True,
     )
 
 
@@ -240,7 +244,9 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8) -> Scripted:
         v = a_ * square_avg + (op.CastLike(one, update) - a_) * update * update
         return update / (op.Sqrt(v) + op.CastLike(e, update)), v
 
-    return Scripted("rmsprop", rms, (Field("square_avg"),), params=dict(alpha=alpha, eps=eps))
+    return Scripted(
+        "rmsprop", rms, (Field("square_avg"),), params=dict(alpha=alpha, eps=eps), elementwise=True
+    )
 
 
 @factory
@@ -255,7 +261,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> Scripted:
         direction = op.Sign(b_1 * m + (op.CastLike(one, update) - b_1) * update)
         return direction, b_2 * m + (op.CastLike(one, update) - b_2) * update
 
-    return Scripted("lion", lion, (Field("m"),), params=dict(b1=b1, b2=b2))
+    return Scripted("lion", lion, (Field("m"),), params=dict(b1=b1, b2=b2), elementwise=True)
 
 
 @factory
@@ -315,7 +321,13 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scr
         rectified = m_hat * rect * adaptive
         return op.Where(rho > op.CastLike(5.0, update), rectified, m_hat), m_new, v_new
 
-    return Scripted("radam", radam, (Field("m"), Field("v")), params=dict(b1=b1, b2=b2, eps=eps))
+    return Scripted(
+        "radam",
+        radam,
+        (Field("m"), Field("v")),
+        params=dict(b1=b1, b2=b2, eps=eps),
+        elementwise=True,
+    )
 
 
 @factory
@@ -340,7 +352,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
         return delta, v, d
 
     fields = (Field("square_avg"), Field("acc_delta"))
-    return Scripted("adadelta", adadelta, fields, params=dict(rho=rho, eps=eps))
+    return Scripted("adadelta", adadelta, fields, params=dict(rho=rho, eps=eps), elementwise=True)
 
 
 @factory

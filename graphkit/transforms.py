@@ -232,6 +232,16 @@ class GradientTransformation(abc.ABC):
     def _with_children(self: T, children: Sequence[GradientTransformation]) -> T:
         return self
 
+    @property
+    def elementwise(self) -> bool:
+        """True when each entry of the new update and state depends only on the same
+        entry of the update, weight and state, and on sums over every entry: the update
+        of all weights can then run once on them laid end to end (the training step
+        packs them so, see :func:`graphkit_train.step.build_update_step`). False unless
+        a transformation says so (a per-weight norm, a factored moment, a partition by
+        name are not)."""
+        return all(c.elementwise for c in self.children()) if self.children() else False
+
     # -- learning rates ---------------------------------------------------------------
 
     def _walk(self) -> list[GradientTransformation]:
@@ -460,6 +470,9 @@ class Scripted(GradientTransformation):
         learning_rate: ``None`` when it does not use one, else a schedule or ``OPEN``.
         statistic: ``(update, param) -> scalar``, summed over the weights into ``total``.
         params: the hyper-parameters, for display.
+        elementwise: declare that ``update_fn`` works entry by entry (and ``statistic``
+            sums entries), so that it may run on all weights laid end to end; the
+            default, False, is always safe.
     """
 
     def __init__(
@@ -471,8 +484,10 @@ class Scripted(GradientTransformation):
         learning_rate: Any = None,
         statistic: onnxscript.OnnxFunction | None = None,
         params: Mapping[str, Any] | None = None,
+        elementwise: bool = False,
     ) -> None:
         self.name = name
+        self._elementwise = bool(elementwise)
         self.update_fn = update_fn
         self.fields = tuple(Field(f) if isinstance(f, str) else f for f in fields)
         self.learning_rate = learning_rate
@@ -512,6 +527,10 @@ class Scripted(GradientTransformation):
                     f"Transformation {self.name!r}: its statistic must be "
                     "(update, param) -> scalar."
                 )
+
+    @property
+    def elementwise(self) -> bool:
+        return self._elementwise
 
     def renamed(self, name: str) -> Scripted:
         """A copy whose state is named after ``name`` (two of one kind in a chain)."""
@@ -662,6 +681,7 @@ class Partition(GradientTransformation):
     """
 
     name = "partition"
+    elementwise = False  # type: ignore[assignment]  # its groups are chosen by name
 
     def __init__(self, transforms: Mapping[str, GradientTransformation], labels: Labels) -> None:
         if not transforms:
@@ -736,6 +756,7 @@ def partition(transforms: Mapping[str, GradientTransformation], labels: Labels) 
 class _PassThrough(GradientTransformation):
     name = "identity"
     params: dict[str, Any] = {}
+    elementwise = True  # type: ignore[assignment]
 
     def init(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {}
@@ -1055,6 +1076,7 @@ def scale_by_learning_rate(learning_rate: Any = None) -> Scripted:
         "learning_rate",
         scale_by_learning_rate,
         learning_rate=check_learning_rate(learning_rate),
+        elementwise=True,
     )
 
 
@@ -1067,7 +1089,7 @@ def scale(factor: float) -> Scripted:
     def scale_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         return update * op.CastLike(f, update)
 
-    return Scripted("scale", scale_update, params={"factor": factor})
+    return Scripted("scale", scale_update, params={"factor": factor}, elementwise=True)
 
 
 @factory
@@ -1086,7 +1108,12 @@ def add_decayed_weights(weight_decay: float) -> Scripted:
     def add_decayed_weights(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         return update + op.CastLike(wd, param) * param
 
-    return Scripted("weight_decay", add_decayed_weights, params={"weight_decay": weight_decay})
+    return Scripted(
+        "weight_decay",
+        add_decayed_weights,
+        params={"weight_decay": weight_decay},
+        elementwise=True,
+    )
 
 
 @factory
@@ -1101,7 +1128,7 @@ def clip(max_delta: float) -> Scripted:
         bound = op.CastLike(d, update)
         return op.Clip(update, op.Neg(bound), bound)
 
-    return Scripted("clip", clip_update, params={"max_delta": max_delta})
+    return Scripted("clip", clip_update, params={"max_delta": max_delta}, elementwise=True)
 
 
 @script()
@@ -1128,6 +1155,7 @@ def clip_by_global_norm(max_norm: float) -> Scripted:
         clip_by_global_norm,
         statistic=_sum_of_squares,
         params={"max_norm": max_norm},
+        elementwise=True,
     )
 
 
@@ -1202,7 +1230,13 @@ def ema(decay: float = 0.999) -> Scripted:
         )
         return update, op.Where(step == op.CastLike(0, step), new, mixed)
 
-    return Scripted("ema", ema_update, (Field("average", np.copy),), params={"decay": decay})
+    return Scripted(
+        "ema",
+        ema_update,
+        (Field("average", np.copy),),
+        params={"decay": decay},
+        elementwise=True,
+    )
 
 
 def ema_weights(state: Mapping[str, np.ndarray], name: str = "ema") -> dict[str, np.ndarray]:

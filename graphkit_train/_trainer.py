@@ -154,7 +154,9 @@ class BaseTrainer(ParamsMixin, ABC):
         """Weights, optimizer state and ``"step"`` (updates applied), as numpy copies."""
         current = self._resident
         step = self.update_step_
-        return {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
+        return step.public(
+            {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
+        )
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write weights, optimizer state, step, the shuffling generator, the epoch count
@@ -181,7 +183,7 @@ class BaseTrainer(ParamsMixin, ABC):
         self._build()
         arrays, header = checkpoint.read(path)
         step = self.update_step_
-        expected = {n: step.initial[n] for n in [*step.weights, *step.state, STEP]}
+        expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
         checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
         self.set_state(arrays)
         self.train_losses_ = list(header["train_losses"])
@@ -203,22 +205,22 @@ class BaseTrainer(ParamsMixin, ABC):
         """
         self._build()
         step = self.update_step_
-        unknown = sorted(set(state) - {*step.weights, *step.state, STEP})
+        unknown = sorted(set(state) - {*step.weights, *step.public_state, STEP})
         if unknown:
             raise UnknownNameError(
                 f"Unknown state entries {unknown}; expected weights {step.weights}, "
-                f"optimizer state {step.state} and 'step'."
+                f"optimizer state {step.public_state} and 'step'."
             )
-        values = dict(step.initial)
+        values = step.public(step.initial)
         for name, value in state.items():
             value = np.asarray(value)
-            expected = step.initial[name]
+            expected = values[name]
             if value.shape != expected.shape:
                 raise ShapeError(
                     f"State {name!r} has shape {value.shape}, expected {expected.shape}."
                 )
             values[name] = value.astype(expected.dtype)
-        self._allocate(values)
+        self._allocate(step.internal(values))
         if not hasattr(self, "train_losses_"):
             self.train_losses_: list[float] = []
             self.validation_losses_: list[float] = []

@@ -49,34 +49,39 @@ def _scalar(name: str, elem: int, value: object) -> onnx.NodeProto:
 
 
 def _batch_rows(batch_size: int | None) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
-    """(nodes of the body giving ``body/rows``, nodes of the outer graph giving
-    ``epoch/batches``, the trip count)."""
+    """(nodes of the body giving ``loop/rows``, the rows of the iteration's batch;
+    nodes of the outer graph giving ``graphkit.epoch/batches``, the trip count)."""
     if batch_size is not None:
-        body = [make("Gather", [BATCHES, "body/iteration"], ["body/rows"], axis=0)]
+        body = [make("Gather", [BATCHES, "loop/iteration"], ["loop/rows"], axis=0)]
         outer = [
-            make("Shape", [BATCHES], ["epoch/shape"]),
-            int_constant("epoch/first", [0]),
-            make("Gather", ["epoch/shape", "epoch/first"], ["epoch/batches_1d"], axis=0),
-            make("Squeeze", ["epoch/batches_1d"], ["epoch/batches"]),
+            make("Shape", [BATCHES], ["graphkit.epoch/shape"]),
+            int_constant("graphkit.epoch/first", [0]),
+            make(
+                "Gather",
+                ["graphkit.epoch/shape", "graphkit.epoch/first"],
+                ["graphkit.epoch/batches_1d"],
+                axis=0,
+            ),
+            make("Squeeze", ["graphkit.epoch/batches_1d"], ["graphkit.epoch/batches"]),
         ]
         return body, outer
-    start, stop, end = "body/start", "body/stop", "body/end"
+    start, stop, end = "loop/start", "loop/stop", "loop/end"
     body = [
-        make("Mul", ["body/iteration", BATCH_SIZE], [start]),
+        make("Mul", ["loop/iteration", BATCH_SIZE], [start]),
         make("Add", [start, BATCH_SIZE], [stop]),
-        make("Min", [stop, "epoch/rows"], [end]),
-        make("Reshape", [start, "epoch/vector"], ["body/start_1d"]),
-        make("Reshape", [end, "epoch/vector"], ["body/end_1d"]),
-        make("Slice", [PERMUTATION, "body/start_1d", "body/end_1d"], ["body/rows"]),
+        make("Min", [stop, "graphkit.epoch/rows"], [end]),
+        make("Reshape", [start, "graphkit.epoch/vector"], ["loop/start_1d"]),
+        make("Reshape", [end, "graphkit.epoch/vector"], ["loop/end_1d"]),
+        make("Slice", [PERMUTATION, "loop/start_1d", "loop/end_1d"], ["loop/rows"]),
     ]
     outer = [  # batches = ceil(rows / batch_size)
-        make("Shape", [PERMUTATION], ["epoch/rows_1d"]),
-        int_constant("epoch/vector", [1]),
-        make("Squeeze", ["epoch/rows_1d"], ["epoch/rows"]),
-        _scalar("epoch/one", TensorProto.INT64, 1),
-        make("Sub", [BATCH_SIZE, "epoch/one"], ["epoch/round_up"]),
-        make("Add", ["epoch/rows", "epoch/round_up"], ["epoch/padded"]),
-        make("Div", ["epoch/padded", BATCH_SIZE], ["epoch/batches"]),
+        make("Shape", [PERMUTATION], ["graphkit.epoch/rows_1d"]),
+        int_constant("graphkit.epoch/vector", [1]),
+        make("Squeeze", ["graphkit.epoch/rows_1d"], ["graphkit.epoch/rows"]),
+        _scalar("graphkit.epoch/one", TensorProto.INT64, 1),
+        make("Sub", [BATCH_SIZE, "graphkit.epoch/one"], ["graphkit.epoch/round_up"]),
+        make("Add", ["graphkit.epoch/rows", "graphkit.epoch/round_up"], ["graphkit.epoch/padded"]),
+        make("Div", ["graphkit.epoch/padded", BATCH_SIZE], ["graphkit.epoch/batches"]),
     ]
     return body, outer
 
@@ -102,33 +107,40 @@ def loop_over_batches(
         batch_losses: output the losses of the batches (a trainer that reads only the
             carried ``loss_sum`` leaves them out).
     """
+    reserved = {PERMUTATION, BATCH_SIZE, BATCHES, BATCH_LOSSES}
+    clash = sorted(reserved & {*data, *carried, *(f"{n}.next" for n in carried)})
+    if clash:
+        raise ValueError(
+            f"The training step names tensors {clash}, which the epoch graph uses for its "
+            "own inputs and outputs: rename them in the model."
+        )
     inputs = {i.name: i for i in step.graph.input}
     outputs = {o.name: o for o in step.graph.output}
     loss_elem = outputs[loss].type.tensor_type.elem_type
 
     body = onnx.GraphProto()
     body.CopyFrom(step.graph)
-    scoped = {n: f"body/{n}" for n in graph_names(body)}
+    scoped = {n: f"step/{n}" for n in graph_names(body)}  # "loop/" names are ours
     rename_tensors(body, lambda n: scoped.get(n, n))
     for node in body.node:
         node.name = scoped.get(node.name, node.name)
     del body.input[:]
     del body.output[:]
     rows, outer = _batch_rows(batch_size)
-    gather = [make("Gather", [d, "body/rows"], [scoped[d]], axis=0) for d in data]
-    nodes = [*rows, *gather, *body.node, make("Identity", ["body/cond_in"], ["body/cond_out"])]
+    gather = [make("Gather", [d, "loop/rows"], [scoped[d]], axis=0) for d in data]
+    nodes = [*rows, *gather, *body.node, make("Identity", ["loop/cond_in"], ["loop/cond_out"])]
     del body.node[:]
     body.node.extend(nodes)
     body.input.extend(
         [
-            helper.make_tensor_value_info("body/iteration", TensorProto.INT64, []),
-            helper.make_tensor_value_info("body/cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("loop/iteration", TensorProto.INT64, []),
+            helper.make_tensor_value_info("loop/cond_in", TensorProto.BOOL, []),
             *(_renamed(inputs[n], scoped[n]) for n in carried),
         ]
     )
     body.output.extend(
         [
-            helper.make_tensor_value_info("body/cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("loop/cond_out", TensorProto.BOOL, []),
             *(_renamed(outputs[f"{n}.next"], scoped[f"{n}.next"]) for n in carried),
             *([_renamed(outputs[loss], scoped[loss])] if batch_losses else []),
         ]
@@ -155,12 +167,12 @@ def loop_over_batches(
         data_inputs.append(value)
     loop = make(
         "Loop",
-        ["epoch/batches", "epoch/true", *carried],
+        ["graphkit.epoch/batches", "graphkit.epoch/true", *carried],
         [*(f"{n}.next" for n in carried), *([BATCH_LOSSES] if batch_losses else [])],
         body=body,
     )
     graph = helper.make_graph(
-        [*outer, _scalar("epoch/true", TensorProto.BOOL, True), loop],
+        [*outer, _scalar("graphkit.epoch/true", TensorProto.BOOL, True), loop],
         name,
         [*data_inputs, *rows_inputs, *(inputs[n] for n in carried)],
         [

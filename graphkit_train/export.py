@@ -47,7 +47,7 @@ def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
         )
     # nodes no output needs (a ZipMap after the probabilities) are dropped first
     model = lower_to_standard(prune(step.model))
-    values = trainer.get_state() if trainer._fitted else {}
+    values = step.internal(trainer.get_state()) if trainer._fitted else {}
     inputs = {i.name for i in model.graph.input}
     resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
     return step, model, resident

@@ -47,6 +47,7 @@ from graphkit.rewrite import (
     META_WEIGHT,
     initializers_to_inputs,
     metadata,
+    prune,
     weight_values,
 )
 from graphkit.transforms import Emitter, GradientTransformation, WeightInfo, emit_all
@@ -65,6 +66,63 @@ def grad_name(weight: str) -> str:
     return f"{weight}_grad"
 
 
+PACKED = "graphkit.packed"
+"""The name the optimizer sees for all the weights laid end to end (see :class:`Packing`)."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The weights of one dtype laid end to end in one flat vector, for an elementwise
+    optimizer (:attr:`graphkit.transforms.GradientTransformation.elementwise`).
+
+    The update step concatenates the gradients, runs the optimizer once on the flat
+    vector, and splits the update back: Adam then costs a dozen kernels per step, not a
+    dozen per weight. Its per-weight state ``"<weight>.<rest>"`` is kept as one flat
+    ``"graphkit.packed.<rest>"``; :meth:`unpack` and :meth:`pack` convert, so that
+    ``get_state`` and checkpoints still name the state per weight.
+    """
+
+    weights: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [int(np.prod(shape, dtype=np.int64)) for shape in self.shapes]
+
+    def flat(self, values: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The weights' values end to end."""
+        return np.concatenate([np.asarray(values[w]).reshape(-1) for w in self.weights])
+
+    def unpack(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Packed state entries split back per weight; other entries unchanged."""
+        out: dict[str, np.ndarray] = {}
+        offsets = np.cumsum(self.sizes)[:-1]
+        for name, value in values.items():
+            if not name.startswith(PACKED + "."):
+                out[name] = value
+                continue
+            rest = name[len(PACKED) :]
+            for w, shape, piece in zip(self.weights, self.shapes, np.split(value, offsets)):
+                out[f"{w}{rest}"] = piece.reshape(shape)
+        return out
+
+    def pack(self, values: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """``values`` (per weight) with the packed entries ``names`` assembled."""
+        packed = set(names)
+        out = {n: v for n, v in values.items() if not _packed_part(n, self.weights, packed)}
+        for name in names:
+            rest = name[len(PACKED) :]
+            out[name] = np.concatenate(
+                [np.asarray(values[f"{w}{rest}"]).reshape(-1) for w in self.weights]
+            )
+        return out
+
+
+def _packed_part(name: str, weights: Sequence[str], packed: set[str]) -> bool:
+    """Whether ``name`` is one weight's part of a packed state entry."""
+    return any(name.startswith(w + ".") and PACKED + name[len(w) :] in packed for w in weights)
+
+
 @dataclass
 class UpdateStep:
     """An update-step (or training-step) model and the roles of its inputs."""
@@ -72,13 +130,29 @@ class UpdateStep:
     model: onnx.ModelProto
     weights: list[str]
     state: list[str]
+    """The optimizer state as the graph holds it (packed, see ``packing``)."""
     initial: dict[str, np.ndarray] = field(repr=False)
     """Initial values of the resident inputs (weights, zero state, step 0, loss_sum 0)."""
+    packing: Packing | None = None
+    """How the weights are laid end to end for the optimizer (None: one by one)."""
 
     @property
     def resident(self) -> list[str]:
         """Inputs carried from one run to the next: weights, state, step, loss_sum."""
         return [*self.weights, *self.state, STEP, LOSS_SUM]
+
+    def public(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Resident values with the optimizer state named per weight."""
+        return dict(values) if self.packing is None else self.packing.unpack(values)
+
+    def internal(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Values named per weight (as :meth:`public` gives them) as the graph holds them."""
+        return dict(values) if self.packing is None else self.packing.pack(values, self.state)
+
+    @property
+    def public_state(self) -> list[str]:
+        """The optimizer state's names, per weight."""
+        return list(self.public({s: self.initial[s] for s in self.state}))
 
 
 @dataclass
@@ -98,6 +172,7 @@ def build_update_step(
     penalty: Penalty | None = None,
     loss_dtype: object = np.float32,
     learning_rate: Any = None,
+    pack: bool = True,
 ) -> UpdateStep:
     """Penalty + optimizer for every weight, as one ONNX graph.
 
@@ -106,6 +181,9 @@ def build_update_step(
     and w <- w + u. ``learning_rate`` (a schedule, its name or a number) fills the
     optimizer's open learning rate. ``loss_sum.next`` adds the batch ``loss`` and the
     penalty values to ``loss_sum``.
+
+    With ``pack`` (the default), an elementwise optimizer runs once on all the weights
+    laid end to end (:class:`Packing`): the same values, far fewer kernels.
     """
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
@@ -119,9 +197,38 @@ def build_update_step(
             f"{optimizer!r} has an open learning rate: pass learning_rate= (a schedule or "
             "a number)."
         )
+    infos = {w: WeightInfo.of(weights[w]) for w in weights}
+    plain = _assemble(weights, infos, optimizer, penalty, loss_dtype, None)
+    packing = _packing(optimizer, infos) if pack else None
+    if packing is None:
+        return plain
+    # packing costs a Concat and a Split: it pays when the optimizer takes more than a
+    # couple of kernels per weight (Adam), not for plain SGD
+    packed = _assemble(weights, infos, optimizer, penalty, loss_dtype, packing)
+    return packed if _kernels(packed.model) < _kernels(plain.model) else plain
+
+
+def _kernels(model: onnx.ModelProto) -> int:
+    return sum(node.op_type not in ("Constant", "Identity") for node in model.graph.node)
+
+
+def _assemble(
+    weights: Mapping[str, np.ndarray],
+    infos: Mapping[str, WeightInfo],
+    optimizer: GradientTransformation,
+    penalty: Penalty | None,
+    loss_dtype: object,
+    packing: Packing | None,
+) -> UpdateStep:
+    """The update step, the optimizer run per weight or once on them packed."""
     names = list(weights)
-    infos = {w: WeightInfo.of(weights[w]) for w in names}
-    initial_state = optimizer.init({w: weights[w] for w in names})
+    if packing is not None:
+        flat = packing.flat(weights)
+        initial_state = optimizer.init({PACKED: flat})
+        if any(v.shape not in ((), flat.shape) for v in initial_state.values()):
+            packing = None  # a state of another shape: not elementwise after all
+    if packing is None:
+        initial_state = optimizer.init({w: weights[w] for w in names})
     state = list(initial_state)
     loss_elem = elem_type(loss_dtype)
 
@@ -155,7 +262,10 @@ def build_update_step(
             term = g.node("CastLike", [out["penalty"], LOSS], f"penalty/{w}/value")
             total = g.node("Add", [total, term], "loss/with_penalty")
 
-    updates, new_state = emit_all(optimizer, g, gradients, {s: s for s in state}, STEP)
+    if packing is None:
+        updates, new_state = emit_all(optimizer, g, gradients, {s: s for s in state}, STEP)
+    else:
+        updates, new_state = _emit_packed(optimizer, g, packing, gradients, state)
     produced = {w: g.node("Add", [w, updates[w]], f"apply/{w}") for w in names}
     produced.update(new_state)
 
@@ -180,7 +290,55 @@ def build_update_step(
     initial.update(initial_state)
     initial[STEP] = np.array(0, dtype=np.int64)
     initial[LOSS_SUM] = np.array(0, dtype=ELEM_TO_DTYPE[loss_elem])
-    return UpdateStep(finalize(model, full_check=True), names, state, initial)
+    model = prune(model)  # e.g. the flat weights, when no transformation reads them
+    return UpdateStep(finalize(model, full_check=True), names, state, initial, packing)
+
+
+def _packing(optimizer: GradientTransformation, infos: Mapping[str, WeightInfo]) -> Packing | None:
+    """The packing for an elementwise optimizer of two or more weights of one dtype."""
+    dtypes = {info.dtype for info in infos.values()}
+    if len(infos) < 2 or len(dtypes) != 1 or PACKED in infos or not optimizer.elementwise:
+        return None
+    return Packing(tuple(infos), tuple(infos[w].shape for w in infos))
+
+
+def _emit_packed(
+    optimizer: GradientTransformation,
+    g: Emitter,
+    packing: Packing,
+    gradients: Mapping[str, str],
+    state: Sequence[str],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The optimizer once on the gradients and weights laid end to end; the update
+    split back into one tensor per weight."""
+    flat_shape = g.constant([-1], np.int64, "packed/flat")
+
+    def laid_end_to_end(tensors: Sequence[str], base: str) -> str:
+        flat = [g.node("Reshape", [t, flat_shape], f"{base}/flat") for t in tensors]
+        return g.node("Concat", flat, base, axis=0)
+
+    weights = packing.weights
+    grads = laid_end_to_end([gradients[w] for w in weights], "packed/grads")
+    params = laid_end_to_end(list(weights), "packed/weights")
+    info = WeightInfo(g.weights[weights[0]].dtype, (sum(packing.sizes),))
+    packed = Emitter(g.model, {PACKED: info}, g.learning_rate)
+    packed.taken |= g.taken
+    update, new_state = optimizer.emit(
+        packed, {PACKED: grads}, {s: s for s in state}, {PACKED: params}, STEP
+    )
+    g.taken |= packed.taken
+    sizes = g.constant(packing.sizes, np.int64, "packed/sizes")
+    pieces = [g.fresh(f"packed/update/{w}") for w in weights]
+    g.model.graph.node.append(
+        helper.make_node(
+            "Split", [update[PACKED], sizes], pieces, axis=0, name=g.fresh("packed/split")
+        )
+    )
+    updates = {}
+    for w, piece, shape in zip(weights, pieces, packing.shapes):
+        target = g.constant(list(shape), np.int64, f"packed/{w}/shape")
+        updates[w] = g.node("Reshape", [piece, target], f"packed/{w}/update")
+    return updates, {**{s: s for s in state}, **new_state}
 
 
 def data_inputs(
