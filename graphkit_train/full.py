@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import losses
+from graphkit import backend, losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit._ort import Threads, inference_session
 from graphkit.compat import load_model, make_compatible
@@ -430,7 +430,8 @@ class FusedRunner:
     ) -> None:
         """Bind the whole training data to the loop (no copy on the CPU)."""
         arrays = [X, y] + ([w] if w is not None else [])
-        self._data = [trainer._ortvalue(a) for a in arrays]  # kept alive while bound
+        # on the CPU an OrtValue wraps the array's memory; it keeps the array alive
+        self._data = [backend.ortvalue(a, trainer._ort_device, trainer._device_id) for a in arrays]
         for binding in self.bindings:  # type: ignore[union-attr]
             for name, value in zip(self.data, self._data):
                 binding.bind_ortvalue_input(name, value)

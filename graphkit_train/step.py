@@ -427,6 +427,7 @@ def build_training_step(
         weights=weights,
         state=update.state,
         initial=update.initial,
+        packing=update.packing,
         features=features,
         label=label,
         sample_weight=sample_weight,

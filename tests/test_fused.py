@@ -1,0 +1,406 @@
+"""Fused epochs, static shapes and packed updates (graphkit_train.epoch,
+graphkit.static_shapes, graphkit_train.step.Packing).
+
+The references are numpy written from the formulas (SGD on an MLP, Adam), onnxruntime's
+own BroadcastGradientArgs kernel, and the one-run-per-batch path on the graph built for
+any batch size, which the parity tests against torch and scikit-learn check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import mlp_onnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+import graphkit as gk
+from graphkit import optimizers, schedules, transforms
+from graphkit._ort import inference_session
+from graphkit.static_shapes import broadcast_gradient_args, specialize
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from graphkit_train.step import PACKED, build_update_step
+
+RUNS = [(1, False), (1, True), (3, True), ("epoch", True), ("epoch", False)]
+
+
+def mlp_sgd_numpy(weights, X, y, w, batch_size, lr, epochs, seed):
+    """Hand-written SGD on Y = relu(X W1 + b1) W2 + b2 with graphkit's squared error
+    (weighted mean over the batch of (y - p)^2) and graphkit's permutations."""
+    W1, b1, W2, b2 = (weights[k].astype(np.float64).copy() for k in ("W1", "b1", "W2", "b2"))
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(epochs):
+        order = rng.permutation(len(X))
+        total, count = 0.0, 0
+        for start in range(0, len(X), batch_size):
+            rows = order[start : start + batch_size]
+            x, t, s = X[rows], y[rows], w[rows]
+            h = x @ W1 + b1
+            a = np.maximum(h, 0)
+            p = a @ W2 + b2
+            total += float((s[:, None] * (p - t) ** 2).sum() / s.sum())
+            count += 1
+            g = 2 * s[:, None] * (p - t) / s.sum()
+            gW2, gb2 = a.T @ g, g.sum(axis=0)
+            ga = (g @ W2.T) * (h > 0)
+            gW1, gb1 = x.T @ ga, ga.sum(axis=0)
+            W1, b1, W2, b2 = W1 - lr * gW1, b1 - lr * gb1, W2 - lr * gW2, b2 - lr * gb2
+        losses.append(total / count)
+    return {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, losses
+
+
+@pytest.mark.parametrize("steps_per_run, static_shapes", RUNS)
+def test_every_way_of_running_equals_numpy_sgd(steps_per_run, static_shapes):
+    """53 rows at batch 10: five full batches and a short one, weighted rows, shuffled."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(53, 4))
+    y = rng.normal(size=(53, 1))
+    w = rng.uniform(0.5, 2.0, size=53)
+    model = mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(model, weight_name="weight"),
+        max_iter=3,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.05),
+        random_state=7,
+        steps_per_run=steps_per_run,
+        static_shapes=static_shapes,
+    )
+    trainer.fit(X, y, sample_weight=w)
+    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
+    state = trainer.get_state()
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
+    assert int(state["step"]) == 18
+
+
+OPTIMIZERS = {
+    "sgd": lambda: optimizers.sgd(learning_rate=0.05),
+    "nesterov": lambda: optimizers.nesterov(0.9, learning_rate=0.05),
+    "adam": lambda: optimizers.adam(learning_rate=0.01),
+    "adamw": lambda: optimizers.adamw(weight_decay=0.1, learning_rate=0.01),
+    "adagrad": lambda: optimizers.adagrad(learning_rate=0.05),
+    "rmsprop": lambda: optimizers.rmsprop(learning_rate=0.01),
+    "lion": lambda: optimizers.lion(learning_rate=0.001),
+    "lamb": lambda: optimizers.lamb(learning_rate=0.01),
+    "radam": lambda: optimizers.radam(learning_rate=0.01),
+    "adadelta": lambda: optimizers.adadelta(learning_rate=1.0),
+    "adafactor": lambda: optimizers.adafactor(learning_rate=0.01),
+    "adam+cosine": lambda: transforms.chain(
+        transforms.clip_by_global_norm(1.0),
+        optimizers.adam(learning_rate=schedules.cosine(0.01, 20)),
+    ),
+    "sgd+warmup": lambda: optimizers.sgd(
+        learning_rate=schedules.warmup(schedules.cosine(0.05, 20), 5)
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_epochs_equal_one_run_per_batch(name, dtype):
+    """Same weights and state after 2 epochs whichever way the batches run (the
+    one-run-per-batch path on the dynamic graph is the one checked against torch)."""
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(47, 3)).astype(dtype)
+    y = rng.normal(size=(47, 2)).astype(dtype)
+    w = rng.uniform(0.5, 2.0, size=47).astype(dtype)
+    states = {}
+    for steps_per_run, static in [(1, False), ("epoch", True), (4, True)]:
+        trainer = OrtGradientOptimizer(
+            gk.add_loss_output(mlp_onnx(3, 4, 2, dtype=dtype, scale=0.5), weight_name="weight"),
+            max_iter=2,
+            batch_size=8,
+            learning_rate=OPTIMIZERS[name](),
+            random_state=3,
+            steps_per_run=steps_per_run,
+            static_shapes=static,
+        )
+        trainer.fit(X, y, sample_weight=w)
+        states[steps_per_run] = trainer.get_state()
+    reference = states[1]
+    for other in ("epoch", 4):
+        assert set(states[other]) == set(reference)
+        for key, value in reference.items():
+            if dtype == np.float64:
+                np.testing.assert_allclose(states[other][key], value, rtol=1e-12, atol=1e-14)
+            else:
+                np.testing.assert_allclose(states[other][key], value, rtol=2e-6, atol=1e-7)
+
+
+def test_no_shuffle_and_a_batch_larger_than_the_data():
+    rng = np.random.default_rng(2)
+    X, y = rng.normal(size=(7, 4)), rng.normal(size=(7, 1))
+    model = mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    for batch_size in (3, 50):
+        trainer = OrtGradientOptimizer(
+            gk.add_loss_output(model),
+            max_iter=2,
+            batch_size=batch_size,
+            learning_rate=0.1,
+            shuffle=False,
+        )
+        trainer.fit(X, y)
+        W = {k: v.copy() for k, v in initial.items()}
+        for _ in range(2):
+            for start in range(0, 7, batch_size):
+                x, t = X[start : start + batch_size], y[start : start + batch_size]
+                h = x @ W["W1"] + W["b1"]
+                a = np.maximum(h, 0)
+                g = 2 * (a @ W["W2"] + W["b2"] - t) / len(x)
+                ga = (g @ W["W2"].T) * (h > 0)
+                grads = {"W2": a.T @ g, "b2": g.sum(0), "W1": x.T @ ga, "b1": ga.sum(0)}
+                W = {k: W[k] - 0.1 * grads[k] for k in W}
+        for k in W:
+            np.testing.assert_allclose(trainer.get_state()[k], W[k], rtol=1e-10)
+
+
+def test_the_data_is_bound_once_without_a_copy():
+    X = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
+    y = np.zeros((40, 1), np.float32)
+    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 3, 1)), max_iter=1)
+    trainer.fit(X, y)
+    runner = trainer._runner(10)
+    assert runner.loop is not None
+    assert runner._data[0].data_ptr() == X.ctypes.data
+
+
+def test_divergence_in_a_fused_epoch_restores_the_last_good_epoch():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(100, 4)) * 100
+    y = rng.normal(size=(100, 1)) * 1e6
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp_onnx(4, 3, 1, dtype=np.float64)),
+        max_iter=50,
+        learning_rate=1.0,
+        random_state=0,
+    )
+    with pytest.raises(gk.ConvergenceError, match="previous epoch"):
+        trainer.fit(X, y)
+    good = len(trainer.train_losses_)
+    state = trainer.get_state()
+    assert all(np.isfinite(v).all() for v in state.values())
+    assert int(state["step"]) == good * 10  # the epochs kept, not the one that failed
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"steps_per_run": 0}, "steps_per_run"),
+        ({"steps_per_run": "batch"}, "steps_per_run"),
+        ({"intra_op_num_threads": 0}, "intra_op_num_threads"),
+        ({"execution_mode": "fast"}, "execution_mode"),
+    ],
+)
+def test_bad_run_options(kwargs, message):
+    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(2, 2, 1)), **kwargs)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(np.zeros((4, 2), np.float32), np.zeros(4, np.float32))
+
+
+def test_threads_and_parallel_mode_train_the_same():
+    rng = np.random.default_rng(3)
+    X, y = rng.normal(size=(60, 4)), rng.normal(size=(60, 1))
+    states = []
+    for kwargs in ({}, {"intra_op_num_threads": 1, "execution_mode": "parallel"}):
+        trainer = OrtGradientOptimizer(
+            gk.add_loss_output(mlp_onnx(4, 5, 1, dtype=np.float64)),
+            max_iter=2,
+            learning_rate="adam",
+            random_state=0,
+            **kwargs,
+        )
+        states.append(trainer.fit(X, y).get_state())
+    for key in states[0]:
+        np.testing.assert_array_equal(states[0][key], states[1][key])
+
+
+# -- packing ---------------------------------------------------------------------------
+
+
+def adam_numpy(params, grads_per_step, lr, b1=0.9, b2=0.999, eps=1e-8):
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v = {k: np.zeros_like(v) for k, v in params.items()}
+    p = {k: val.copy() for k, val in params.items()}
+    for t, grads in enumerate(grads_per_step, start=1):
+        for k in p:
+            m[k] = b1 * m[k] + (1 - b1) * grads[k]
+            v[k] = b2 * v[k] + (1 - b2) * grads[k] ** 2
+            m_hat, v_hat = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
+            p[k] = p[k] - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return p, m, v
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    shapes=st.lists(
+        st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple), min_size=2, max_size=5
+    ),
+    seed=st.integers(0, 10_000),
+)
+def test_packed_adam_equals_numpy(shapes, seed):
+    rng = np.random.default_rng(seed)
+    params = {f"w{i}": rng.normal(size=s) for i, s in enumerate(shapes)}
+    step = build_update_step(params, optimizers.adam(learning_rate=0.01), None, np.float64)
+    assert step.packing is not None
+    assert step.state == [f"{PACKED}.adam.m", f"{PACKED}.adam.v"]
+    session = inference_session(step.model)
+    resident = dict(step.initial)
+    grads_per_step = []
+    for _ in range(3):
+        grads = {k: rng.normal(size=v.shape) for k, v in params.items()}
+        grads_per_step.append(grads)
+        feeds = {**resident, "loss": np.array(0.0), **{f"{k}_grad": g for k, g in grads.items()}}
+        out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        resident = {n: out[f"{n}.next"] for n in step.resident}
+    p, m, v = adam_numpy(params, grads_per_step, 0.01)
+    public = step.public(resident)
+    for k in params:
+        np.testing.assert_allclose(public[k], p[k], rtol=1e-12)
+        np.testing.assert_allclose(public[f"{k}.adam.m"], m[k], rtol=1e-12)
+        np.testing.assert_allclose(public[f"{k}.adam.v"], v[k], rtol=1e-12)
+    assert step.internal(public).keys() == resident.keys()
+
+
+def test_packing_is_used_where_it_saves_kernels():
+    params = {"W1": np.zeros((3, 4)), "b1": np.zeros(4), "W2": np.zeros((4, 1)), "b2": np.zeros(1)}
+    assert build_update_step(params, optimizers.adam(learning_rate=0.01)).packing is not None
+    assert (
+        build_update_step(params, optimizers.sgd(learning_rate=0.01)).packing is None
+    )  # one Mul each
+    assert (
+        build_update_step(params, optimizers.lamb(learning_rate=0.01)).packing is None
+    )  # per-weight norm
+    assert build_update_step(params, transforms.freeze(["W1"])).packing is None  # by name
+    packed = build_update_step(params, optimizers.adam(learning_rate=0.01))
+    plain = build_update_step(params, optimizers.adam(learning_rate=0.01), pack=False)
+    assert len(packed.model.graph.node) < len(plain.model.graph.node) * 0.6
+
+
+def test_packed_state_round_trips_through_get_state_and_checkpoints(tmp_path):
+    rng = np.random.default_rng(4)
+    X, y = rng.normal(size=(30, 3)), rng.normal(size=(30, 1))
+    make = lambda: OrtGradientOptimizer(  # noqa: E731
+        gk.add_loss_output(mlp_onnx(3, 4, 1, dtype=np.float64)),
+        max_iter=2,
+        learning_rate="adam",
+        random_state=0,
+    )
+    trainer = make().fit(X, y)
+    assert trainer.training_step_.packing is not None
+    state = trainer.get_state()
+    assert {"W1.adam.m", "b2.adam.v"} <= set(state)
+    assert state["W1.adam.m"].shape == (3, 4)
+    trainer.save_checkpoint(tmp_path / "c.npz")
+    other = make().load_checkpoint(tmp_path / "c.npz")
+    for key, value in state.items():
+        np.testing.assert_array_equal(other.get_state()[key], value)
+    with pytest.raises(gk.UnknownNameError, match="W1.adam.m"):
+        make().set_state({"graphkit.packed.adam.m": np.zeros(21)})
+
+
+def test_forward_backward_packs_adam_too():
+    rng = np.random.default_rng(5)
+    X, y = rng.normal(size=(30, 3)), rng.normal(size=(30, 1))
+    trainer = OrtGradientForwardBackwardOptimizer(
+        mlp_onnx(3, 4, 1, dtype=np.float64), max_iter=2, learning_rate="adam", random_state=0
+    )
+    trainer.fit(X, y)
+    assert trainer.update_step_.packing is not None
+    assert trainer.get_state()["W1.adam.v"].shape == (3, 4)
+
+
+# -- static shapes ---------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.sampled_from([1, 3]), min_size=0, max_size=4),
+    st.lists(st.sampled_from([1, 3]), min_size=0, max_size=4),
+)
+def test_broadcast_gradient_args_matches_onnxruntime(a, b):
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "BroadcastGradientArgs", ["a", "b"], ["ra", "rb"], domain="com.microsoft"
+            )
+        ],
+        "bga",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in "ab"],
+        [helper.make_tensor_value_info(n, TensorProto.INT64, [None]) for n in ("ra", "rb")],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=10,
+    )
+    ra, rb = inference_session(model).run(
+        None, {"a": np.array(a, np.int64), "b": np.array(b, np.int64)}
+    )
+    assert broadcast_gradient_args(a, b) == (ra.tolist(), rb.tolist())
+    # and the axes are those numpy sums a broadcast gradient over
+    out = np.ones(np.broadcast_shapes(tuple(a), tuple(b)))
+    assert np.sum(out, axis=tuple(ra.tolist())).size == int(np.prod(a))
+
+
+def test_specialize_keeps_tiny_constants():
+    """onnxscript's rewrite rules take x + 1e-8 for x + 0; folding must not."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Shape", ["X"], ["s"]),
+            helper.make_node("ConstantOfShape", ["s"], ["z"]),
+            helper.make_node("Add", ["X", "eps"], ["Xe"]),
+            helper.make_node("Add", ["Xe", "z"], ["Y"]),
+        ],
+        "eps",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 2])],
+        [numpy_helper.from_array(np.array(1e-8, np.float32), "eps")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    static = specialize(model, {"X": 3})
+    assert not any(n.op_type == "Shape" for n in static.graph.node)
+    (out,) = inference_session(static).run(None, {"X": np.zeros((3, 2), np.float32)})
+    np.testing.assert_array_equal(out, np.full((3, 2), 1e-8, np.float32))
+
+
+def test_specialized_step_has_no_shape_plumbing_and_computes_the_same():
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp_onnx(4, 5, 1, dtype=np.float64)), learning_rate="adam"
+    )
+    trainer._build()
+    step = trainer.training_step_
+    static = specialize(step.model, {step.features: 6, step.label: 6})
+    kinds = {n.op_type for n in static.graph.node}
+    assert not kinds & {"Shape", "BroadcastGradientArgs", "Expand", "Size"}
+    assert len(static.graph.node) < len(step.model.graph.node) / 2
+    rng = np.random.default_rng(0)
+    feeds = {
+        **step.initial,
+        step.features: rng.normal(size=(6, 4)),
+        step.label: rng.normal(size=(6, 1)),
+    }
+    a = inference_session(step.model).run(None, feeds)
+    b = inference_session(static).run(None, feeds)
+    for x, z in zip(a, b):
+        np.testing.assert_allclose(x, z, rtol=1e-13, atol=1e-15)
+
+
+def test_epoch_graph_refuses_a_model_using_its_names():
+    from graphkit_train.epoch import loop_over_batches
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["permutation"], ["permutation.next"])],
+        "g",
+        [helper.make_tensor_value_info("permutation", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("permutation.next", TensorProto.FLOAT, [1])],
+    )
+    with pytest.raises(ValueError, match="permutation"):
+        loop_over_batches(helper.make_model(graph), [], ["permutation"], "permutation.next", 2)
+    assert isinstance(onnx, object)
