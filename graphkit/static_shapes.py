@@ -107,7 +107,8 @@ def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelPr
         for dim in output.type.tensor_type.shape.dim:
             if dim.HasField("dim_param"):
                 dim.Clear()
-    del fixed.graph.value_info[:]
+    # the gradient builder's value_info is kept: onnxruntime 1.19.2 crashes on some
+    # gradient graphs (a ConvGrad after a MaxPoolGrad) whose types it has to infer again
     for _ in range(4):  # folding a BroadcastGradientArgs opens more folding after it
         fixed = _fold(fixed)
         if not _fold_broadcast_gradient_args(fixed):
