@@ -34,6 +34,7 @@ from graphkit.rewrite import prune
 from graphkit.step_trainer import META
 from graphkit.training_info import check_training_info
 from graphkit_train.epoch import loop_over_batches
+from graphkit_train.step import build_training_step
 
 
 def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
@@ -45,9 +46,19 @@ def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
             f"{type(trainer).__name__} has no fused training step to export; "
             "OrtGradientOptimizer has one."
         )
+    if step.packing is not None:
+        # other runtimes get the state named per weight, as get_state() names it
+        step = build_training_step(
+            trainer.train_onnx_,
+            step.weights,
+            trainer.learning_rate_,
+            trainer.loss_output_name,
+            trainer.sample_weight_name,
+            pack=False,
+        )
     # nodes no output needs (a ZipMap after the probabilities) are dropped first
     model = lower_to_standard(prune(step.model))
-    values = step.internal(trainer.get_state()) if trainer._fitted else {}
+    values = trainer.get_state() if trainer._fitted else {}
     inputs = {i.name for i in model.graph.input}
     resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
     return step, model, resident

@@ -376,6 +376,7 @@ def build_training_step(
     loss_output_name: str = LOSS,
     sample_weight_name: str | None = "weight",
     learning_rate: Any = None,
+    pack: bool = True,
 ) -> TrainingStep:
     """Compose the gradient graph of the loss and the update step into one model.
 
@@ -400,7 +401,7 @@ def build_training_step(
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
     loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
     update = build_update_step(
-        {w: values[w] for w in weights}, optimizer, None, loss_dtype, learning_rate
+        {w: values[w] for w in weights}, optimizer, None, loss_dtype, learning_rate, pack
     )
     taken = graph_names(model.graph)
     clash = sorted(set(update.state + [STEP, LOSS_SUM]) & taken)

@@ -452,7 +452,7 @@ def test_an_exported_step_keeps_training_where_the_trainer_stopped(rng, tmp_path
     for i in range(0, 100, 10):
         feeds = {step.features: X[i : i + 10], step.label: y[i : i + 10], **resident}
         out = dict(zip(outputs, reference.run(None, feeds)))
-        resident = {n: out[f"{n}.next"] for n in step.resident}
+        resident = {n.removesuffix(".next"): v for n, v in out.items() if n.endswith(".next")}
     trainer.set_params(warm_start=True).fit(X, y)  # the same epoch, by graphkit
     resident = step.public(resident)  # Adam's state packed end to end, named per weight
     for name, value in trainer.get_state().items():
