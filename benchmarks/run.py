@@ -242,7 +242,7 @@ def numpy_contender(w: Workload, optimizer: str, repeat: int) -> Result:
 
     def step(x: np.ndarray, y: np.ndarray) -> float:
         acts = [x]
-        for kind, W, b, act in w.layers:
+        for _, W, b, act in w.layers:
             h = acts[-1] @ p[W] + p[b]
             acts.append(np.maximum(h, 0) if act else h)
         out = acts[-1]

@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from graphkit import backend
 from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
-from graphkit._ort import inference_session
+from graphkit._ort import Threads, inference_session
 from graphkit.backend import binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
@@ -74,6 +74,7 @@ class OrtGradientForwardBackward:
             non-initializer inputs in graph order).
         output_names: the outputs ``forward`` returns, in order (None: the float outputs).
         providers: onnxruntime providers (None: from ``device``).
+        threads: the sessions' thread settings (:class:`graphkit._ort.Threads`).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
@@ -91,6 +92,7 @@ class OrtGradientForwardBackward:
         providers: Sequence[str] | None = None,
         device: str = "cpu",
         inputs_requiring_grad: Iterable[str] = (),
+        threads: Threads | None = None,
     ) -> None:
         model, self.weight_names = prepare_for_training(load_model(onnx_model), weights_to_train)
         initializers = {i.name for i in model.graph.initializer}
@@ -114,6 +116,7 @@ class OrtGradientForwardBackward:
         device_providers, self._ort_device, self._device_id = providers_for(device)
         self.device = device
         self.providers = list(providers or device_providers)
+        self.threads = threads
         self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
         self._check_requiring(self.inputs_requiring_grad)
         self._model = self._prepare(model)
@@ -168,7 +171,7 @@ class OrtGradientForwardBackward:
             i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
         ):
             lower_float32_only_ops(gradient)
-        session = inference_session(gradient, self.providers)
+        session = inference_session(gradient, self.providers, self.threads)
         feed_names = [i.name for i in gradient.graph.input]
         fetch_names = [o.name for o in gradient.graph.output]
         device = backend.ort_device(self._ort_device, self._device_id)
@@ -183,7 +186,7 @@ class OrtGradientForwardBackward:
                 (original[n] for n in graphs.initializer_names_to_train),
             )
         )
-        forward_session = inference_session(forward, self.providers)
+        forward_session = inference_session(forward, self.providers, self.threads)
         return _Variant(
             gradient, forward, agent, session, forward_session, feed_names, fetch_names, grad_of
         )

@@ -22,7 +22,7 @@ import onnx
 
 from graphkit import losses, penalties
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit._ort import inference_session
+from graphkit._ort import Threads, inference_session
 from graphkit.compat import load_model
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
@@ -30,6 +30,9 @@ from graphkit_train._base import input_value, providers_for, select_learning_rat
 from graphkit_train._trainer import BaseTrainer, BindingCache
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.step import build_update_step
+
+SPINNING = False
+"""Whether the forward/backward sessions' idle threads spin (chosen by measurement)."""
 
 
 class OrtGradientForwardBackwardOptimizer(BaseTrainer):
@@ -62,6 +65,10 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         early_stopping, validation_fraction, n_iter_no_change, tol, distributed: as in
             :class:`~graphkit_train.OrtGradientOptimizer` (distributed training all-reduces
             the gradients that the backward pass returns).
+        intra_op_num_threads, execution_mode: as in
+            :class:`~graphkit_train.OrtGradientOptimizer`. The sessions here (forward,
+            backward, loss, update) run one after the other, so their pools do not spin
+            while idle: spinning pools of four sessions fight over the cores.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``learning_loss_`` (a graphkit Loss), ``loss_`` (the loss resolved for the
@@ -92,6 +99,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         n_iter_no_change: int = 10,
         tol: float = 1e-4,
         distributed: bool = False,
+        intra_op_num_threads: int | None = None,
+        execution_mode: str = "sequential",
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -103,12 +112,18 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             return
         self._check_loop_params()
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
+        threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
+        self._threads = Threads(threads.intra_op, threads.mode, spinning=SPINNING)
         model, prediction = select_prediction(load_model(self.model_onnx), self.output_index)
         self.learning_loss_ = losses.resolve(self.learning_loss)
         self.learning_rate_ = select_learning_rate(self.learning_rate)
         self.learning_penalty_ = penalties.resolve(self.learning_penalty)
         fb = self.forward_backward_ = OrtGradientForwardBackward(
-            model, self.weights_to_train, output_names=[prediction.name], device=self.device
+            model,
+            self.weights_to_train,
+            output_names=[prediction.name],
+            device=self.device,
+            threads=self._threads,
         )
         if len(fb.input_names) != 1:
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
@@ -123,7 +138,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self.update_step_ = build_update_step(
             values, self.learning_rate_, self.learning_penalty_, dtype
         )
-        self._resident_session = inference_session(self.update_step_.model, self._providers)
+        self._resident_session = inference_session(
+            self.update_step_.model, self._providers, self._threads
+        )
         self._features_value = input_value(model, fb.input_names[0])
         self._label_value = input_value(self.loss_onnx_, "label")
         self._accepts_sample_weight = True
@@ -146,7 +163,7 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         """The loss-and-gradient graph (with or without sample weights), built once."""
         if weighted not in self._loss_runs:
             graph = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
-            session = inference_session(graph, self._providers)
+            session = inference_session(graph, self._providers, self._threads)
             self._loss_runs[weighted] = (graph, session, BindingCache(session.io_binding()))
         return self._loss_runs[weighted]
 
