@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -465,12 +464,19 @@ def memory_child(contender: str, quick: bool) -> None:
 
     import graphkit_train  # noqa: F401
 
-    before = rss_bytes()
     w = workloads(quick)[4]
     w.epochs = 1
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM): imports and data creation are not counted
+    before = rss_bytes()
     CONTENDERS[contender](w, "adamw", 0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"extra": peak - before, "footprint": w.footprint}))
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    print(
+        json.dumps(
+            {"extra": peak - before, "data": w.X.nbytes + w.y.nbytes, "footprint": w.footprint}
+        )
+    )
 
 
 def measure_memory(quick: bool) -> dict[str, dict[str, int]]:
@@ -519,7 +525,11 @@ def main() -> None:
         "to the fastest contender that is not graphkit (lower is faster). Same data, same "
         "initial weights, same rows in the same order, same updates (SGD lr 0.01; AdamW lr "
         "0.001, weight decay 0.01); *loss* is the last epoch's mean batch loss, and ≠ marks "
-        "one that differs from the first contender's by more than 1e-4 (relative).",
+        "one that differs from the first contender's by more than 1e-5 (SGD) or 1e-3 "
+        "(AdamW, whose division by sqrt(v) amplifies float32 rounding) relative. "
+        "onnxruntime's AdamW is not quite torch's (its losses differ by 1e-3 to 1e-2); "
+        "scikit-learn reports its epoch loss weighted by batch size, which differs when the "
+        "last batch is short.",
         "",
     ]
     summary = {}
@@ -551,7 +561,8 @@ def main() -> None:
             print(title)
             for name, (seconds, loss) in results.items():
                 per_batch = seconds / w.batches * 1e6
-                same = abs(loss - reference) <= 1e-4 * abs(reference) or name in NOT_COMPARABLE
+                tolerance = 1e-5 if optimizer == "sgd" else 1e-3  # Adam divides by sqrt(v)
+                same = abs(loss - reference) <= tolerance * abs(reference) or name in NOT_COMPARABLE
                 mark = "" if same else " ≠"
                 lines.append(
                     f"| {name} | {per_batch:.1f} | {seconds / numpy_time:.2f} | "
@@ -568,16 +579,16 @@ def main() -> None:
         lines += [
             "## Peak memory, MLP 100-256-256-1 on 50,000 rows, AdamW",
             "",
-            "Memory the process gained from creating the data to the end of training, over "
-            "data + weights + AdamW state (the runtime's own fixed cost is included).",
+            "Peak memory of training beyond what the process held once the data existed "
+            "(imports and data creation are not counted), and the peak of data + training "
+            "over data + weights + AdamW state; the runtime's fixed cost is included.",
             "",
-            "| contender | MB | x (data + weights + state) |",
+            "| contender | training MB | x (data + weights + state) |",
             "|---|---:|---:|",
         ]
         for name, m in memory.items():
-            lines.append(
-                f"| {name} | {m['extra'] / 2**20:.0f} | {m['extra'] / m['footprint']:.2f} |"
-            )
+            ratio = (m["data"] + m["extra"]) / m["footprint"]
+            lines.append(f"| {name} | {m['extra'] / 2**20:.0f} | {ratio:.2f} |")
         lines.append("")
     lines.append(f"Total run: {time.perf_counter() - started:.0f} s.")
     Path(args.output).write_text("\n".join(lines) + "\n")
