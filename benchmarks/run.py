@@ -161,6 +161,12 @@ def workloads(quick: bool) -> list[Workload]:
 
 
 # -- contenders ------------------------------------------------------------------------
+
+
+class NotApplicable(Exception):
+    """A contender that cannot do this workload's work (its table row is left out)."""
+
+
 # each returns (seconds of the best epoch, mean batch loss of the last epoch)
 
 Result = tuple[float, float]
@@ -232,7 +238,7 @@ def _graphkit_optimizer(optimizer: str):
 def numpy_contender(w: Workload, optimizer: str, repeat: int) -> Result:
     """Forward, loss, backward and update of dense ReLU layers, written by hand."""
     if any(layer[0] != "dense" for layer in w.layers):
-        raise NotImplementedError("no hand-written numpy convolution")
+        raise NotApplicable("no hand-written numpy convolution")
     p = {k: v.copy() for k, v in w.weights.items()}
     m = {k: np.zeros_like(v) for k, v in p.items()}
     v2 = {k: np.zeros_like(v) for k, v in p.items()}
@@ -373,9 +379,9 @@ def sklearn_mlp(w: Workload, optimizer: str, repeat: int) -> Result:
     error is halved: the learning rate is doubled to match). Adam without weight decay
     is not AdamW: only SGD runs."""
     if optimizer != "sgd" or any(layer[0] != "dense" for layer in w.layers):
-        raise NotImplementedError("same updates only for SGD on dense layers")
+        raise NotApplicable("same updates only for SGD on dense layers")
     if len(w.layers) < 2:
-        raise NotImplementedError("an MLP needs a hidden layer")
+        raise NotApplicable("an MLP needs a hidden layer")
     from sklearn.neural_network import MLPClassifier, MLPRegressor
 
     hidden = tuple(w.weights[layer[1]].shape[1] for layer in w.layers[:-1])
@@ -416,7 +422,7 @@ def sklearn_mlp(w: Workload, optimizer: str, repeat: int) -> Result:
 def sklearn_sgd_regressor(w: Workload, optimizer: str, repeat: int) -> Result:
     """SGDRegressor updates after every row: the same data, another algorithm."""
     if optimizer != "sgd" or w.loss != "mse" or len(w.layers) != 1:
-        raise NotImplementedError("linear regression with SGD only")
+        raise NotApplicable("linear regression with SGD only")
     from sklearn.linear_model import SGDRegressor
 
     reg = SGDRegressor(
@@ -539,7 +545,7 @@ def main() -> None:
             for name, run in CONTENDERS.items():
                 try:
                     results[name] = run(w, optimizer, args.repeat)
-                except NotImplementedError:
+                except NotApplicable:
                     continue
                 except ImportError as exc:
                     print(f"{name}: not installed ({exc})", file=sys.stderr)

@@ -232,7 +232,7 @@ class OrtGradientOptimizer(BaseTrainer):
         n = len(X)
         full = n // batch_size
         if runner.loop is not None:
-            rows = np.arange(n, dtype=np.int64) if order is None else order.astype(np.int64)
+            rows = np.arange(n, dtype=np.int64) if order is None else np.asarray(order, np.int64)
             batches = rows[: full * batch_size].reshape(full, batch_size)
             chunk = steps_per_run(self.steps_per_run)
             chunk = full if chunk == "epoch" else chunk

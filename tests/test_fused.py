@@ -167,7 +167,7 @@ def test_the_data_is_bound_once_without_a_copy():
     trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 3, 1)), max_iter=1)
     trainer.fit(X, y)
     runner = trainer._runner(10)
-    assert runner.loop is not None
+    assert runner.session is None and len(runner.bindings) == 2  # the Loop runs, not steps
     assert runner._data[0].data_ptr() == X.ctypes.data
 
 
@@ -248,7 +248,8 @@ def test_packed_adam_equals_numpy(shapes, seed):
     rng = np.random.default_rng(seed)
     params = {f"w{i}": rng.normal(size=s) for i, s in enumerate(shapes)}
     step = build_update_step(params, optimizers.adam(learning_rate=0.01), None, np.float64)
-    assert step.packing is not None
+    assert step.packing.weights == tuple(params)
+    assert step.packing.sizes == [int(np.prod(s)) for s in shapes]
     assert step.state == [f"{PACKED}.adam.m", f"{PACKED}.adam.v"]
     session = inference_session(step.model)
     resident = dict(step.initial)
@@ -293,7 +294,7 @@ def test_packed_state_round_trips_through_get_state_and_checkpoints(tmp_path):
         random_state=0,
     )
     trainer = make().fit(X, y)
-    assert trainer.training_step_.packing is not None
+    assert trainer.training_step_.packing.weights == ("W1", "b1", "W2", "b2")
     state = trainer.get_state()
     assert {"W1.adam.m", "b2.adam.v"} <= set(state)
     assert state["W1.adam.m"].shape == (3, 4)
@@ -312,7 +313,7 @@ def test_forward_backward_packs_adam_too():
         mlp_onnx(3, 4, 1, dtype=np.float64), max_iter=2, learning_rate="adam", random_state=0
     )
     trainer.fit(X, y)
-    assert trainer.update_step_.packing is not None
+    assert trainer.update_step_.packing.sizes == [12, 4, 4, 1]
     assert trainer.get_state()["W1.adam.v"].shape == (3, 4)
 
 
