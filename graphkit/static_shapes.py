@@ -11,7 +11,13 @@ the named inputs and folds what became constant:
 * :func:`broadcast_gradient_args` evaluates ``BroadcastGradientArgs`` on constant shapes
   (onnx's shape inference does not know that operator);
 * unused nodes go, common subexpressions (the same bias-correction power in every weight's
-  Adam update) are computed once.
+  Adam update) are computed once;
+* :func:`simplify_reductions` rewrites each ``ReduceSum`` whose shape is now known into
+  what onnxruntime runs fastest: a ``Reshape`` when it sums over axes of size 1, a
+  full reduction when every kept axis has size 1, a ``MatMul`` with a vector of ones
+  when it sums a leading or trailing block of axes (onnxruntime's ReduceSum over the
+  batch axis of a 256x256 tensor takes 40 us, the MatMul 5 us: it is every bias
+  gradient); multiplying by a constant of ones goes.
 
 onnxscript's *rewrite rules* are deliberately not applied: they treat a constant within
 1e-8 of zero as zero (``x + 1e-8 -> x``), which deletes Adam's epsilon. Folding only
@@ -26,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import copy_model
+from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names
 
 _MS = "com.microsoft"
 
@@ -88,6 +94,162 @@ def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
     return ir.serde.serialize_model(graph)
 
 
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Every tensor whose shape onnx's inference (or the graph's value_info) fixes."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    shapes = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        tensor = value.type.tensor_type
+        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+            shapes[value.name] = tuple(d.dim_value for d in tensor.shape.dim)
+    for init in graph.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _reduce_axes(node: onnx.NodeProto, constants: Mapping[str, np.ndarray]) -> list[int] | None:
+    """The axes a ReduceSum sums over ([] for all of them), None when not constant."""
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in constants:
+            return None
+        return [int(a) for a in constants[node.input[1]].ravel()]
+    for attr in node.attribute:  # opset < 13
+        if attr.name == "axes":
+            return list(attr.ints)
+    return []
+
+
+def simplify_reductions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every ReduceSum of known shape replaced by faster equivalents
+    (see the module docstring) and every multiplication by a constant of ones dropped.
+
+    The sums are the same up to float rounding (a MatMul adds in another order).
+    """
+    out = copy_model(model)
+    _Simplifier(out.graph, _static_shapes(out)).run()
+    return out
+
+
+class _Simplifier:
+    """Rewrites one graph's nodes in place (see :func:`simplify_reductions`)."""
+
+    def __init__(self, graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.graph, self.shapes = graph, shapes
+        self.constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.elem = {
+            v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info]
+        }
+        self.elem.update({t.name: t.data_type for t in graph.initializer})
+        self.taken = graph_names(graph)
+
+    def run(self) -> None:
+        outputs = {o.name for o in self.graph.output}
+        renamed: dict[str, str] = {}
+        nodes: list[onnx.NodeProto] = []
+        for node in self.graph.node:
+            standard = node.domain in ("", "ai.onnx")
+            replacement = None
+            if standard and node.op_type == "ReduceSum":
+                replacement = self.reduce_sum(node)
+            elif standard and node.op_type == "Mul" and node.output[0] not in outputs:
+                factor = self.times_ones(node)
+                if factor is not None:
+                    renamed[node.output[0]] = factor
+                    continue
+            nodes.extend(replacement if replacement is not None else [node])
+        for node in nodes:
+            node.input[:] = [_follow(renamed, i) for i in node.input]
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+        # the axes of the rewritten reductions: onnxruntime warns about unused initializers
+        read = {i for node in nodes for i in node.input} | outputs
+        for node in nodes:
+            read.update(name for sub in _subgraphs(node) for name in graph_names(sub))
+        unused = [t for t in self.graph.initializer if t.name not in read]
+        for tensor in unused:
+            self.graph.initializer.remove(tensor)
+
+    def fresh(self, base: str) -> str:
+        return fresh_name(base, self.taken)
+
+    def constant(self, base: str, value: np.ndarray) -> str:
+        name = self.fresh(base)
+        self.graph.initializer.append(numpy_helper.from_array(value, name))
+        return name
+
+    def reshape(self, x: str, shape: Sequence[int], output: str) -> onnx.NodeProto:
+        target = self.constant(f"{output}/shape", np.array(shape, dtype=np.int64))
+        return onnx.helper.make_node("Reshape", [x, target], [output])
+
+    def times_ones(self, node: onnx.NodeProto) -> str | None:
+        """The other factor of ``x * 1`` when the product has x's shape, else None."""
+        for one, x in (node.input, reversed(node.input)):
+            value = self.constants.get(one)
+            if (
+                value is not None
+                and value.dtype.kind == "f"
+                and np.all(value == 1)
+                and x in self.shapes
+                and self.shapes.get(node.output[0]) == self.shapes[x]
+            ):
+                return x
+        return None
+
+    def reduce_sum(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
+        """The nodes replacing one ReduceSum, or None to keep it."""
+        x, y = node.input[0], node.output[0]
+        noop = any(a.name == "noop_with_empty_axes" and a.i for a in node.attribute)
+        axes = _reduce_axes(node, self.constants)
+        if axes is None or x not in self.shapes or y not in self.shapes:
+            return None
+        shape, out_shape = self.shapes[x], self.shapes[y]
+        if not axes:
+            return [onnx.helper.make_node("Identity", [x], [y])] if noop else None
+        rank = len(shape)
+        axes = sorted({a % rank for a in axes})
+        summed = int(np.prod([shape[a] for a in axes]))
+        kept = int(np.prod([d for i, d in enumerate(shape) if i not in axes]))
+        if summed == 1:  # nothing to add up
+            return [self.reshape(x, out_shape, y)]
+        if kept == 1:  # everything is added up: onnxruntime's fast full reduction
+            if not out_shape:
+                return [onnx.helper.make_node("ReduceSum", [x], [y], keepdims=0)]
+            total = self.fresh(f"{y}/total")
+            full = onnx.helper.make_node("ReduceSum", [x], [total], keepdims=0)
+            return [full, self.reshape(total, out_shape, y)]
+        elem = self.elem.get(x)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else None
+        if dtype not in (np.float32, np.float64) or not _is_block(axes, rank):
+            return None
+        # a block of leading axes: ones @ X; of trailing axes: X @ ones
+        leading = axes[0] == 0
+        ones = self.constant(f"{y}/ones", np.ones(summed, dtype=dtype))
+        nodes = []
+        matrix = x
+        if rank != 2:
+            matrix = self.fresh(f"{y}/matrix")
+            nodes.append(self.reshape(x, (summed, kept) if leading else (kept, summed), matrix))
+        product = y if tuple(out_shape) == (kept,) else self.fresh(f"{y}/sums")
+        factors = [ones, matrix] if leading else [matrix, ones]
+        nodes.append(onnx.helper.make_node("MatMul", factors, [product]))
+        if product != y:
+            nodes.append(self.reshape(product, out_shape, y))
+        return nodes
+
+
+def _follow(renamed: Mapping[str, str], name: str) -> str:
+    while name in renamed:
+        name = renamed[name]
+    return name
+
+
+def _is_block(axes: list[int], rank: int) -> bool:
+    """Whether sorted ``axes`` are the first or the last few axes, not all of them."""
+    contiguous = axes == list(range(axes[0], axes[0] + len(axes)))
+    return contiguous and len(axes) < rank and (axes[0] == 0 or axes[-1] == rank - 1)
+
+
 def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelProto:
     """``model`` with the first dimension of each input in ``batch`` fixed to its value,
     and every computation that became constant folded away (see the module docstring).
@@ -97,11 +259,20 @@ def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelPr
     """
     fixed = copy_model(model)
     inputs = {i.name: i for i in fixed.graph.input}
+    symbols = {}  # a symbolic dimension fixed here has that size wherever it appears
     for name, size in batch.items():
         dims = inputs[name].type.tensor_type.shape.dim
         if dims:
+            if dims[0].dim_param:
+                symbols[dims[0].dim_param] = int(size)
             dims[0].Clear()
             dims[0].dim_value = int(size)
+    for value in fixed.graph.value_info:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in symbols:
+                size = symbols[dim.dim_param]
+                dim.Clear()
+                dim.dim_value = size
     # outputs keep only their element type: their shapes are inferred again
     for output in fixed.graph.output:
         for dim in output.type.tensor_type.shape.dim:
@@ -113,7 +284,7 @@ def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelPr
         fixed = _fold(fixed)
         if not _fold_broadcast_gradient_args(fixed):
             break
-    return fixed
+    return simplify_reductions(fixed)
 
 
-__all__ = ["broadcast_gradient_args", "specialize"]
+__all__ = ["broadcast_gradient_args", "simplify_reductions", "specialize"]
