@@ -248,6 +248,13 @@ def ortvalue(array: np.ndarray, kind: str = "cpu", device_id: int = 0) -> Any:
     return onnxruntime().OrtValue.ortvalue_from_numpy(array, kind, device_id)
 
 
+def c_ortvalue(array: np.ndarray, device: Any) -> Any:
+    """A C OrtValue holding ``array`` (C-contiguous) on ``device`` (a C OrtDevice, see
+    :func:`ort_device`). On the CPU it borrows the array's memory: the caller keeps the
+    array alive while the value is used. (The Python wrapper costs 2 us more a call.)"""
+    return _capi().OrtValue.ortvalue_from_numpy(array, device)
+
+
 def python_ortvalue(c_value: Any) -> Any:
     """The ``onnxruntime.OrtValue`` wrapping a C OrtValue (from :func:`from_dlpack`)."""
     return onnxruntime().OrtValue(c_value)

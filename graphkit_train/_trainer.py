@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,8 @@ class BaseTrainer(ParamsMixin, ABC):
             self._bind_scratch(binding)
             self._bindings.append(binding)
         self._update_caches = [BindingCache(b) for b in self._bindings]
+        self._weight_names = list(step.weights)
+        self._grad_names = [grad_name(n) for n in step.weights]
         self._current = 0
         self._buffers_changed()
 
@@ -459,10 +461,18 @@ class BaseTrainer(ParamsMixin, ABC):
 
     def _apply_update(self, binding: Any, loss: Any, grads: Mapping[str, Any]) -> None:
         """Run the update step on given gradients and loss (binding what changed)."""
-        cache = self._update_caches[self._current]
-        for name in self.update_step_.weights:
-            cache.bind(grad_name(name), grads[name])
-        cache.bind(LOSS, loss)
+        gradients = [grads[name]._ortvalue for name in self._weight_names]
+        self._run_update(binding, loss, self._grad_names, gradients)
+
+    def _run_update(
+        self, binding: Any, loss: Any, inputs: Sequence[str], gradients: Sequence[Any]
+    ) -> None:
+        """Run the update step on the gradients (C OrtValues) bound to ``inputs``."""
+        # gradients are new tensors every batch: bound without the cache's check
+        bind = binding._iobinding.bind_ortvalue_input
+        for name, gradient in zip(inputs, gradients):
+            bind(name, gradient)
+        self._update_caches[self._current].bind(LOSS, loss)
         self._resident_session.run_with_iobinding(binding)
 
     def _run_batch_distributed(

@@ -34,6 +34,7 @@ from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.lowering import lower_float32_only_ops
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
+from graphkit.static_shapes import specialize
 from graphkit_train._base import providers_for
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
@@ -47,7 +48,8 @@ class _Variant:
     forward_model: onnx.ModelProto
     agent: Any
     session: Any
-    forward_session: Any  # inference only: the forward graph with weights as inputs
+    forward_session: Any  # inference only: the forward graph with weights as inputs (None
+    # in a variant specialized to a number of rows)
     feed_names: list[str]
     fetch_names: list[str]
     grad_of: dict[str, str]  # fetch name -> original input or weight name
@@ -121,7 +123,7 @@ class OrtGradientForwardBackward:
         self._check_requiring(self.inputs_requiring_grad)
         self._model = self._prepare(model)
         self._input_values = {i.name: i for i in model.graph.input}
-        self._variants: dict[frozenset[str], _Variant] = {}
+        self._variants: dict[tuple[frozenset[str], int | None], _Variant] = {}
         self._pending: list[PendingForward] = []
         values = weight_values(model, self.weight_names)
         self.weights = {w: self.to_ortvalue(values[w]) for w in self.weight_names}
@@ -156,13 +158,17 @@ class OrtGradientForwardBackward:
         if unknown:
             raise UnknownNameError(f"Inputs {unknown} do not exist; inputs: {self.input_names}.")
 
-    def _variant(self, requiring: frozenset[str]) -> _Variant:
-        if requiring not in self._variants:
+    def _variant(self, requiring: frozenset[str], rows: int | None = None) -> _Variant:
+        """The graphs for the inputs in ``requiring``; with ``rows``, specialized to
+        inputs of that many rows (see :func:`graphkit.static_shapes.specialize`: the
+        shape arithmetic folds away and bias gradients become MatMuls)."""
+        key = (requiring, rows)
+        if key not in self._variants:
             self._check_requiring(requiring)
-            self._variants[requiring] = self._build_variant(requiring)
-        return self._variants[requiring]
+            self._variants[key] = self._build_variant(requiring, rows)
+        return self._variants[key]
 
-    def _build_variant(self, requiring: frozenset[str]) -> _Variant:
+    def _build_variant(self, requiring: frozenset[str], rows: int | None) -> _Variant:
         internal = [self._internal[w] for w in self.weight_names]
         inputs = [n for n in self.input_names if n in requiring]
         graphs = backend.module_graphs(self._model, internal, inputs)
@@ -171,6 +177,8 @@ class OrtGradientForwardBackward:
             i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
         ):
             lower_float32_only_ops(gradient)
+        if rows is not None:
+            gradient = specialize(gradient, dict.fromkeys(self.input_names, rows))
         session = inference_session(gradient, self.providers, self.threads)
         feed_names = [i.name for i in gradient.graph.input]
         fetch_names = [o.name for o in gradient.graph.output]
@@ -186,7 +194,10 @@ class OrtGradientForwardBackward:
                 (original[n] for n in graphs.initializer_names_to_train),
             )
         )
-        forward_session = inference_session(forward, self.providers, self.threads)
+        # a specialized variant serves training forwards only
+        forward_session = (
+            inference_session(forward, self.providers, self.threads) if rows is None else None
+        )
         return _Variant(
             gradient, forward, agent, session, forward_session, feed_names, fetch_names, grad_of
         )

@@ -9,7 +9,8 @@ import pickle
 import numpy as np
 import onnx
 import pytest
-from conftest import export_torch, linear_regression_onnx
+from conftest import export_torch, linear_regression_onnx, mlp_onnx
+from onnx import numpy_helper
 from sklearn.base import clone
 
 import graphkit as gk
@@ -307,6 +308,57 @@ def test_state_pickle_warm_start_and_exports(data, tmp_path):
     from sklearn.metrics import r2_score
 
     assert five.score(X, y, w) == pytest.approx(r2_score(y, five.predict(X), sample_weight=w))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype):
+    """Each training batch size gets graphs specialized to it (here 16 and the last 5
+    rows); the weights follow SGD on the weighted mean squared error written in numpy:
+    g_pred = 2 w (pred - y) / sum(w), backpropagated through tanh."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(37, 4)).astype(dtype)
+    y = (X @ rng.normal(size=4) + 0.5).astype(dtype)
+    weights = rng.uniform(0.5, 2, size=37).astype(dtype)
+    model = mlp_onnx(4, 6, 1, activation="Tanh", dtype=dtype, scale=0.5)
+    lr = 0.05
+    trainer = OrtGradientForwardBackwardOptimizer(
+        model,
+        max_iter=3,
+        batch_size=16,
+        shuffle=False,
+        learning_rate=gk.LearningRateSGD(eta0=lr, learning_rate="constant"),
+    ).fit(X, y, sample_weight=weights)
+    p = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+    losses = []
+    for _ in range(3):
+        epoch = []
+        for start in range(0, 37, 16):
+            x = X[start : start + 16].astype(np.float64)
+            t, w = y[start : start + 16, None], weights[start : start + 16, None]
+            h = np.tanh(x @ p["W1"] + p["b1"])
+            d = h @ p["W2"] + p["b2"] - t
+            epoch.append(float((w * d**2).sum() / w.sum()))
+            g = 2 * w * d / w.sum()
+            gh = (g @ p["W2"].T) * (1 - h**2)
+            grads = {"W2": h.T @ g, "b2": g.sum(0), "W1": x.T @ gh, "b1": gh.sum(0)}
+            p = {k: v - lr * grads[k] for k, v in p.items()}
+        losses.append(np.mean(epoch))
+    tol = dict(rtol=2e-5, atol=1e-6) if dtype == np.float32 else dict(rtol=1e-10)
+    state = trainer.get_state()
+    for name, value in p.items():
+        np.testing.assert_allclose(state[name], value, **tol)
+    np.testing.assert_allclose(trainer.train_losses_, losses, **tol)
+    graphs = {
+        rows: v.gradient_model.graph for (_, rows), v in trainer.forward_backward_._variants.items()
+    }
+    assert set(graphs) == {None, 16, 5}
+
+    def reductions(graph):
+        return sum(n.op_type == "ReduceSum" for n in graph.node)
+
+    for rows in (16, 5):  # fixed batch dimension; the bias gradient of b1 is a MatMul
+        assert graphs[rows].input[0].type.tensor_type.shape.dim[0].dim_value == rows
+        assert reductions(graphs[rows]) < reductions(graphs[None])
 
 
 def test_nan_loss_with_and_without_exc(data):
