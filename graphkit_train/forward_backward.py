@@ -42,7 +42,8 @@ _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLO
 
 @dataclass
 class _Variant:
-    """The graphs built for one set of inputs requiring gradients."""
+    """The graphs built for one set of inputs requiring gradients (and one number of
+    rows, or any)."""
 
     gradient_model: onnx.ModelProto
     forward_model: onnx.ModelProto
@@ -53,6 +54,7 @@ class _Variant:
     feed_names: list[str]
     fetch_names: list[str]
     grad_of: dict[str, str]  # fetch name -> original input or weight name
+    n_outputs: int  # the forward's outputs
 
 
 @dataclass
@@ -169,6 +171,12 @@ class OrtGradientForwardBackward:
         return self._variants[key]
 
     def _build_variant(self, requiring: frozenset[str], rows: int | None) -> _Variant:
+        if rows is not None:  # the graphs for any number of rows, specialized
+            base = self._variant(requiring)
+            gradient = specialize(base.gradient_model, dict.fromkeys(self.input_names, rows))
+            return self._with_agent(
+                gradient, base.forward_model, None, base.grad_of, base.n_outputs
+            )
         internal = [self._internal[w] for w in self.weight_names]
         inputs = [n for n in self.input_names if n in requiring]
         graphs = backend.module_graphs(self._model, internal, inputs)
@@ -177,15 +185,6 @@ class OrtGradientForwardBackward:
             i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
         ):
             lower_float32_only_ops(gradient)
-        if rows is not None:
-            gradient = specialize(gradient, dict.fromkeys(self.input_names, rows))
-        session = inference_session(gradient, self.providers, self.threads)
-        feed_names = [i.name for i in gradient.graph.input]
-        fetch_names = [o.name for o in gradient.graph.output]
-        device = backend.ort_device(self._ort_device, self._device_id)
-        agent = backend.training_agent(
-            session, feed_names, fetch_names, len(graphs.user_output_names), device
-        )
         original = self._original
         grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}
         grad_of.update(
@@ -194,12 +193,35 @@ class OrtGradientForwardBackward:
                 (original[n] for n in graphs.initializer_names_to_train),
             )
         )
-        # a specialized variant serves training forwards only
-        forward_session = (
-            inference_session(forward, self.providers, self.threads) if rows is None else None
+        forward_session = inference_session(forward, self.providers, self.threads)
+        return self._with_agent(
+            gradient, forward, forward_session, grad_of, len(graphs.user_output_names)
         )
+
+    def _with_agent(
+        self,
+        gradient: onnx.ModelProto,
+        forward: onnx.ModelProto,
+        forward_session: Any,
+        grad_of: dict[str, str],
+        n_outputs: int,
+    ) -> _Variant:
+        """A variant whose TrainingAgent runs ``gradient``."""
+        session = inference_session(gradient, self.providers, self.threads)
+        feed_names = [i.name for i in gradient.graph.input]
+        fetch_names = [o.name for o in gradient.graph.output]
+        device = backend.ort_device(self._ort_device, self._device_id)
+        agent = backend.training_agent(session, feed_names, fetch_names, n_outputs, device)
         return _Variant(
-            gradient, forward, agent, session, forward_session, feed_names, fetch_names, grad_of
+            gradient,
+            forward,
+            agent,
+            session,
+            forward_session,
+            feed_names,
+            fetch_names,
+            grad_of,
+            n_outputs,
         )
 
     # -- values ------------------------------------------------------------------------

@@ -151,9 +151,12 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._requires_sample_weight = False
         self._no_input_grads: frozenset[str] = frozenset()
         self._c_device = backend.ort_device(self._ort_device, self._device_id)
-        self._update_inputs: dict[int, list[str]] = {}  # by id() of a variant fb keeps
         self._variant = fb._variant(self._no_input_grads)
         self._feed_sources = fb.feed_sources(self._variant)
+        # the weight of each gradient the backward returns, in its order (the same in
+        # every variant: specializing keeps a graph's outputs)
+        self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
+        self._update_inputs = [grad_name(w) for w in self._gradient_of]
         self._per_sample: Any = None
         self._built = True
 
@@ -222,16 +225,17 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         key = (w is not None, len(y) if static else None)
         runs = self._loss_runs
         run = runs[key] if key in runs else self._loss_run(*key)
+        y = np.ascontiguousarray(y)  # the C values borrow the arrays until the run ends
+        w = None if w is None else np.ascontiguousarray(w)
         device = self._c_device
         label = backend.c_ortvalue(y, device)
         return run(prediction, label, None if w is None else backend.c_ortvalue(w, device))
 
-    def _backward(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple:
-        """``(loss, gradients, variant)`` of one batch: forward, loss and its gradient,
-        backward, on C OrtValues (this is the hot loop: nothing is wrapped in Python
-        objects); the gradients are a C vector in ``variant.fetch_names`` order."""
-        X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)  # the C values borrow them
-        w = None if w is None else np.ascontiguousarray(w)
+    def _backward(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, Any]:
+        """``(loss, gradients)`` of one batch: forward, loss and its gradient, backward,
+        on C OrtValues (this is the hot loop: nothing is wrapped in Python objects); the
+        gradients are a C vector in ``_gradient_of`` order."""
+        X = np.ascontiguousarray(X)  # the features' C value borrows it until the backward
         fb = self.forward_backward_
         variant = fb._variant(self._no_input_grads, len(X))  # specialized to the batch size
         features = backend.c_ortvalue(X, self._c_device)
@@ -239,25 +243,20 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         fetches, state, _feeds = backend.run_forward(variant.agent, self._feeds(features))
         loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=True)
         gradients = backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
-        return loss, gradients, variant
+        return loss, gradients
 
     def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
-        loss, gradients, variant = self._backward(X, y, w)
-        names = [variant.grad_of[n] for n in variant.fetch_names]
-        return loss, dict(zip(names, backend.wrap(gradients)))
+        loss, gradients = self._backward(X, y, w)
+        return loss, dict(zip(self._gradient_of, backend.wrap(gradients)))
 
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
-        loss, gradients, variant = self._backward(X, y, w)
-        names = self._update_inputs.get(id(variant))
-        if names is None:  # the update step's input for each gradient, in fetch order
-            names = [grad_name(variant.grad_of[n]) for n in variant.fetch_names]
-            self._update_inputs[id(variant)] = names
+        loss, gradients = self._backward(X, y, w)
+        names = self._update_inputs
         self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
 
     # -- using the trained weights ---------------------------------------------------------
 
     def _loss(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> float:
-        y, w = np.ascontiguousarray(y), None if w is None else np.ascontiguousarray(w)
         prediction = self._forward(X)._ortvalue
         return float(self._loss_and_grad(prediction, y, w)[0].numpy())
 
@@ -317,17 +316,17 @@ class LossRun:
             return self._outputs
         binding = self.binding
         binding.clear_binding_outputs()
-        for name in OUTPUTS:
+        for name in _LOSS_OUTPUTS:
             binding.bind_output(name, *self._device)
         self.session.run_with_iobinding(binding)
         self._outputs = binding_outputs(binding)
-        for name, value in zip(OUTPUTS, self._outputs):
+        for name, value in zip(_LOSS_OUTPUTS, self._outputs):
             binding.bind_ortvalue_output(name, value)
         self._shape = shape
         return self._outputs
 
 
-OUTPUTS = ("loss", "prediction_grad")
+_LOSS_OUTPUTS = ("loss", "prediction_grad")
 
 
 # BindingCache: seed API
