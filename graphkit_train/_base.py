@@ -217,7 +217,7 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
                 f"{y.dtype}. Pass {what}.astype(numpy.{dtype}) (or train with a "
                 "classification loss)."
             )
-        if not np.isfinite(y.astype(np.float64)).all():
+        if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise ValueError(f"{what} contains NaN or infinity; clean it before training.")
     dims = static_shape(value) or []
     target = [n if i == 0 else d for i, d in enumerate(dims)]

@@ -1,22 +1,18 @@
-"""Many training steps in one ONNX graph: the step as the body of a ``Loop`` over batches.
+"""Many training steps in one ONNX graph: the step as the body of a ``Loop`` or a ``Scan``.
 
 Running one onnxruntime call per mini-batch costs a call, a binding and a Python
-iteration per batch. :func:`loop_over_batches` wraps a training step (any graph with
-batch inputs, resident inputs and their ``<name>.next`` outputs) into a ``Loop`` whose
-carried values are the resident tensors; every iteration gathers its batch from the
-whole data, bound once::
+iteration per batch. Both functions here wrap a training step (any graph with batch
+inputs, resident inputs and their ``<name>.next`` outputs) into one graph whose carried
+values are the resident tensors:
 
-    inputs : <data> (all rows), <batch rows>, <resident tensors>
-    outputs: <name>.next for every resident tensor, batch_losses
-
-Two forms of ``<batch rows>``:
-
-* ``batch_size=None``: ``permutation`` (int64 [rows], the order of the rows) and
-  ``batch_size`` (int64 scalar); batch k takes ``permutation[k*b:(k+1)*b]``, the last one
-  may be shorter. Any step, any runtime: :func:`graphkit_train.export.export_training_epoch`.
-* ``batch_size=b``: ``batches`` (int64 [n, b]), one row of indices per batch. Every batch
-  has b rows, so the step inside can be specialized to that size
-  (:func:`graphkit.static_shapes.specialize`): the trainers' fused epochs.
+* :func:`loop_over_batches`, any runtime: a ``Loop`` over the whole data and a
+  ``permutation`` of its rows, batch k taking ``permutation[k*b:(k+1)*b]`` (the last
+  batch may be shorter). ``export_training_epoch`` writes it.
+* :func:`scan_over_batches`, the trainers' fused epochs: a ``Scan`` over data laid out
+  batch by batch, ``[batches, b, ...]``. Every batch has b rows, so the step inside can
+  be specialized to that size (:func:`graphkit.static_shapes.specialize`), and
+  onnxruntime hands each iteration a view of its batch: no gather, no copy (a ``Gather``
+  of 1000 rows costs more than a whole linear-regression step).
 """
 
 from __future__ import annotations
@@ -29,12 +25,8 @@ from onnx import TensorProto, helper
 from graphkit._graph import graph_names, int_constant, rename_tensors
 
 make = helper.make_node
-PERMUTATION, BATCH_SIZE, BATCHES, BATCH_LOSSES = (
-    "permutation",
-    "batch_size",
-    "batches",
-    "batch_losses",
-)
+PERMUTATION, BATCH_SIZE, BATCH_LOSSES = "permutation", "batch_size", "batch_losses"
+RESERVED = {PERMUTATION, BATCH_SIZE, BATCH_LOSSES}
 
 
 def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
@@ -48,25 +40,83 @@ def _scalar(name: str, elem: int, value: object) -> onnx.NodeProto:
     return make("Constant", [], [name], value=helper.make_tensor(name, elem, [], [value]))
 
 
-def _batch_rows(batch_size: int | None) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
-    """(nodes of the body giving ``loop/rows``, the rows of the iteration's batch;
-    nodes of the outer graph giving ``graphkit.epoch/batches``, the trip count)."""
-    if batch_size is not None:
-        body = [make("Gather", [BATCHES, "loop/iteration"], ["loop/rows"], axis=0)]
-        outer = [
-            make("Shape", [BATCHES], ["graphkit.epoch/shape"]),
-            int_constant("graphkit.epoch/first", [0]),
-            make(
-                "Gather",
-                ["graphkit.epoch/shape", "graphkit.epoch/first"],
-                ["graphkit.epoch/batches_1d"],
-                axis=0,
-            ),
-            make("Squeeze", ["graphkit.epoch/batches_1d"], ["graphkit.epoch/batches"]),
-        ]
-        return body, outer
+class _Body:
+    """The step's graph as a subgraph: its tensors renamed ``step/<name>`` (the names
+    ``loop/...`` are the wrapper's), its inputs and outputs removed."""
+
+    def __init__(
+        self, step: onnx.ModelProto, data: Sequence[str], carried: Sequence[str], loss: str
+    ) -> None:
+        clash = sorted(RESERVED & {*data, *carried, *(f"{n}.next" for n in carried)})
+        if clash:
+            raise ValueError(
+                f"The training step names tensors {clash}, which the epoch graph uses for "
+                "its own inputs and outputs: rename them in the model."
+            )
+        self.inputs = {i.name: i for i in step.graph.input}
+        self.outputs = {o.name: o for o in step.graph.output}
+        self.loss_elem = self.outputs[loss].type.tensor_type.elem_type
+        self.carried, self.loss = list(carried), loss
+        self.graph = graph = onnx.GraphProto()
+        graph.CopyFrom(step.graph)
+        self.scoped = scoped = {n: f"step/{n}" for n in graph_names(graph)}
+        rename_tensors(graph, lambda n: scoped.get(n, n))
+        for node in graph.node:
+            node.name = scoped.get(node.name, node.name)
+        del graph.input[:]
+        del graph.output[:]
+        graph.name = "graphkit_training_step"
+
+    def carried_inputs(self) -> list[onnx.ValueInfoProto]:
+        return [_renamed(self.inputs[n], self.scoped[n]) for n in self.carried]
+
+    def carried_outputs(self, batch_losses: bool) -> list[onnx.ValueInfoProto]:
+        names = [f"{n}.next" for n in self.carried] + ([self.loss] if batch_losses else [])
+        return [_renamed(self.outputs[n], self.scoped[n]) for n in names]
+
+    def outer_outputs(self, batch_losses: bool) -> list[onnx.ValueInfoProto]:
+        carried = [_renamed(self.outputs[f"{n}.next"], f"{n}.next") for n in self.carried]
+        losses = [helper.make_tensor_value_info(BATCH_LOSSES, self.loss_elem, ["batches"])]
+        return carried + (losses if batch_losses else [])
+
+    def data_input(self, name: str, leading: list[str | int]) -> onnx.ValueInfoProto:
+        """The outer input of a batch input: its dims after ``leading`` ones."""
+        value = _renamed(self.inputs[name], name)
+        dims = [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim][1:]
+        return helper.make_tensor_value_info(
+            name, value.type.tensor_type.elem_type, [*leading, *dims]
+        )
+
+
+def _model(graph: onnx.GraphProto, step: onnx.ModelProto) -> onnx.ModelProto:
+    model = helper.make_model(graph, opset_imports=list(step.opset_import))
+    model.ir_version = step.ir_version
+    return model
+
+
+def loop_over_batches(
+    step: onnx.ModelProto,
+    data: Sequence[str],
+    carried: Sequence[str],
+    loss: str,
+    name: str = "graphkit_training_epoch",
+) -> onnx.ModelProto:
+    """``step`` as the body of a Loop over the batches of ``permutation``::
+
+        inputs : <data> (all rows), permutation (int64 [rows]), batch_size (int64 scalar),
+                 <carried>
+        outputs: <name>.next for every carried name, batch_losses
+
+    Args:
+        step: the training step: inputs ``data`` (one batch each, rows first) and
+            ``carried``; outputs ``<name>.next`` for each carried name, and ``loss``.
+        data: the batch inputs (features, label, sample weights), gathered by rows.
+        carried: the resident inputs, carried from one batch to the next.
+        loss: the batch-loss output, stacked into ``batch_losses``.
+    """
+    body = _Body(step, data, carried, loss)
     start, stop, end = "loop/start", "loop/stop", "loop/end"
-    body = [
+    rows = [
         make("Mul", ["loop/iteration", BATCH_SIZE], [start]),
         make("Add", [start, BATCH_SIZE], [stop]),
         make("Min", [stop, "graphkit.epoch/rows"], [end]),
@@ -82,111 +132,95 @@ def _batch_rows(batch_size: int | None) -> tuple[list[onnx.NodeProto], list[onnx
         make("Sub", [BATCH_SIZE, "graphkit.epoch/one"], ["graphkit.epoch/round_up"]),
         make("Add", ["graphkit.epoch/rows", "graphkit.epoch/round_up"], ["graphkit.epoch/padded"]),
         make("Div", ["graphkit.epoch/padded", BATCH_SIZE], ["graphkit.epoch/batches"]),
+        _scalar("graphkit.epoch/true", TensorProto.BOOL, True),
     ]
-    return body, outer
+    gather = [make("Gather", [d, "loop/rows"], [body.scoped[d]], axis=0) for d in data]
+    nodes = [
+        *rows,
+        *gather,
+        *body.graph.node,
+        make("Identity", ["loop/cond_in"], ["loop/cond_out"]),
+    ]
+    del body.graph.node[:]
+    body.graph.node.extend(nodes)
+    body.graph.input.extend(
+        [
+            helper.make_tensor_value_info("loop/iteration", TensorProto.INT64, []),
+            helper.make_tensor_value_info("loop/cond_in", TensorProto.BOOL, []),
+            *body.carried_inputs(),
+        ]
+    )
+    body.graph.output.extend(
+        [
+            helper.make_tensor_value_info("loop/cond_out", TensorProto.BOOL, []),
+            *body.carried_outputs(batch_losses=True),
+        ]
+    )
+    loop = make(
+        "Loop",
+        ["graphkit.epoch/batches", "graphkit.epoch/true", *carried],
+        [o.name for o in body.outer_outputs(batch_losses=True)],
+        body=body.graph,
+    )
+    graph = helper.make_graph(
+        [*outer, loop],
+        name,
+        [
+            *(body.data_input(d, ["rows"]) for d in data),
+            helper.make_tensor_value_info(PERMUTATION, TensorProto.INT64, ["rows"]),
+            helper.make_tensor_value_info(BATCH_SIZE, TensorProto.INT64, []),
+            *(body.inputs[n] for n in carried),
+        ],
+        body.outer_outputs(batch_losses=True),
+    )
+    return _model(graph, step)
 
 
-def loop_over_batches(
+def scan_over_batches(
     step: onnx.ModelProto,
     data: Sequence[str],
     carried: Sequence[str],
     loss: str,
-    batch_size: int | None = None,
-    batch_losses: bool = True,
+    batch_size: int,
+    batch_losses: bool = False,
     name: str = "graphkit_training_epoch",
 ) -> onnx.ModelProto:
-    """``step`` as the body of a Loop over batches (see the module docstring).
+    """``step`` as the body of a Scan over batch-major data::
 
-    Args:
-        step: the training step: inputs ``data`` (one batch each, rows first) and
-            ``carried``; outputs ``<name>.next`` for each carried name, and ``loss``.
-        data: the batch inputs (features, label, sample weights), gathered by rows.
-        carried: the resident inputs, carried from one batch to the next.
-        loss: the batch-loss output, stacked into ``batch_losses``.
-        batch_size: None for the ``permutation`` form, an int for the ``batches`` form.
-        batch_losses: output the losses of the batches (a trainer that reads only the
-            carried ``loss_sum`` leaves them out).
+        inputs : <data> ([batches, batch_size, ...] each), <carried>
+        outputs: <name>.next for every carried name[, batch_losses]
+
+    Arguments as :func:`loop_over_batches`; ``batch_size`` is the rows of every batch,
+    ``batch_losses`` whether to output the losses of the batches (a trainer reading only
+    the carried loss sum leaves them out).
     """
-    reserved = {PERMUTATION, BATCH_SIZE, BATCHES, BATCH_LOSSES}
-    clash = sorted(reserved & {*data, *carried, *(f"{n}.next" for n in carried)})
-    if clash:
-        raise ValueError(
-            f"The training step names tensors {clash}, which the epoch graph uses for its "
-            "own inputs and outputs: rename them in the model."
-        )
-    inputs = {i.name: i for i in step.graph.input}
-    outputs = {o.name: o for o in step.graph.output}
-    loss_elem = outputs[loss].type.tensor_type.elem_type
-
-    body = onnx.GraphProto()
-    body.CopyFrom(step.graph)
-    scoped = {n: f"step/{n}" for n in graph_names(body)}  # "loop/" names are ours
-    rename_tensors(body, lambda n: scoped.get(n, n))
-    for node in body.node:
-        node.name = scoped.get(node.name, node.name)
-    del body.input[:]
-    del body.output[:]
-    rows, outer = _batch_rows(batch_size)
-    gather = [make("Gather", [d, "loop/rows"], [scoped[d]], axis=0) for d in data]
-    nodes = [*rows, *gather, *body.node, make("Identity", ["loop/cond_in"], ["loop/cond_out"])]
-    del body.node[:]
-    body.node.extend(nodes)
-    body.input.extend(
+    body = _Body(step, data, carried, loss)
+    body.graph.input.extend(
         [
-            helper.make_tensor_value_info("loop/iteration", TensorProto.INT64, []),
-            helper.make_tensor_value_info("loop/cond_in", TensorProto.BOOL, []),
-            *(_renamed(inputs[n], scoped[n]) for n in carried),
+            *body.carried_inputs(),
+            *(body.data_input(d, [batch_size]) for d in data),
         ]
     )
-    body.output.extend(
-        [
-            helper.make_tensor_value_info("loop/cond_out", TensorProto.BOOL, []),
-            *(_renamed(outputs[f"{n}.next"], scoped[f"{n}.next"]) for n in carried),
-            *([_renamed(outputs[loss], scoped[loss])] if batch_losses else []),
-        ]
-    )
-    body.name = "graphkit_training_step"
-
-    if batch_size is None:
-        rows_inputs = [
-            helper.make_tensor_value_info(PERMUTATION, TensorProto.INT64, ["rows"]),
-            helper.make_tensor_value_info(BATCH_SIZE, TensorProto.INT64, []),
-        ]
-    else:
-        rows_inputs = [
-            helper.make_tensor_value_info(BATCHES, TensorProto.INT64, ["batches", batch_size])
-        ]
-    # whole-data inputs: the step's batch inputs with a free number of rows
-    data_inputs = []
-    for d in data:
-        value = _renamed(inputs[d], d)
-        dims = value.type.tensor_type.shape.dim
-        if dims:
-            dims[0].Clear()
-            dims[0].dim_param = "rows"
-        data_inputs.append(value)
-    loop = make(
-        "Loop",
-        ["graphkit.epoch/batches", "graphkit.epoch/true", *carried],
-        [*(f"{n}.next" for n in carried), *([BATCH_LOSSES] if batch_losses else [])],
-        body=body,
+    for value, d in zip(body.graph.input[len(carried) :], data):
+        value.name = body.scoped[d]
+    body.graph.output.extend(body.carried_outputs(batch_losses))
+    scan = make(
+        "Scan",
+        [*carried, *data],
+        [o.name for o in body.outer_outputs(batch_losses)],
+        body=body.graph,
+        num_scan_inputs=len(data),
     )
     graph = helper.make_graph(
-        [*outer, _scalar("graphkit.epoch/true", TensorProto.BOOL, True), loop],
+        [scan],
         name,
-        [*data_inputs, *rows_inputs, *(inputs[n] for n in carried)],
         [
-            *(_renamed(outputs[f"{n}.next"], f"{n}.next") for n in carried),
-            *(
-                [helper.make_tensor_value_info(BATCH_LOSSES, loss_elem, ["batches"])]
-                if batch_losses
-                else []
-            ),
+            *(body.data_input(d, ["batches", batch_size]) for d in data),
+            *(body.inputs[n] for n in carried),
         ],
+        body.outer_outputs(batch_losses),
     )
-    model = helper.make_model(graph, opset_imports=list(step.opset_import))
-    model.ir_version = step.ir_version
-    return model
+    return _model(graph, step)
 
 
-__all__ = ["loop_over_batches"]
+__all__ = ["loop_over_batches", "scan_over_batches"]

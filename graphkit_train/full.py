@@ -10,7 +10,7 @@ labels are bound per step, and the loss is read back once per epoch.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from graphkit.rewrite import (
 from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
-from graphkit_train.epoch import BATCHES, loop_over_batches
+from graphkit_train.epoch import scan_over_batches
 from graphkit_train.forward_backward import binding_outputs
 from graphkit_train.step import (
     LOSS_SUM,
@@ -181,6 +181,7 @@ class OrtGradientOptimizer(BaseTrainer):
         outputs = {o.name: o for o in self.train_onnx_.graph.output}
         self._prediction_shape = named_shape(outputs[prediction]) if prediction in outputs else ()
         self._label_value = input_value(self.train_onnx_, step.label)
+        self._classifier = self._has_class_labels(self.train_onnx_)
         self._accepts_sample_weight = self._requires_sample_weight = step.sample_weight is not None
         # the training graph and the prediction graph, reading the weights as inputs
         self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
@@ -215,8 +216,10 @@ class OrtGradientOptimizer(BaseTrainer):
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, batch_size: int
     ) -> None:
         runner = self._runner(batch_size)
-        if runner.loop is not None:
-            runner.bind_data(self, X, y, w)
+        if runner.scan is not None:
+            device = backend.ort_device(self._ort_device, self._device_id)
+            chunk = steps_per_run(self.steps_per_run)
+            runner.set_data([X, y] + ([] if w is None else [w]), device, chunk)
 
     def _run_rows(
         self,
@@ -230,19 +233,17 @@ class OrtGradientOptimizer(BaseTrainer):
         built for any batch size."""
         runner = self._runner(batch_size)
         n = len(X)
-        full = n // batch_size
-        if runner.loop is not None:
-            rows = np.arange(n, dtype=np.int64) if order is None else np.asarray(order, np.int64)
-            batches = rows[: full * batch_size].reshape(full, batch_size)
-            chunk = steps_per_run(self.steps_per_run)
-            chunk = full if chunk == "epoch" else chunk
-            for start in range(0, full, max(chunk, 1)):
+        if runner.scan is not None:
+            for values in runner.chunks(order):
                 binding = runner.bindings[self._current]  # type: ignore[index]
-                binding.bind_cpu_input(BATCHES, batches[start : start + chunk])
-                runner.loop.run_with_iobinding(binding)
+                bind = binding._iobinding.bind_ortvalue_input
+                for name, value in zip(runner.data, values):
+                    bind(name, value)
+                runner.scan.run_with_iobinding(binding)
                 self._current = 1 - self._current
-            rest = rows[full * batch_size :]
-            if len(rest):
+            start = n - n % batch_size
+            if start < n:
+                rest = slice(start, n) if order is None else order[start:]
                 self._run_batch(
                     self._bindings[self._current],
                     X[rest],
@@ -265,7 +266,12 @@ class OrtGradientOptimizer(BaseTrainer):
 
     def _is_classifier(self) -> bool:
         """Class labels (an int64 label input), read from the graph without building."""
-        model = self.train_onnx_ if self._built else load_model(self.model_onnx)
+        if self._built:
+            return self._classifier
+        return self._has_class_labels(load_model(self.model_onnx))
+
+    @staticmethod
+    def _has_class_labels(model: onnx.ModelProto) -> bool:
         label = metadata(model).get(META_LABEL) or "label"
         value = next((i for i in model.graph.input if i.name == label), None)
         return value is not None and value.type.tensor_type.elem_type == onnx.TensorProto.INT64
@@ -387,15 +393,21 @@ class FusedRunner:
     """The sessions full training runs for full batches of one size.
 
     ``step``: the training step (specialized to the batch size when ``static``), run
-    once per batch when ``looped`` is False; ``loop``: that step as the body of a Loop
-    over the rows of ``batches`` (:func:`graphkit_train.epoch.loop_over_batches`), run
-    once per ``steps_per_run`` batches, the data bound once per ``fit``.
+    once per batch when ``looped`` is False; ``scan``: that step as the body of a Scan
+    over batch-major data (:func:`graphkit_train.epoch.scan_over_batches`), run once per
+    ``steps_per_run`` batches. Rows in order are fed as views of the training data (no
+    copy on the CPU); shuffled rows are gathered by numpy, at most ``GATHER_BYTES`` at a
+    time (onnxruntime's ``Gather`` of a batch inside the graph costs ~8 us per 1000 rows,
+    numpy's of a whole epoch a few).
     """
+
+    GATHER_BYTES = 16 << 20
 
     def __init__(
         self, step: TrainingStep, batch_size: int, session: Any, static: bool, looped: bool
     ) -> None:
         self.step = step
+        self.batch_size = batch_size
         self.data = [step.features, step.label] + (
             [step.sample_weight] if step.sample_weight else []
         )
@@ -403,38 +415,60 @@ class FusedRunner:
             specialize(step.model, dict.fromkeys(self.data, batch_size)) if static else step.model
         )
         self.model = model
-        self.loop = None
+        self.scan = None
         self.session = None
         if looped:
-            self.loop_model = loop_over_batches(
-                model, self.data, step.resident, step.loss, batch_size, batch_losses=False
+            self.scan_model = scan_over_batches(
+                model, self.data, step.resident, step.loss, batch_size
             )
-            self.loop = session(self.loop_model)
+            self.scan = session(self.scan_model)
         else:
             self.session = session(model)
         self.bindings: list[Any] | None = None
-        self._data: list[Any] = []
+        self._arrays: list[np.ndarray] = []
+        self._in_order: list[list[Any]] = []
 
     def bind(self, trainer: OrtGradientOptimizer) -> None:
         """Bindings reading buffer set k and writing 1 - k, k = 0, 1."""
         bindings = []
         for k in (0, 1):
-            binding = trainer._bind_resident(self.loop or self.session, k)
-            if self.loop is None:
+            binding = trainer._bind_resident(self.scan or self.session, k)
+            if self.scan is None:
                 trainer._bind_scratch(binding)
             bindings.append(binding)
         self.bindings = bindings
 
-    def bind_data(
-        self, trainer: OrtGradientOptimizer, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
-    ) -> None:
-        """Bind the whole training data to the loop (no copy on the CPU)."""
-        arrays = [X, y] + ([w] if w is not None else [])
-        # on the CPU an OrtValue wraps the array's memory; it keeps the array alive
-        self._data = [backend.ortvalue(a, trainer._ort_device, trainer._device_id) for a in arrays]
-        for binding in self.bindings:  # type: ignore[union-attr]
-            for name, value in zip(self.data, self._data):
-                binding.bind_ortvalue_input(name, value)
+    def set_data(self, arrays: list[np.ndarray], device: Any, chunk: int | str) -> None:
+        """The training data of a ``fit`` (C-contiguous arrays, rows first), run
+        ``chunk`` batches at a time; the values of the batches in order are made here,
+        once (on the CPU they borrow the arrays' memory)."""
+        b = self.batch_size
+        full = len(arrays[0]) // b
+        self._arrays, self._device = arrays, device
+        self._chunk = max(full, 1) if chunk == "epoch" else chunk
+        self._views = [a[: full * b].reshape(full, b, *a.shape[1:]) for a in arrays]
+        self._in_order = [
+            [backend.c_ortvalue(v[start : start + self._chunk], device) for v in self._views]
+            for start in range(0, full, self._chunk)
+        ]
+
+    def chunks(self, order: np.ndarray | None) -> Iterator[list[Any]]:
+        """The values of the data inputs for each run of an epoch over rows ``order``
+        (all rows in order when None)."""
+        if order is None:
+            yield from self._in_order
+            return
+        b = self.batch_size
+        full = len(order) // b
+        row_bytes = sum(a[:1].nbytes for a in self._arrays)
+        per_run = min(self._chunk, max(1, self.GATHER_BYTES // (b * row_bytes)))
+        for start in range(0, full, per_run):
+            rows = order[start * b : min(start + per_run, full) * b]
+            # the gathered arrays live until the next iteration, after the run
+            gathered = [np.take(a, rows, axis=0) for a in self._arrays]
+            yield [
+                backend.c_ortvalue(g.reshape(-1, b, *g.shape[1:]), self._device) for g in gathered
+            ]
 
 
 def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:

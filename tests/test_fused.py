@@ -21,9 +21,13 @@ from graphkit import optimizers, schedules, transforms
 from graphkit._ort import inference_session
 from graphkit.static_shapes import broadcast_gradient_args, specialize
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from graphkit_train.full import FusedRunner
 from graphkit_train.step import PACKED, build_update_step
 
-RUNS = [(1, False), (1, True), (3, True), ("epoch", True), ("epoch", False)]
+# (steps_per_run, static_shapes, bytes of shuffled rows gathered per run)
+ALL = FusedRunner.GATHER_BYTES
+RUNS = [(1, False, ALL), (1, True, ALL), (3, True, ALL), ("epoch", True, ALL)]
+RUNS += [("epoch", False, ALL), ("epoch", True, 1), (4, True, 1000)]
 
 
 def mlp_sgd_numpy(weights, X, y, w, batch_size, lr, epochs, seed):
@@ -52,9 +56,13 @@ def mlp_sgd_numpy(weights, X, y, w, batch_size, lr, epochs, seed):
     return {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, losses
 
 
-@pytest.mark.parametrize("steps_per_run, static_shapes", RUNS)
-def test_every_way_of_running_equals_numpy_sgd(steps_per_run, static_shapes):
-    """53 rows at batch 10: five full batches and a short one, weighted rows, shuffled."""
+@pytest.mark.parametrize("steps_per_run, static_shapes, gather_bytes", RUNS)
+def test_every_way_of_running_equals_numpy_sgd(
+    steps_per_run, static_shapes, gather_bytes, monkeypatch
+):
+    """53 rows at batch 10: five full batches and a short one, weighted rows, shuffled
+    (gathered a batch, two batches or all batches at a time)."""
+    monkeypatch.setattr(FusedRunner, "GATHER_BYTES", gather_bytes)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(53, 4))
     y = rng.normal(size=(53, 1))
@@ -161,14 +169,14 @@ def test_no_shuffle_and_a_batch_larger_than_the_data():
             np.testing.assert_allclose(trainer.get_state()[k], W[k], rtol=1e-10)
 
 
-def test_the_data_is_bound_once_without_a_copy():
+def test_rows_in_order_are_fed_without_a_copy():
     X = np.random.default_rng(0).normal(size=(40, 4)).astype(np.float32)
     y = np.zeros((40, 1), np.float32)
-    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 3, 1)), max_iter=1)
+    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 3, 1)), max_iter=1, shuffle=False)
     trainer.fit(X, y)
     runner = trainer._runner(10)
-    assert runner.session is None and len(runner.bindings) == 2  # the Loop runs, not steps
-    assert runner._data[0].data_ptr() == X.ctypes.data
+    assert runner.session is None and len(runner.bindings) == 2  # the Scan runs, not steps
+    assert runner._in_order[0][0].data_ptr() == X.ctypes.data
 
 
 def test_divergence_in_a_fused_epoch_restores_the_last_good_epoch():
