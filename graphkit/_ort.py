@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from graphkit.errors import IncompatibleModelError
+from graphkit.lowering import lower_slow_cpu_ops
 
 CPU = ("CPUExecutionProvider",)
 _NO_KERNEL = re.compile(
@@ -101,7 +102,14 @@ def session_options(threads: Threads | None = None) -> Any:
 def inference_session(
     model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU, threads: Threads | None = None
 ) -> Any:
-    """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``."""
+    """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``.
+
+    On the CPU, a ModelProto runs with the gradient operators whose CPU kernels are slow
+    lowered (:func:`graphkit.lowering.lower_slow_cpu_ops`); serialized bytes run as they
+    are.
+    """
+    if isinstance(model, onnx.ModelProto) and tuple(providers) == CPU:
+        model = lower_slow_cpu_ops(model)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     try:
@@ -123,7 +131,7 @@ def inference_session(
 class Runner:
     """A model compiled once into an InferenceSession, called with numpy arrays."""
 
-    def __init__(self, model: onnx.ModelProto, providers: Sequence[str] = CPU) -> None:
+    def __init__(self, model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU) -> None:
         self.session = inference_session(model, providers)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

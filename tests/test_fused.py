@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import optimizers, schedules, transforms
 from graphkit._ort import inference_session
+from graphkit.lowering import SLOW_ON_CPU, _graphs, lower_slow_cpu_ops
 from graphkit.static_shapes import broadcast_gradient_args, specialize
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 from graphkit_train.full import FusedRunner
@@ -85,6 +86,40 @@ def test_every_way_of_running_equals_numpy_sgd(
         np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
     assert int(state["step"]) == 18
+
+
+def test_float32_relu_training_runs_the_lowered_relu_gradient_and_equals_numpy():
+    """onnxruntime's ReluGrad CPU kernel costs 4x its lowering: the epoch graph runs the
+    lowering (in the Scan body too), and trains as numpy's float64 SGD does."""
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(45, 4)).astype(np.float32)
+    y = rng.normal(size=(45, 1)).astype(np.float32)
+    w = np.ones(45, np.float32)
+    model = mlp_onnx(4, 6, 1, scale=0.5)
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(model), max_iter=3, batch_size=10, learning_rate=0.05, random_state=1
+    )
+    trainer.fit(X, y)
+    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=1)
+    for name, value in expected.items():
+        np.testing.assert_allclose(trainer.get_state()[name], value, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-4)
+
+    def ops(model):
+        return {n.op_type for graph in _graphs(model.graph) for n in graph.node}
+
+    epoch = trainer._runner(10).scan_model
+    assert "ReluGrad" in ops(epoch) and not ops(lower_slow_cpu_ops(epoch)) & SLOW_ON_CPU
+    # float64 graphs and graphs below opset 15 keep their kernels
+    assert lower_slow_cpu_ops(epoch) is not epoch
+    step64 = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 6, 1, dtype=np.float64)))
+    step64._build()
+    assert lower_slow_cpu_ops(step64.training_step_.model) is step64.training_step_.model
+    old = onnx.ModelProto()
+    old.CopyFrom(trainer.training_step_.model)
+    old.opset_import[0].version = 14
+    assert lower_slow_cpu_ops(old) is old
 
 
 OPTIMIZERS = {
