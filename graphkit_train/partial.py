@@ -15,6 +15,7 @@ session for forward, one for the loss, one for backward, and one update per weig
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -33,9 +34,17 @@ from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_
 from graphkit_train.step import build_update_step, grad_name
 
 SPINNING = True
-"""Whether the forward/backward sessions' idle threads spin. Measured with Adam on this
-2-core machine: equal at MLP 10-10-1 batch 10 (135 vs 139 us/batch), 12% faster with
-spinning at MLP 100-256-1 batch 256 (1010 vs 1141 us/batch), so onnxruntime's default stays."""
+"""Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
+
+SERIAL_BELOW = 250_000
+"""Tensor elements (weights for the update, predictions of a batch for the loss) below
+which the loss and update sessions run on the calling thread, with no thread pool.
+
+Each session owns a pool (onnxruntime-training 1.19.2's Python API has no global one), and
+a pool that spins after its run takes cores from the next session's kernels. Measured on
+a 2-core machine, AdamW on MLP 100-256-256-1 at batch 256 (92k weights): 1300-1340
+us/batch with a serial loss and update, 1400-2150 with pools (spinning or not); the
+update alone costs 250 us serial, 212 on 2 threads, but 1362 against 833 at 500k weights."""
 
 
 class OrtGradientForwardBackwardOptimizer(BaseTrainer):
@@ -142,8 +151,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         )
         # folded once (its scalar arithmetic on constants, the Identity nodes): the
         # exported "update" graph stays the readable one
+        size = sum(v.size for v in values.values())
         self._resident_session = inference_session(
-            specialize(self.update_step_.model, {}), self._providers, self._threads
+            specialize(self.update_step_.model, {}), self._providers, self._threads_for(size)
         )
         self._features_value = input_value(model, fb.input_names[0])
         self._label_value = input_value(self.loss_onnx_, "label")
@@ -180,9 +190,20 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             if rows is not None:
                 data = ["prediction", "label"] + (["weight"] if weighted else [])
                 graph = specialize(graph, dict.fromkeys(data, rows))
-            session = inference_session(graph, self._providers, self._threads)
+            per_row = self._prediction_shape[1:]
+            known = rows is not None and all(isinstance(d, int) for d in per_row)
+            size = rows * math.prod(per_row) if known else None  # type: ignore[operator,arg-type]
+            session = inference_session(graph, self._providers, self._threads_for(size))
             self._loss_runs[key] = LossRun(graph, session, self._ort_device, self._device_id)
         return self._loss_runs[key]
+
+    def _threads_for(self, elements: int | None) -> Threads:
+        """The loss and update sessions' threads: serial for small tensors (see
+        :data:`SERIAL_BELOW`), the trainer's otherwise."""
+        if self.intra_op_num_threads is None and elements is not None:
+            if elements < SERIAL_BELOW:
+                return Threads(1, self._threads.mode, spinning=False)
+        return self._threads
 
     def _bind_scratch(self, binding: Any) -> None:
         """The update step has no output besides the resident ones."""

@@ -472,3 +472,25 @@ def test_every_exported_graph_passes_the_checker(torch_net, data):
             model = onnx.load_from_string(data_)
             onnx.checker.check_model(model)
             assert model.ir_version <= MAX_IR_VERSION and opset_of(model) <= MAX_OPSET, name
+
+
+@pytest.mark.parametrize(
+    "hidden, threads, serial", [(4, None, True), (520, None, False), (4, 2, False)]
+)
+def test_small_loss_and_update_sessions_run_serially(hidden, threads, serial):
+    """Each session owns a thread pool; small ones run on the calling thread so that only
+    the TrainingAgent's pool competes for the cores (see partial.SERIAL_BELOW), unless
+    the user chose the threads."""
+    trainer = OrtGradientForwardBackwardOptimizer(
+        mlp_onnx(480, hidden, 1), batch_size=8, max_iter=1, intra_op_num_threads=threads
+    )
+    rng = np.random.default_rng(0)
+    trainer.fit(rng.normal(size=(16, 480)).astype(np.float32), np.zeros((16, 1), np.float32))
+    # the loss runs specialized to the training batch size (None: validation, any size)
+    runs = [r.session for (_, rows), r in trainer._loss_runs.items() if rows is not None]
+    sessions = [trainer._resident_session, *runs]
+    got = [s.get_session_options().intra_op_num_threads for s in sessions]
+    if serial:
+        assert got == [1] * len(got)
+    else:
+        assert got[0] == (threads or 0)  # 0: onnxruntime's default, a thread per core
