@@ -83,8 +83,8 @@ class OrtGradientOptimizer(BaseTrainer):
             the fused step is split into a gradient graph and an update graph around
             one all-reduce per step.
         steps_per_run: training steps per onnxruntime call: ``"epoch"`` (the default)
-            runs every full batch of an epoch in one call of a ``Loop`` graph over data
-            bound once per ``fit`` (:mod:`graphkit_train.epoch`); an int k runs k
+            runs every full batch of an epoch in one call of a ``Scan`` graph over the
+            data laid out batch by batch (:mod:`graphkit_train.epoch`); an int k runs k
             batches per call; 1 runs one call per batch. The weights are the same
             whichever is chosen; only the speed differs.
         static_shapes: build the step for the concrete ``batch_size`` with its shape
@@ -426,7 +426,7 @@ class FusedRunner:
             self.session = session(model)
         self.bindings: list[Any] | None = None
         self._arrays: list[np.ndarray] = []
-        self._in_order: list[list[Any]] = []
+        self._in_order: list[list[Any]] | None = None
 
     def bind(self, trainer: OrtGradientOptimizer) -> None:
         """Bindings reading buffer set k and writing 1 - k, k = 0, 1."""
@@ -440,25 +440,30 @@ class FusedRunner:
 
     def set_data(self, arrays: list[np.ndarray], device: Any, chunk: int | str) -> None:
         """The training data of a ``fit`` (C-contiguous arrays, rows first), run
-        ``chunk`` batches at a time; the values of the batches in order are made here,
-        once (on the CPU they borrow the arrays' memory)."""
-        b = self.batch_size
-        full = len(arrays[0]) // b
+        ``chunk`` batches at a time."""
         self._arrays, self._device = arrays, device
+        full = len(arrays[0]) // self.batch_size
         self._chunk = max(full, 1) if chunk == "epoch" else chunk
-        self._views = [a[: full * b].reshape(full, b, *a.shape[1:]) for a in arrays]
-        self._in_order = [
-            [backend.c_ortvalue(v[start : start + self._chunk], device) for v in self._views]
-            for start in range(0, full, self._chunk)
-        ]
+        self._in_order = None
 
     def chunks(self, order: np.ndarray | None) -> Iterator[list[Any]]:
         """The values of the data inputs for each run of an epoch over rows ``order``
-        (all rows in order when None)."""
+        (all rows in order when None: made at the first such epoch of a ``fit``; on the
+        CPU they borrow the arrays' memory)."""
+        b = self.batch_size
         if order is None:
+            if self._in_order is None:
+                full = len(self._arrays[0]) // b
+                views = [a[: full * b].reshape(full, b, *a.shape[1:]) for a in self._arrays]
+                self._in_order = [
+                    [
+                        backend.c_ortvalue(v[start : start + self._chunk], self._device)
+                        for v in views
+                    ]
+                    for start in range(0, full, self._chunk)
+                ]
             yield from self._in_order
             return
-        b = self.batch_size
         full = len(order) // b
         row_bytes = sum(a[:1].nbytes for a in self._arrays)
         per_run = min(self._chunk, max(1, self.GATHER_BYTES // (b * row_bytes)))
