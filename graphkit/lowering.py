@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import onnx
 from onnx import TensorProto, helper
 
+from graphkit._graph import static_shape
 from graphkit.compat import opset_of
 from graphkit.errors import IncompatibleModelError
 
@@ -807,6 +808,11 @@ LeakyReluGrad 163 -> 45, GeluGrad 238 -> 139, FastGeluGrad 1171 -> 151,
 LogSoftmaxGrad_13 163 -> 34 (SigmoidGrad, TanhGrad and SoftmaxGrad_13 kernels are the
 faster). The lowerings of the last three differ from the kernels by an ulp or so."""
 
+SLOW_FROM = 4096
+"""Elements from which a SLOW_ON_CPU kernel is slower than its lowering: below, the one
+kernel call beats three (ReluGrad on 1000 elements: 3.1 us against 4.7; on 10,000: 11.6
+against 10.0)."""
+
 RUNTIME_DOMAIN = "com.microsoft"
 # gradient operators onnxruntime places in the default domain, which no other runtime has
 INTERNAL_DEFAULT_DOMAIN = frozenset({"MaxPoolGrad", "AveragePoolGrad", "ConvGrad"})
@@ -886,8 +892,27 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     lowered.CopyFrom(model)
     # innermost first: rewriting a graph copies its nodes, subgraphs included
     for graph in reversed(list(_graphs(lowered.graph))):
-        _rewrite_graph(graph, _is_slow_on_cpu)
+        _rewrite_graph(graph, _slow_here(graph))
     return lowered
+
+
+def _slow_here(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
+    """Whether a node of ``graph`` is slow on the CPU at its size: of SLOW_ON_CPU, on a
+    tensor of unknown or at least ``SLOW_FROM`` elements (its second input, the
+    activation, has the size of the gradient)."""
+    sizes = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        dims = static_shape(value)
+        if dims is not None and all(isinstance(d, int) for d in dims):
+            sizes[value.name] = math.prod(dims)  # type: ignore[arg-type]
+
+    def slow(node: onnx.NodeProto) -> bool:
+        if not _is_slow_on_cpu(node):
+            return False
+        size = sizes.get(node.input[1]) if len(node.input) > 1 else None
+        return size is None or size >= SLOW_FROM
+
+    return slow
 
 
 def lower_to_standard(model: onnx.ModelProto) -> onnx.ModelProto:
