@@ -4,6 +4,7 @@ checks and the choice of learning rate."""
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -222,7 +223,7 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
     dims = static_shape(value) or []
     target = [n if i == 0 else d for i, d in enumerate(dims)]
     if all(isinstance(d, int) for d in target):
-        if int(np.prod(target)) != y.size:
+        if math.prod(target) != y.size:  # type: ignore[arg-type]
             raise ShapeError(
                 f"{what} has shape {y.shape}; the label input {value.name!r} is {dims}."
             )

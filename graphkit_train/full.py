@@ -146,6 +146,7 @@ class OrtGradientOptimizer(BaseTrainer):
         steps_per_run(self.steps_per_run)
         self._threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
+        self._c_device = backend.ort_device(self._ort_device, self._device_id)
         # the graph exported with the trained weights: the user's, linear models written
         # with standard operators (their coefficients are the weights)
         self._user_onnx = linear_models_as_standard_ops(
@@ -217,9 +218,8 @@ class OrtGradientOptimizer(BaseTrainer):
     ) -> None:
         runner = self._runner(batch_size)
         if runner.scan is not None:
-            device = backend.ort_device(self._ort_device, self._device_id)
             chunk = steps_per_run(self.steps_per_run)
-            runner.set_data([X, y] + ([] if w is None else [w]), device, chunk)
+            runner.set_data([X, y] + ([] if w is None else [w]), self._c_device, chunk)
 
     def _run_rows(
         self,
@@ -426,6 +426,7 @@ class FusedRunner:
             self.session = session(model)
         self.bindings: list[Any] | None = None
         self._arrays: list[np.ndarray] = []
+        self._chunk: int = 0
         self._in_order: list[list[Any]] | None = None
 
     def bind(self, trainer: OrtGradientOptimizer) -> None:
@@ -441,10 +442,14 @@ class FusedRunner:
     def set_data(self, arrays: list[np.ndarray], device: Any, chunk: int | str) -> None:
         """The training data of a ``fit`` (C-contiguous arrays, rows first), run
         ``chunk`` batches at a time."""
-        self._arrays, self._device = arrays, device
         full = len(arrays[0]) // self.batch_size
-        self._chunk = max(full, 1) if chunk == "epoch" else chunk
-        self._in_order = None
+        chunk = max(full, 1) if chunk == "epoch" else chunk
+        same = len(arrays) == len(self._arrays) and all(
+            a is b for a, b in zip(arrays, self._arrays)
+        )
+        if not (same and chunk == self._chunk):  # a warm-started fit on the same arrays
+            self._in_order = None  # keeps its values
+        self._arrays, self._device, self._chunk = arrays, device, chunk
 
     def chunks(self, order: np.ndarray | None) -> Iterator[list[Any]]:
         """The values of the data inputs for each run of an epoch over rows ``order``

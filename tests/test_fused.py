@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import mlp_onnx
+from conftest import linear_regression_onnx, mlp_onnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -219,6 +219,33 @@ def test_rows_in_order_are_fed_without_a_copy():
     runner = trainer._runner(10)
     assert runner.session is None and len(runner.bindings) == 2  # the Scan runs, not steps
     assert runner._in_order[0][0].data_ptr() == X.ctypes.data
+
+
+def test_warm_started_fits_on_the_same_arrays_see_changes_made_in_place():
+    """The batches of rows in order are views kept across fits on the same arrays: a
+    label changed in place between fits is what the next fit trains on (numpy SGD)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(40, 3)), rng.normal(size=(40, 1))
+    coef, intercept = rng.normal(size=(3, 1)), np.zeros(1)
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(linear_regression_onnx(coef, intercept)),
+        max_iter=1,
+        batch_size=10,
+        learning_rate=0.1,
+        shuffle=False,
+        warm_start=True,
+    )
+    W, b = coef.copy(), intercept.copy()
+    for fit in range(3):
+        if fit == 2:
+            y *= 3  # in place: the same array object
+        trainer.fit(X, y)
+        for start in range(0, 40, 10):
+            x, t = X[start : start + 10], y[start : start + 10]
+            g = 2 * (x @ W + b - t) / 10
+            W, b = W - 0.1 * x.T @ g, b - 0.1 * g.sum(axis=0)
+    np.testing.assert_allclose(trainer.get_state()["coef"], W, rtol=1e-10)
+    np.testing.assert_allclose(trainer.get_state()["intercept"], b, rtol=1e-10)
 
 
 def test_divergence_in_a_fused_epoch_restores_the_last_good_epoch():
