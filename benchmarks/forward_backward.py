@@ -26,7 +26,7 @@ from run import (
     graphkit_forward_backward,
     graphkit_full,
     numpy_contender,
-    timed_epochs,
+    timed_round_robin,
     workloads,
 )
 
@@ -88,27 +88,41 @@ def main() -> None:
     args = parser.parse_args()
     w = next(w for w in workloads(args.quick) if w.name.startswith("MLP 10-10-1, batch 10"))
     repeat = args.repeat
-    results = {  # name: ((best epoch seconds, last loss), onnxruntime runs per batch)
-        "numpy (hand-written)": (numpy_contender(w, "sgd", repeat), "-"),
-        "graphkit full training": (graphkit_full(w, "sgd", repeat, "epoch"), "1 per epoch"),
-        "graphkit forward/backward": (graphkit_forward_backward(w, "sgd", repeat), "4"),
+    runs = {
+        "numpy (hand-written)": "-",
+        "graphkit full training": "1 per epoch",
+        "graphkit forward/backward": "4",
+        "seed design (one update per weight)": str(3 + len(w.weights)),
     }
-    seed = SeedDesign(  # built last: its sessions exist only while it is timed
+    timed = timed_round_robin(
+        w,
+        repeat,
+        {
+            "numpy (hand-written)": numpy_contender(w, "sgd"),
+            "graphkit full training": graphkit_full(w, "sgd", "epoch"),
+            "graphkit forward/backward": graphkit_forward_backward(w, "sgd"),
+        },
+    )
+    seed = SeedDesign(  # timed alone: its sessions exist only while it is timed
         OrtGradientForwardBackwardOptimizer(
             w.model, batch_size=w.batch_size, learning_rate=_graphkit_optimizer("sgd")
         )
     )
-    results["seed design (one update per weight)"] = (
-        timed_epochs(w, repeat, lambda: seed.epoch(w.X, w.y)),
-        str(3 + len(w.weights)),
+    timed.update(
+        timed_round_robin(
+            w, repeat, {"seed design (one update per weight)": lambda: seed.epoch(w.X, w.y)}
+        )
     )
+    # name: ((best epoch seconds, last loss), onnxruntime runs per batch)
+    results = {name: (timed[name], runs[name]) for name in runs}
     reference = results["numpy (hand-written)"][0][0]
     fb = results["graphkit forward/backward"][0][0]
     lines = [
         "# Forward/backward training",
         "",
-        f"One epoch of {w.name}, SGD, float32, {len(w.X)} rows; best of {repeat} "
-        "epochs. Regenerate with `make bench`.",
+        f"One epoch of {w.name}, SGD, float32, {len(w.X)} rows; best of {repeat} or more "
+        "epochs, taken in turns of 3 (the first untimed) by numpy and graphkit, then by the "
+        "seed design alone. Regenerate with `make bench`.",
         "",
         "| implementation | onnxruntime runs per batch | µs / batch | time / numpy "
         "| time / graphkit forward/backward | loss |",

@@ -8,9 +8,10 @@ Every contender starts from the same weights, takes the rows in the same order (
 shuffling: scikit-learn shuffles with its own generator), computes every batch's loss as
 a real training loop does, and trains the same number of epochs; the table shows the
 last epoch's mean batch loss next to each time, and a contender whose loss differs from
-the first one's by more than 1e-4 (relative) is flagged. Times are the best epoch of
-``--repeat``, per batch; ratios are to hand-written numpy and to the fastest peer (a
-contender that is not graphkit).
+the first one's by more than 1e-4 (relative) is flagged. Times are the best of
+``--repeat`` epochs (the contenders take turns of 3 epochs, the first untimed, so that
+the machine's slow moments fall on all of them alike), per batch; ratios are to
+hand-written numpy and to the fastest peer (a contender that is not graphkit).
 
 Contenders: graphkit full training (one run per batch, ``k`` batches per run, one run
 per epoch), graphkit forward/backward training, hand-written numpy, scikit-learn
@@ -168,23 +169,36 @@ class NotApplicable(Exception):
     """A contender that cannot do this workload's work (its table row is left out)."""
 
 
-# each returns (seconds of the best epoch, mean batch loss of the last epoch)
+# each sets a contender up and returns its epoch: a callable that trains one epoch and
+# returns its mean batch loss
 
-Result = tuple[float, float]
-
-
-def timed_epochs(w: Workload, repeat: int, epoch: Callable[[], float]) -> Result:
-    """``w.epochs`` epochs, the first one untimed; the best time and the last loss."""
-    best, loss = np.inf, np.nan
-    for i in range(max(w.epochs, repeat + 1)):
-        start = time.perf_counter()
-        loss = epoch()
-        if i:
-            best = min(best, time.perf_counter() - start)
-    return best, loss
+Epoch = Callable[[], float]
+Result = tuple[float, float]  # (seconds of the best epoch, mean batch loss of the last one)
+TURN = 3
+"""Epochs a contender runs in a row, the first untimed: it absorbs what the previous
+contender left behind (thread pools still spinning: PyTorch's OpenMP threads spin for
+200 ms after a parallel region; cold caches)."""
 
 
-def graphkit_full(w: Workload, optimizer: str, repeat: int, steps_per_run) -> Result:
+def timed_round_robin(w: Workload, repeat: int, epochs: dict[str, Epoch]) -> dict[str, Result]:
+    """Every contender's epochs, in turns of ``TURN`` epochs (the first of each turn
+    untimed) until each has ``max(w.epochs - 1, repeat)`` timed ones, so that the
+    machine's slow moments fall on all of them alike; the best time and the last loss of
+    each (every contender trains the same number of epochs)."""
+    best = dict.fromkeys(epochs, np.inf)
+    loss = dict.fromkeys(epochs, np.nan)
+    turns = -(-max(w.epochs - 1, repeat) // (TURN - 1))
+    for _ in range(turns):
+        for name, epoch in epochs.items():
+            for i in range(TURN):
+                start = time.perf_counter()
+                loss[name] = epoch()
+                if i:
+                    best[name] = min(best[name], time.perf_counter() - start)
+    return {name: (best[name], loss[name]) for name in epochs}
+
+
+def graphkit_full(w: Workload, optimizer: str, steps_per_run) -> Epoch:
     import graphkit as gk
     from graphkit_train import OrtGradientOptimizer
 
@@ -204,10 +218,10 @@ def graphkit_full(w: Workload, optimizer: str, repeat: int, steps_per_run) -> Re
         trainer.fit(w.X, w.y)
         return trainer.train_losses_[-1]
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
-def graphkit_forward_backward(w: Workload, optimizer: str, repeat: int) -> Result:
+def graphkit_forward_backward(w: Workload, optimizer: str) -> Epoch:
     from graphkit_train import OrtGradientForwardBackwardOptimizer
 
     trainer = OrtGradientForwardBackwardOptimizer(
@@ -225,7 +239,7 @@ def graphkit_forward_backward(w: Workload, optimizer: str, repeat: int) -> Resul
         trainer.fit(w.X, w.y)
         return trainer.train_losses_[-1]
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
 def _graphkit_optimizer(optimizer: str):
@@ -236,7 +250,7 @@ def _graphkit_optimizer(optimizer: str):
     return optimizers.adamw(weight_decay=WEIGHT_DECAY, learning_rate=LR_ADAM)
 
 
-def numpy_contender(w: Workload, optimizer: str, repeat: int) -> Result:
+def numpy_contender(w: Workload, optimizer: str) -> Epoch:
     """Forward, loss, backward and update of dense ReLU layers, written by hand."""
     if any(layer[0] != "dense" for layer in w.layers):
         raise NotApplicable("no hand-written numpy convolution")
@@ -292,7 +306,7 @@ def numpy_contender(w: Workload, optimizer: str, repeat: int) -> Result:
             total += step(w.X[start : start + w.batch_size], w.y[start : start + w.batch_size])
         return total / w.batches
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
 def torch_module(w: Workload):
@@ -312,7 +326,7 @@ def torch_module(w: Workload):
     return torch.nn.Sequential(*modules)
 
 
-def torch_contender(w: Workload, optimizer: str, repeat: int) -> Result:
+def torch_contender(w: Workload, optimizer: str) -> Epoch:
     import torch
 
     torch.set_num_threads(THREADS)
@@ -334,10 +348,10 @@ def torch_contender(w: Workload, optimizer: str, repeat: int) -> Result:
             total += loss.item()
         return total / w.batches
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
-def ort_training_api(w: Workload, optimizer: str, repeat: int) -> Result:
+def ort_training_api(w: Workload, optimizer: str) -> Epoch:
     """onnxruntime's on-device training: artifacts generated from the same graph."""
     import onnxruntime
     import torch  # noqa: F401  (onnxruntime.training needs it)
@@ -372,10 +386,10 @@ def ort_training_api(w: Workload, optimizer: str, repeat: int) -> Result:
             total += float(loss)
         return total / w.batches
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
-def sklearn_mlp(w: Workload, optimizer: str, repeat: int) -> Result:
+def sklearn_mlp(w: Workload, optimizer: str) -> Epoch:
     """MLPRegressor / MLPClassifier with the same weights and updates (their squared
     error is halved: the learning rate is doubled to match). Adam without weight decay
     is not AdamW: only SGD runs."""
@@ -417,10 +431,10 @@ def sklearn_mlp(w: Workload, optimizer: str, repeat: int) -> Result:
         # loss_curve_ holds the epoch's mean of per-batch losses (x batch size / rows)
         return scale * net.loss_curve_[-1]
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
-def sklearn_sgd_regressor(w: Workload, optimizer: str, repeat: int) -> Result:
+def sklearn_sgd_regressor(w: Workload, optimizer: str) -> Epoch:
     """SGDRegressor updates after every row: the same data, another algorithm."""
     if optimizer != "sgd" or w.loss != "mse" or len(w.layers) != 1:
         raise NotApplicable("linear regression with SGD only")
@@ -435,13 +449,13 @@ def sklearn_sgd_regressor(w: Workload, optimizer: str, repeat: int) -> Result:
         reg.partial_fit(w.X, target)
         return float(np.mean((reg.predict(w.X) - target) ** 2))
 
-    return timed_epochs(w, repeat, epoch)
+    return epoch
 
 
-CONTENDERS: dict[str, Callable[..., Result]] = {
-    "graphkit full, 1 step per run": lambda w, o, r: graphkit_full(w, o, r, 1),
-    "graphkit full, 10 steps per run": lambda w, o, r: graphkit_full(w, o, r, 10),
-    "graphkit full, 1 epoch per run": lambda w, o, r: graphkit_full(w, o, r, "epoch"),
+CONTENDERS: dict[str, Callable[[Workload, str], Epoch]] = {
+    "graphkit full, 1 step per run": lambda w, o: graphkit_full(w, o, 1),
+    "graphkit full, 10 steps per run": lambda w, o: graphkit_full(w, o, 10),
+    "graphkit full, 1 epoch per run": lambda w, o: graphkit_full(w, o, "epoch"),
     "graphkit forward/backward": graphkit_forward_backward,
     "numpy (hand-written)": numpy_contender,
     "scikit-learn MLP": sklearn_mlp,
@@ -481,7 +495,9 @@ def memory_child(contender: str, quick: bool, rows: int | None) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak (VmHWM): imports and data creation are not counted
     before = rss_bytes()
-    CONTENDERS[contender](w, "adamw", 0)
+    epoch = CONTENDERS[contender](w, "adamw")
+    for _ in range(w.epochs):
+        epoch()
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
     print(
@@ -528,7 +544,7 @@ def measure_memory(quick: bool) -> dict[str, dict[str, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of the rows (a smoke run)")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")))
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-rows", type=int, help=argparse.SUPPRESS)
@@ -543,7 +559,9 @@ def main() -> None:
         "",
         f"`python benchmarks/run.py` on {platform.machine()}, {THREADS} cores, CPython "
         f"{platform.python_version()}, onnxruntime-training 1.19.2. Per-batch time of the best of "
-        f"{args.repeat} epochs; **x numpy** is the ratio to hand-written numpy, **x best peer** "
+        f"{args.repeat} or more epochs, the contenders taking turns of 3 epochs (the first "
+        "untimed); **x numpy** is "
+        "the ratio to hand-written numpy, **x best peer** "
         "to the fastest contender that is not graphkit (lower is faster). Same data, same "
         "initial weights, same rows in the same order, same updates (SGD lr 0.01; AdamW lr "
         "0.001, weight decay 0.01); *loss* is the last epoch's mean batch loss, and ≠ marks "
@@ -557,14 +575,16 @@ def main() -> None:
     summary = {}
     for w in workloads(args.quick):
         for optimizer in ("sgd", "adamw"):
-            results: dict[str, Result] = {}
-            for name, run in CONTENDERS.items():
+            epochs: dict[str, Epoch] = {}
+            for name, contender in CONTENDERS.items():
                 try:
-                    results[name] = run(w, optimizer, args.repeat)
+                    epochs[name] = contender(w, optimizer)
                 except NotApplicable:
                     continue
                 except ImportError as exc:
                     print(f"{name}: not installed ({exc})", file=sys.stderr)
+            results = timed_round_robin(w, args.repeat, epochs)
+            del epochs  # the contenders' sessions and buffers
             numpy_time = results.get("numpy (hand-written)", (np.nan,))[0]
             peers = [
                 t for n, (t, _) in results.items() if not is_graphkit(n) and n not in NOT_COMPARABLE
