@@ -396,12 +396,13 @@ class FusedRunner:
     once per batch when ``looped`` is False; ``scan``: that step as the body of a Scan
     over batch-major data (:func:`graphkit_train.epoch.scan_over_batches`), run once per
     ``steps_per_run`` batches. Rows in order are fed as views of the training data (no
-    copy on the CPU); shuffled rows are gathered by numpy, at most ``GATHER_BYTES`` at a
-    time (onnxruntime's ``Gather`` of a batch inside the graph costs ~8 us per 1000 rows,
-    numpy's of a whole epoch a few).
+    copy on the CPU); shuffled rows are gathered by numpy (onnxruntime's ``Gather`` of a
+    batch inside the graph costs ~8 us per 1000 rows, numpy's of a whole epoch a few), a
+    piece of ``GATHER_BYTES`` or an eighth of the data at a time, whichever is larger: the
+    copy adds at most that to the peak memory.
     """
 
-    GATHER_BYTES = 16 << 20
+    GATHER_BYTES = 1 << 20
 
     def __init__(
         self, step: TrainingStep, batch_size: int, session: Any, static: bool, looped: bool
@@ -471,7 +472,8 @@ class FusedRunner:
             return
         full = len(order) // b
         row_bytes = sum(a[:1].nbytes for a in self._arrays)
-        per_run = min(self._chunk, max(1, self.GATHER_BYTES // (b * row_bytes)))
+        piece = max(self.GATHER_BYTES, len(order) * row_bytes // 8)
+        per_run = min(self._chunk, max(1, piece // (b * row_bytes)))
         for start in range(0, full, per_run):
             rows = order[start * b : min(start + per_run, full) * b]
             # the gathered arrays live until the next iteration, after the run
