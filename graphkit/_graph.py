@@ -231,6 +231,15 @@ def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
         yield from attr.graphs
 
 
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and its subgraphs (Loop, Scan and If bodies), at any depth, each before
+    its own subgraphs."""
+    yield graph
+    for node in graph.node:
+        for sub in _subgraphs(node):
+            yield from all_graphs(sub)
+
+
 def fresh_name(base: str, taken: set[str]) -> str:
     """``base`` if free, else ``base_1``, ``base_2``...; the result is added to ``taken``."""
     name, i = base, 0

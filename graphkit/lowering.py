@@ -17,12 +17,12 @@ checked against onnxruntime-training's own kernel on random inputs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import onnx
 from onnx import TensorProto, helper
 
-from graphkit._graph import static_shape
+from graphkit._graph import all_graphs, static_shape
 from graphkit.compat import opset_of
 from graphkit.errors import IncompatibleModelError
 
@@ -853,21 +853,14 @@ def _rewrite_graph(graph: onnx.GraphProto, choose: Callable[[onnx.NodeProto], bo
     return [f"{n.domain or 'ai.onnx'}:{n.op_type} (node {n.name!r})" for n in left]
 
 
+def reads_float64(model: onnx.ModelProto) -> bool:
+    """Whether a graph input is float64 (a float64 model's gradient graph)."""
+    return any(i.type.tensor_type.elem_type == TensorProto.DOUBLE for i in model.graph.input)
+
+
 def lower_float32_only_ops(model: onnx.ModelProto) -> None:
     """Rewrite the float32-only gradient operators of a float64 graph (in place)."""
     _rewrite(model, lambda node: node.op_type in FLOAT32_ONLY)
-
-
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and its subgraphs (Loop, Scan and If bodies), at any depth."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for body in attribute.graphs:
-                    yield from _graphs(body)
 
 
 def _is_slow_on_cpu(node: onnx.NodeProto) -> bool:
@@ -884,14 +877,14 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     if (opset_of(model) or 0) < 15:
         return model
-    if any(i.type.tensor_type.elem_type == TensorProto.DOUBLE for i in model.graph.input):
+    if reads_float64(model):
         return model
-    if not any(_is_slow_on_cpu(n) for g in _graphs(model.graph) for n in g.node):
+    if not any(_is_slow_on_cpu(n) for g in all_graphs(model.graph) for n in g.node):
         return model
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
     # innermost first: rewriting a graph copies its nodes, subgraphs included
-    for graph in reversed(list(_graphs(lowered.graph))):
+    for graph in reversed(list(all_graphs(lowered.graph))):
         _rewrite_graph(graph, _slow_here(graph))
     return lowered
 

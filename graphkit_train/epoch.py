@@ -81,7 +81,7 @@ class _Body:
 
     def data_input(self, name: str, leading: list[str | int]) -> onnx.ValueInfoProto:
         """The outer input of a batch input: its dims after ``leading`` ones."""
-        value = _renamed(self.inputs[name], name)
+        value = self.inputs[name]
         dims = [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim][1:]
         return helper.make_tensor_value_info(
             name, value.type.tensor_type.elem_type, [*leading, *dims]

@@ -31,7 +31,7 @@ from graphkit._ort import Threads, inference_session
 from graphkit.backend import binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.lowering import lower_float32_only_ops
+from graphkit.lowering import lower_float32_only_ops, reads_float64
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
 from graphkit.static_shapes import specialize
@@ -181,9 +181,7 @@ class OrtGradientForwardBackward:
         inputs = [n for n in self.input_names if n in requiring]
         graphs = backend.module_graphs(self._model, internal, inputs)
         gradient, forward = graphs.gradient, graphs.forward
-        if any(
-            i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in gradient.graph.input
-        ):
+        if reads_float64(gradient):
             lower_float32_only_ops(gradient)
         original = self._original
         grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}

@@ -18,8 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
 from graphkit import optimizers, schedules, transforms
+from graphkit._graph import all_graphs
 from graphkit._ort import inference_session
-from graphkit.lowering import SLOW_ON_CPU, _graphs, lower_slow_cpu_ops
+from graphkit.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
 from graphkit.static_shapes import broadcast_gradient_args, specialize
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 from graphkit_train.full import FusedRunner
@@ -109,7 +110,7 @@ def test_float32_relu_training_runs_the_faster_relu_gradient_and_equals_numpy(hi
     np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-4)
 
     def ops(model):
-        return {n.op_type for graph in _graphs(model.graph) for n in graph.node}
+        return {n.op_type for graph in all_graphs(model.graph) for n in graph.node}
 
     epoch = trainer._runner(10).scan_model
     assert "ReluGrad" in ops(epoch)
