@@ -7,10 +7,14 @@ three attributes:
 * ``learning_penalty``: a penalty on the weights and its gradient;
 * ``learning_rate``: the optimizer and its schedule.
 
-Each batch takes four onnxruntime runs: forward (TrainingAgent), loss and its gradient,
-backward (TrainingAgent), and one fused update of every weight (penalty + schedule +
-optimizer, see :func:`graphkit_train.step.build_update_step`). The seed's design ran one
-session for forward, one for the loss, one for backward, and one update per weight.
+Each batch takes two onnxruntime calls: the TrainingAgent's forward, which also computes
+the loss and its gradient, and its backward, which also applies one fused update of every
+weight (penalty + schedule + optimizer, see :func:`graphkit_train.step.build_update_step`
+and :mod:`graphkit_train.agent_step`). Distributed training, which all-reduces the
+gradients between backward and update, and graphs older than the loss and update
+graphs' opset run the same pieces as four calls: forward, loss and its gradient,
+backward, update. The seed's design ran one session for forward, one for the loss, one
+for backward, and one update per weight.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, BindingCache
+from graphkit_train.agent_step import AgentRun, AgentStep, agent_step, fusable
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
-from graphkit_train.step import build_update_step, grad_name
+from graphkit_train.step import LOSS_SUM, build_update_step, grad_name
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
@@ -167,6 +172,8 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
+        self._fuses = fusable(self._variant.gradient_model, self.loss_onnx_, self.update_step_)
+        self._agent_runs: dict[tuple[bool, int], AgentRun] = {}
         self._per_sample: Any = None
         self._built = True
 
@@ -197,6 +204,31 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             self._loss_runs[key] = LossRun(graph, session, self._ort_device, self._device_id)
         return self._loss_runs[key]
 
+    def _agent_step(self, weighted: bool) -> AgentStep:
+        """The agent's gradient graph with the loss and the update fused in, for any
+        number of rows (see :mod:`graphkit_train.agent_step`)."""
+        fb, variant = self.forward_backward_, self._variant
+        loss = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
+        return agent_step(
+            variant.gradient_model,
+            loss,
+            self.update_step_,
+            fb._internal,
+            variant.grad_of,
+            fb.input_names[0],
+        )
+
+    def _agent_run(self, weighted: bool, rows: int) -> AgentRun:
+        """The two-call batch for batches of ``rows`` rows, with or without sample
+        weights: :meth:`_agent_step` specialized to that size, built once."""
+        key = (weighted, rows)
+        if key not in self._agent_runs:
+            step = self._agent_step(weighted)
+            model = specialize(step.model, dict.fromkeys(step.data, rows))
+            session = inference_session(model, self._providers, self._threads)
+            self._agent_runs[key] = AgentRun(model, session, step, self._loss_dtype, self._c_device)
+        return self._agent_runs[key]
+
     def _threads_for(self, elements: int | None) -> Threads:
         """The loss and update sessions' threads: serial for small tensors (see
         :data:`SERIAL_BELOW`), the trainer's otherwise."""
@@ -208,7 +240,42 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
     def _bind_scratch(self, binding: Any) -> None:
         """The update step has no output besides the resident ones."""
 
-    # -- one batch -------------------------------------------------------------------------
+    # -- one epoch, two calls per batch -----------------------------------------------------
+
+    def _run_rows(
+        self,
+        X: np.ndarray,
+        y: np.ndarray,
+        w: np.ndarray | None,
+        order: np.ndarray | None,
+        batch_size: int,
+    ) -> float:
+        """One epoch of two-call batches: each backward returns the new weights and
+        optimizer state, which the next forward takes; they become the resident values
+        at the end, or where a batch fails (the values after the last good batch)."""
+        if not self._fuses:
+            return super()._run_rows(X, y, w, order, batch_size)
+        if order is not None:
+            X, y, w = X[order], y[order], None if w is None else w[order]
+        resident = self.update_step_.resident
+        current = self._resident
+        values: Any = [current[name]._ortvalue for name in resident]
+        starts = range(0, len(X), batch_size)
+        runs, weighted = self._agent_runs, w is not None
+        try:
+            for start in starts:
+                stop = min(start + batch_size, len(X))
+                key = (weighted, stop - start)
+                run = runs[key] if key in runs else self._agent_run(*key)
+                values = run(
+                    X[start:stop], y[start:stop], None if w is None else w[start:stop], values
+                )
+        finally:
+            if not isinstance(values, list):  # a batch ran
+                self._adopt(dict(zip(resident, backend.wrap(values))))
+        return float(self._resident[LOSS_SUM].numpy()) / len(starts)
+
+    # -- one batch, four calls (distributed training, the update-step path) ------------------
 
     def _buffers_changed(self) -> None:
         self._weight_feeds: list[list[Any]] | None = None

@@ -310,16 +310,27 @@ def test_state_pickle_warm_start_and_exports(data, tmp_path):
     assert five.score(X, y, w) == pytest.approx(r2_score(y, five.predict(X), sample_weight=w))
 
 
+def at_opset_17(model):
+    """The same graph declared at opset 17, older than the loss and update graphs (18):
+    the trainer then runs four calls per batch instead of two (see partial.py)."""
+    model.opset_import[0].version = 17
+    return model
+
+
+@pytest.mark.parametrize("calls", [2, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype):
+def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls):
     """Each training batch size gets graphs specialized to it (here 16 and the last 5
     rows); the weights follow SGD on the weighted mean squared error written in numpy:
-    g_pred = 2 w (pred - y) / sum(w), backpropagated through tanh."""
+    g_pred = 2 w (pred - y) / sum(w), backpropagated through tanh; with the loss and
+    update fused into the TrainingAgent's calls (2) and as separate sessions (4)."""
     rng = np.random.default_rng(3)
     X = rng.normal(size=(37, 4)).astype(dtype)
     y = (X @ rng.normal(size=4) + 0.5).astype(dtype)
     weights = rng.uniform(0.5, 2, size=37).astype(dtype)
     model = mlp_onnx(4, 6, 1, activation="Tanh", dtype=dtype, scale=0.5)
+    if calls == 4:
+        model = at_opset_17(model)
     lr = 0.05
     trainer = OrtGradientForwardBackwardOptimizer(
         model,
@@ -348,17 +359,58 @@ def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype):
     for name, value in p.items():
         np.testing.assert_allclose(state[name], value, **tol)
     np.testing.assert_allclose(trainer.train_losses_, losses, **tol)
-    graphs = {
-        rows: v.gradient_model.graph for (_, rows), v in trainer.forward_backward_._variants.items()
-    }
-    assert set(graphs) == {None, 16, 5}
+    if calls == 4:
+        assert not trainer._agent_runs
+        graphs = {
+            rows: v.gradient_model.graph
+            for (_, rows), v in trainer.forward_backward_._variants.items()
+        }
+        assert set(graphs) == {None, 16, 5}
+        any_rows = graphs[None]
+    else:  # one fused forward/backward graph per batch size, for weighted batches
+        graphs = {rows: run.model.graph for (weighted, rows), run in trainer._agent_runs.items()}
+        assert set(graphs) == {16, 5}
+        assert all(weighted for weighted, _ in trainer._agent_runs)
+        any_rows = trainer._agent_step(weighted=True).model.graph
 
     def reductions(graph):
         return sum(n.op_type == "ReduceSum" for n in graph.node)
 
     for rows in (16, 5):  # fixed batch dimension; the bias gradient of b1 is a MatMul
         assert graphs[rows].input[0].type.tensor_type.shape.dim[0].dim_value == rows
-        assert reductions(graphs[rows]) < reductions(graphs[None])
+        assert reductions(graphs[rows]) < reductions(any_rows)
+
+
+def test_a_failed_batch_keeps_the_weights_of_the_last_good_one(data, monkeypatch):
+    """An error in the third batch's onnxruntime calls: the weights are those after two
+    batches of SGD on the mean squared error (numpy), not the epoch's start or garbage."""
+    from graphkit_train.agent_step import AgentRun
+
+    X, y = data
+    calls = []
+    real = AgentRun.__call__
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("forward failed in onnxruntime: injected")
+        return real(self, *args)
+
+    monkeypatch.setattr(AgentRun, "__call__", failing)
+    trainer = OrtGradientForwardBackwardOptimizer(
+        zero_linear(), max_iter=1, batch_size=10, shuffle=False, learning_rate=0.1
+    )
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.fit(X, y)
+    w, b = np.zeros((3, 1)), np.zeros(1)
+    for start in (0, 10):
+        x, t = X[start : start + 10], y[start : start + 10, None]
+        d = 2 * (x @ w + b - t) / len(x)
+        w, b = w - 0.1 * x.T @ d, b - 0.1 * d.sum(0)
+    state = trainer.get_state()
+    np.testing.assert_allclose(state["coef"], w, rtol=1e-12)
+    np.testing.assert_allclose(state["intercept"], b, rtol=1e-12)
+    assert state["step"] == 2
 
 
 def test_nan_loss_with_and_without_exc(data):
@@ -482,7 +534,10 @@ def test_small_loss_and_update_sessions_run_serially(hidden, threads, serial):
     the TrainingAgent's pool competes for the cores (see partial.SERIAL_BELOW), unless
     the user chose the threads."""
     trainer = OrtGradientForwardBackwardOptimizer(
-        mlp_onnx(480, hidden, 1), batch_size=8, max_iter=1, intra_op_num_threads=threads
+        at_opset_17(mlp_onnx(480, hidden, 1)),  # four calls: the loss runs separately
+        batch_size=8,
+        max_iter=1,
+        intra_op_num_threads=threads,
     )
     rng = np.random.default_rng(0)
     trainer.fit(rng.normal(size=(16, 480)).astype(np.float32), np.zeros((16, 1), np.float32))

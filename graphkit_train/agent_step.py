@@ -1,0 +1,209 @@
+"""A forward/backward training batch in two TrainingAgent calls instead of four.
+
+The forward/backward trainer runs a batch as forward (TrainingAgent), the loss and its
+gradient (a session), backward (TrainingAgent) and the update of every weight (a
+session). When nothing has to happen between backward and update (everywhere but
+distributed training, which all-reduces the gradients there), the loss and the update
+can live in the agent's own graph::
+
+    forward:   prediction = model(X, weights)
+               loss, prediction_grad = loss_graph(prediction, label[, weight])
+               yield loss                              -> the forward returns the loss
+    backward:  dprediction = prediction_grad * dloss    (dloss: the fed 1)
+               gradients = the model's backward(dprediction)
+               weights, state, step, loss_sum = update(weights, gradients, state, loss)
+
+The backward then returns the new resident values, which the next forward takes as its
+feeds: one batch is two onnxruntime calls, with the update's kernels on the agent's
+thread pool. The loss gradient is graphkit's own (the same graph as the separate loss
+session), so the two designs run the same kernels on the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from graphkit import backend
+from graphkit._graph import fresh_name, graph_names, splice
+from graphkit.compat import opset_of
+from graphkit_train.step import LOSS, UpdateStep, grad_name, next_name
+
+YIELD = "YieldOp"
+
+
+@dataclass
+class AgentStep:
+    """A gradient graph extended with the loss (before its yield) and the update (after).
+
+    Its inputs are ``data`` (features, label[, sample weight]) then the resident values
+    in ``resident`` order; its outputs are the new resident values in the same order, so
+    that a backward's fetches are the next forward's feeds as they come.
+    """
+
+    model: onnx.ModelProto
+    data: list[str]
+    resident: list[str]  # the update step's resident names (weights by their public name)
+    outputs: list[str]
+
+
+def fusable(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateStep) -> bool:
+    """Whether the loss and update graphs can join ``gradient`` as they are: the pieces are
+    written for an ``ai.onnx`` opset no newer than the gradient graph's (splicing them
+    into an older graph would change what its operators mean)."""
+    host = opset_of(gradient) or 0
+    return all((opset_of(piece) or 0) <= host for piece in (loss, update.model))
+
+
+def agent_step(
+    gradient: onnx.ModelProto,
+    loss: onnx.ModelProto,
+    update: UpdateStep,
+    internal: dict[str, str],
+    gradient_of: dict[str, str],
+    features: str,
+) -> AgentStep:
+    """The gradient graph of a ``TrainingAgent`` with the loss and the update fused in.
+
+    Args:
+        gradient: the agent's gradient graph (one ``YieldOp`` yielding the prediction).
+        loss: inputs ``prediction``, ``label`` [, ``weight``]; outputs ``loss``,
+            ``prediction_grad`` (:meth:`graphkit.losses.Loss.gradient_model`).
+        update: the update step (:func:`graphkit_train.step.build_update_step`).
+        internal: public weight name -> its name in ``gradient``.
+        gradient_of: gradient output of ``gradient`` -> public weight name.
+        features: the feature input of ``gradient``.
+    """
+    model = onnx.ModelProto()
+    model.CopyFrom(gradient)
+    graph = model.graph
+    nodes = list(graph.node)
+    yields = [i for i, n in enumerate(nodes) if n.op_type == YIELD]
+    if len(yields) != 1 or len(nodes[yields[0]].input) != 1:
+        raise ValueError("agent_step: the gradient graph must yield exactly one prediction")
+    at = yields[0]
+    old_yield = nodes[at]
+    prediction, prediction_grad = old_yield.input[0], old_yield.output[0]
+    before, after = nodes[:at], nodes[at + 1 :]
+    taken = graph_names(graph)
+    label = fresh_name("label", taken)
+    weighted = any(i.name == "weight" for i in loss.graph.input)
+    weight = fresh_name("weight", taken) if weighted else None
+
+    # the loss and its gradient, computed by the forward before it yields the loss
+    wiring = {"prediction": prediction, "label": label}
+    if weight is not None:
+        wiring["weight"] = weight
+    count = len(graph.node)
+    produced = splice(model, loss, wiring, prefix="gk.loss")
+    loss_nodes = list(graph.node[count:])
+    loss_value, loss_grad = produced["loss"], produced["prediction_grad"]
+    dloss = fresh_name(f"{loss_value}_grad", graph_names(graph))
+    new_yield = onnx.NodeProto()
+    new_yield.CopyFrom(old_yield)
+    new_yield.input[:] = [loss_value]
+    new_yield.output[:] = [dloss]
+    chain = helper.make_node("Mul", [loss_grad, dloss], [prediction_grad], name=f"{dloss}/chain")
+    del graph.node[:]
+    graph.node.extend([*before, *loss_nodes, new_yield, chain, *after])
+
+    # the update, computed by the backward from the gradients
+    resident = update.resident
+    weight_of = {w: g for g, w in gradient_of.items()}
+    taken = graph_names(graph)
+    carried = {r: internal.get(r) or fresh_name(f"gk.update/{r}", taken) for r in resident}
+    wiring = {**carried, LOSS: loss_value}
+    wiring.update({grad_name(w): weight_of[w] for w in update.weights})
+    produced = splice(model, update.model, wiring, prefix="gk.update")
+
+    values = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
+    inputs = {i.name: i for i in graph.input}
+    data_inputs = [inputs[features], _renamed(values["label"], label)]
+    if weight is not None:
+        data_inputs.append(_renamed(values["weight"], weight))
+    resident_inputs = [inputs.get(carried[r]) or _renamed(values[r], carried[r]) for r in resident]
+    del graph.input[:]
+    graph.input.extend([*data_inputs, *resident_inputs])
+    outputs = {o.name: o for o in update.model.graph.output}
+    fetched = _after_yield(graph, dloss, [produced[next_name(r)] for r in resident])
+    del graph.output[:]
+    graph.output.extend(_renamed(outputs[next_name(r)], name) for r, name in zip(resident, fetched))
+    return AgentStep(
+        model=model,
+        data=[i.name for i in data_inputs],
+        resident=list(resident),
+        outputs=[o.name for o in graph.output],
+    )
+
+
+class AgentRun:
+    """An :class:`AgentStep` specialized to one batch size, and its TrainingAgent.
+
+    A call trains on one batch: the forward (features, labels, resident values) and the
+    backward (fed ``dloss = 1``), returning the backward's fetches, the new resident
+    values in :attr:`AgentStep.resident` order, as a C vector that the next call takes as
+    it is.
+    """
+
+    def __init__(
+        self, model: onnx.ModelProto, session: Any, step: AgentStep, dtype: np.dtype, device: Any
+    ) -> None:
+        self.model = model
+        self.session = session
+        self.agent = backend.training_agent(
+            session, [i.name for i in session.get_inputs()], step.outputs, 1, device
+        )
+        self._device = device
+        self._dloss = np.ones((), dtype)  # the C value below borrows it
+        self._dloss_value = backend.c_ortvalue(self._dloss, device)
+
+    def __call__(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: Any) -> Any:
+        device = self._device
+        # the C values borrow the arrays, which live until this call returns
+        X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
+        feeds = [backend.c_ortvalue(X, device), backend.c_ortvalue(y, device)]
+        if w is not None:
+            w = np.ascontiguousarray(w)
+            feeds.append(backend.c_ortvalue(w, device))
+        feeds.extend(resident[i] for i in range(len(resident)))
+        _, state, _feeds = backend.run_forward(self.agent, feeds)  # _feeds: live until backward
+        return backend.run_backward(self.agent, [self._dloss_value], state)
+
+
+def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list[str]:
+    """``outputs``, each computed after the yield: the backward must compute every value
+    it returns (onnxruntime refuses a fetch the forward already filled), and an output
+    that does not depend on the yield's output (``step + 1``, ``loss_sum + loss``) would
+    be computed by the forward. Those pass through ``Where(IsNaN(dloss), x, x)``: the
+    same value, now depending on the fed ``dloss`` (a dependency no optimizer folds)."""
+    downstream = {dloss}
+    for node in graph.node:
+        if any(i in downstream for i in node.input):
+            downstream.update(node.output)
+    early = [o for o in outputs if o not in downstream]
+    if not early:
+        return outputs
+    taken = graph_names(graph)
+    gate = fresh_name(f"{dloss}/is_nan", taken)
+    graph.node.append(helper.make_node("IsNaN", [dloss], [gate], name=gate))
+    gated = {}
+    for name in early:
+        gated[name] = fresh_name(f"{name}/after_yield", taken)
+        graph.node.append(
+            helper.make_node("Where", [gate, name, name], [gated[name]], name=gated[name])
+        )
+    return [gated.get(o, o) for o in outputs]
+
+
+def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    copy = onnx.ValueInfoProto()
+    copy.CopyFrom(value)
+    copy.name = name
+    return copy
+
+
+__all__ = ["AgentRun", "AgentStep", "agent_step", "fusable"]
