@@ -185,16 +185,21 @@ def training_agent(
     )
 
 
-def run_forward(agent: Any, feeds: Sequence[Any]) -> tuple[Any, Any, Any]:
-    """``(fetches vector, execution state, feeds vector)``: the forward on C OrtValues.
+def run_forward(agent: Any, feeds: Sequence[Any], carried: Any = ()) -> tuple[Any, Any, Any]:
+    """``(fetches vector, execution state, feeds vector)``: the forward on the C
+    OrtValues ``feeds`` followed by ``carried`` (a list, or a fetches vector taken as it
+    is).
 
     The state and the feeds vector must live until the matching backward.
     """
     C = _capi()
     vector = C.OrtValueVector()
-    vector.reserve(len(feeds))
+    vector.reserve(len(feeds) + len(carried))
+    push = vector.push_back
     for value in feeds:
-        vector.push_back(value)
+        push(value)
+    for i in range(len(carried)):
+        push(carried[i])
     fetches, state = C.OrtValueVector(), C.PartialGraphExecutionState()
     try:
         agent.run_forward(vector, fetches, state, C.OrtValueCache())

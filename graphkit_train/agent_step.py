@@ -159,19 +159,18 @@ class AgentRun:
         )
         self._device = device
         self._dloss = np.ones((), dtype)  # the C value below borrows it
-        self._dloss_value = backend.c_ortvalue(self._dloss, device)
+        self._grad_outputs = [backend.c_ortvalue(self._dloss, device)]
 
     def __call__(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: Any) -> Any:
         device = self._device
         # the C values borrow the arrays, which live until this call returns
         X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
-        feeds = [backend.c_ortvalue(X, device), backend.c_ortvalue(y, device)]
+        data = [backend.c_ortvalue(X, device), backend.c_ortvalue(y, device)]
         if w is not None:
             w = np.ascontiguousarray(w)
-            feeds.append(backend.c_ortvalue(w, device))
-        feeds.extend(resident[i] for i in range(len(resident)))
-        _, state, _feeds = backend.run_forward(self.agent, feeds)  # _feeds: live until backward
-        return backend.run_backward(self.agent, [self._dloss_value], state)
+            data.append(backend.c_ortvalue(w, device))
+        _, state, _feeds = backend.run_forward(self.agent, data, resident)  # _feeds: live on
+        return backend.run_backward(self.agent, self._grad_outputs, state)
 
 
 def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list[str]:
