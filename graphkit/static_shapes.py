@@ -18,7 +18,9 @@ the named inputs and folds what became constant:
   when it sums a leading or trailing block of axes (onnxruntime's ReduceSum over the
   batch axis of a 256x256 tensor takes 40 us, the MatMul 5 us: it is every bias
   gradient); multiplying by a constant of ones and reshaping a tensor to the shape it
-  has go.
+  has go, and a one-element constant operand of ``Add``, ``Sub``, ``Mul``, ``Div`` takes
+  the rank of the other operand (onnxruntime broadcasts a lower-rank scalar over an
+  ``(n, 1)`` tensor one element at a time).
 
 onnxscript's *rewrite rules* are deliberately not applied: they treat a constant within
 1e-8 of zero as zero (``x + 1e-8 -> x``), which deletes Adam's epsilon. Folding only
@@ -144,6 +146,7 @@ class _Simplifier:
         }
         self.elem.update({t.name: t.data_type for t in graph.initializer})
         self.taken = graph_names(graph)
+        self.ranked: dict[tuple[str, int], str] = {}  # (constant, rank) -> reshaped copy
 
     def run(self) -> None:
         outputs = {o.name for o in self.graph.output}
@@ -154,11 +157,12 @@ class _Simplifier:
             replacement = None
             if standard and node.op_type == "ReduceSum":
                 replacement = self.reduce_sum(node)
-            elif standard and node.op_type == "Mul" and node.output[0] not in outputs:
-                factor = self.times_ones(node)
+            elif standard and node.op_type in _ELEMENTWISE:
+                factor = self.times_ones(node) if node.output[0] not in outputs else None
                 if factor is not None:
                     renamed[node.output[0]] = factor
                     continue
+                self.match_ranks(node)
             elif standard and node.op_type == "Reshape" and node.output[0] not in outputs:
                 x = node.input[0]
                 if x in self.shapes and self.shapes.get(node.output[0]) == self.shapes[x]:
@@ -191,6 +195,8 @@ class _Simplifier:
 
     def times_ones(self, node: onnx.NodeProto) -> str | None:
         """The other factor of ``x * 1`` when the product has x's shape, else None."""
+        if node.op_type != "Mul":
+            return None
         for one, x in (node.input, reversed(node.input)):
             value = self.constants.get(one)
             if (
@@ -202,6 +208,23 @@ class _Simplifier:
             ):
                 return x
         return None
+
+    def match_ranks(self, node: onnx.NodeProto) -> None:
+        """A one-element constant operand of a lower rank than the other operand gets
+        its rank (in place): onnxruntime broadcasts a lower-rank scalar over an (n, 1)
+        tensor one element at a time, 12 us for n = 1000 instead of 2.3 (the same values:
+        a one-element tensor broadcasts alike at any rank up to the result's)."""
+        a, b = node.input
+        for constant, other in ((a, b), (b, a)):
+            value = self.constants.get(constant)
+            if value is None or value.size != 1 or other not in self.shapes:
+                continue
+            rank = len(self.shapes[other])
+            if value.ndim < rank:
+                key = (constant, rank)
+                if key not in self.ranked:
+                    self.ranked[key] = self.constant(constant, value.reshape((1,) * rank))
+                node.input[list(node.input).index(constant)] = self.ranked[key]
 
     def reduce_sum(self, node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
         """The nodes replacing one ReduceSum, or None to keep it."""
@@ -243,6 +266,9 @@ class _Simplifier:
         if product != y:
             nodes.append(self.reshape(product, out_shape, y))
         return nodes
+
+
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div"})
 
 
 def _follow(renamed: Mapping[str, str], name: str) -> str:

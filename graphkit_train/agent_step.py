@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from graphkit import backend
-from graphkit._graph import fresh_name, graph_names, splice
+from graphkit._graph import fresh_name, graph_names, splice, static_shape
 from graphkit.compat import opset_of
 from graphkit_train.step import LOSS, UpdateStep, grad_name, next_name
 
@@ -49,6 +49,7 @@ class AgentStep:
     data: list[str]
     resident: list[str]  # the update step's resident names (weights by their public name)
     outputs: list[str]
+    dloss_shape: tuple[int, ...]  # the yielded loss's: ones of the prediction's rank
 
 
 def fusable(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateStep) -> bool:
@@ -102,14 +103,23 @@ def agent_step(
     produced = splice(model, loss, wiring, prefix="gk.loss")
     loss_nodes = list(graph.node[count:])
     loss_value, loss_grad = produced["loss"], produced["prediction_grad"]
-    dloss = fresh_name(f"{loss_value}_grad", graph_names(graph))
+    # the loss is yielded with the prediction's rank (all ones): onnxruntime multiplies
+    # an (n, 1) tensor by a lower-rank scalar one element at a time, 5x slower at n=1000
+    dims = static_shape(next(i for i in loss.graph.input if i.name == "prediction"))
+    dloss_shape = (1,) * len(dims or ())
+    taken = graph_names(graph)
+    yielded, dloss = loss_value, fresh_name(f"{loss_value}_grad", taken)
+    reshape = []
+    if dloss_shape:
+        yielded = fresh_name(f"{loss_value}/yielded", taken)
+        reshape = [_reshape(graph, loss_value, dloss_shape, yielded, taken)]
     new_yield = onnx.NodeProto()
     new_yield.CopyFrom(old_yield)
-    new_yield.input[:] = [loss_value]
+    new_yield.input[:] = [yielded]
     new_yield.output[:] = [dloss]
     chain = helper.make_node("Mul", [loss_grad, dloss], [prediction_grad], name=f"{dloss}/chain")
     del graph.node[:]
-    graph.node.extend([*before, *loss_nodes, new_yield, chain, *after])
+    graph.node.extend([*before, *loss_nodes, *reshape, new_yield, chain, *after])
 
     # the update, computed by the backward from the gradients
     resident = update.resident
@@ -137,6 +147,7 @@ def agent_step(
         data=[i.name for i in data_inputs],
         resident=list(resident),
         outputs=[o.name for o in graph.output],
+        dloss_shape=dloss_shape,
     )
 
 
@@ -158,7 +169,7 @@ class AgentRun:
             session, [i.name for i in session.get_inputs()], step.outputs, 1, device
         )
         self._device = device
-        self._dloss = np.ones((), dtype)  # the C value below borrows it
+        self._dloss = np.ones(step.dloss_shape, dtype)  # the C value below borrows it
         self._grad_outputs = [backend.c_ortvalue(self._dloss, device)]
 
     def __call__(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: Any) -> Any:
@@ -187,8 +198,10 @@ def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list
     if not early:
         return outputs
     taken = graph_names(graph)
+    scalar = fresh_name(f"{dloss}/scalar", taken)  # a condition that broadcasts to any rank
+    graph.node.append(_reshape(graph, dloss, (), scalar, taken))
     gate = fresh_name(f"{dloss}/is_nan", taken)
-    graph.node.append(helper.make_node("IsNaN", [dloss], [gate], name=gate))
+    graph.node.append(helper.make_node("IsNaN", [scalar], [gate], name=gate))
     gated = {}
     for name in early:
         gated[name] = fresh_name(f"{name}/after_yield", taken)
@@ -196,6 +209,14 @@ def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list
             helper.make_node("Where", [gate, name, name], [gated[name]], name=gated[name])
         )
     return [gated.get(o, o) for o in outputs]
+
+
+def _reshape(
+    graph: onnx.GraphProto, x: str, shape: tuple[int, ...], out: str, taken: set[str]
+) -> onnx.NodeProto:
+    target = fresh_name(f"{out}/shape", taken)
+    graph.initializer.append(numpy_helper.from_array(np.array(shape, dtype=np.int64), target))
+    return helper.make_node("Reshape", [x, target], [out], name=out)
 
 
 def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:

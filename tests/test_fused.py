@@ -579,3 +579,37 @@ def test_a_reshape_to_the_shape_a_tensor_has_is_dropped(target, dropped):
     X = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
     (out,) = inference_session(static).run(None, {"X": X})
     np.testing.assert_array_equal(out, 2 * np.maximum(X, 0).reshape(target))
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("constant_first", [True, False])
+@pytest.mark.parametrize("constant_shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("shape", [(7, 1), (7,), (2, 3, 1)])
+def test_one_element_constants_take_the_rank_of_the_other_operand(
+    op, constant_first, constant_shape, shape
+):
+    """onnxruntime broadcasts a lower-rank scalar over an (n, 1) tensor one element at a
+    time; a specialized graph gives the constant the other operand's rank. The values
+    and the result's shape are numpy's broadcasting of the original operands."""
+    c = np.full(constant_shape, 3.0, np.float32)
+    inputs = ["c", "R"] if constant_first else ["R", "c"]
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["X"], ["R"]), helper.make_node(op, inputs, ["Y"])],
+        "scalar",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", *shape[1:]])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(c, "c")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    static = specialize(model, {"X": shape[0]})
+    node = next(n for n in static.graph.node if n.op_type == op)
+    constants = {t.name: numpy_helper.to_array(t) for t in static.graph.initializer}
+    constant = next(i for i in node.input if i in constants)
+    assert constants[constant].shape == (1,) * max(len(shape), len(constant_shape))
+    X = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    (out,) = inference_session(static).run(None, {"X": X})
+    numpy_op = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}[op]
+    R = np.maximum(X, 0)
+    expected = numpy_op(c, R) if constant_first else numpy_op(R, c)
+    assert out.shape == expected.shape
+    np.testing.assert_array_equal(out, expected)
