@@ -613,3 +613,26 @@ def test_one_element_constants_take_the_rank_of_the_other_operand(
     expected = numpy_op(c, R) if constant_first else numpy_op(R, c)
     assert out.shape == expected.shape
     np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("rows, reshaped", [(100, True), (7, False)])
+def test_a_computed_scalar_takes_the_rank_of_a_large_operand(rows, reshaped):
+    """R / sum(R): the sum (rank 0) is reshaped to (1, 1) from RESHAPE_SCALARS_FROM
+    elements of R (below, the Reshape would cost more than the slow broadcast saves)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["X"], ["R"]),
+            helper.make_node("ReduceSum", ["R"], ["S"], keepdims=0),
+            helper.make_node("Div", ["R", "S"], ["Y"]),
+        ],
+        "normalize",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 1])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    static = specialize(model, {"X": rows})
+    assert ("Reshape" in [n.op_type for n in static.graph.node]) == reshaped
+    X = np.random.default_rng(0).uniform(0.1, 1, size=(rows, 1)).astype(np.float32)
+    (out,) = inference_session(static).run(None, {"X": X})
+    assert out.shape == (rows, 1)
+    np.testing.assert_allclose(out, X / X.astype(np.float64).sum(), rtol=1e-6)
