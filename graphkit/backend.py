@@ -208,18 +208,32 @@ def run_forward(agent: Any, feeds: Sequence[Any], carried: Any = ()) -> tuple[An
     return fetches, state, vector
 
 
-def run_backward(agent: Any, grad_outputs: Sequence[Any], state: Any) -> Any:
-    """The fetches vector of the backward matching the forward that made ``state``."""
+def run_backward(agent: Any, grad_outputs: Sequence[Any], state: Any, fetches: Any = None) -> Any:
+    """The fetches vector of the backward matching the forward that made ``state``.
+
+    ``fetches``: a vector of allocated OrtValues (see :func:`values_vector`) the backward
+    writes its outputs into, instead of allocating them.
+    """
     C = _capi()
     vector = C.OrtValueVector()
     for value in grad_outputs:
         vector.push_back(value)
-    fetches = C.OrtValueVector()
+    if fetches is None:
+        fetches = C.OrtValueVector()
     try:
         agent.run_backward(vector, fetches, state)
     except Exception as exc:
         raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
     return fetches
+
+
+def values_vector(values: Sequence[Any]) -> Any:
+    """A C vector of C OrtValues (the TrainingAgent's argument type)."""
+    vector = _capi().OrtValueVector()
+    vector.reserve(len(values))
+    for value in values:
+        vector.push_back(value)
+    return vector
 
 
 # -- devices and values -------------------------------------------------------------------------

@@ -108,26 +108,16 @@ class BaseTrainer(ParamsMixin, ABC):
         cache of what the update-step path binds in each."""
         step = self.update_step_
         self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
-        self._weight_names = list(step.weights)
-        self._grad_names = [grad_name(n) for n in step.weights]
-        self._current = 0
-        self._bind_buffers()
-
-    def _bind_buffers(self) -> None:
-        """The two bindings of the resident session on the current buffer sets."""
         self._bindings = []
         for k in (0, 1):
             binding = self._bind_resident(self._resident_session, k)
             self._bind_scratch(binding)
             self._bindings.append(binding)
         self._update_caches = [BindingCache(b) for b in self._bindings]
+        self._weight_names = list(step.weights)
+        self._grad_names = [grad_name(n) for n in step.weights]
+        self._current = 0
         self._buffers_changed()
-
-    def _adopt(self, values: Mapping[str, Any]) -> None:
-        """Make ``values`` (OrtValues computed outside the resident session, by a run that
-        returns new tensors) the current resident values."""
-        self._buffers[self._current].update(values)  # type: ignore[index]
-        self._bind_buffers()
 
     def _bind_resident(self, session: Any, k: int) -> Any:
         """A binding of ``session`` reading buffer set ``k`` and writing set ``1 - k``."""

@@ -154,10 +154,9 @@ def agent_step(
 class AgentRun:
     """An :class:`AgentStep` specialized to one batch size, and its TrainingAgent.
 
-    A call trains on one batch: the forward (features, labels, resident values) and the
-    backward (fed ``dloss = 1``), returning the backward's fetches, the new resident
-    values in :attr:`AgentStep.resident` order, as a C vector that the next call takes as
-    it is.
+    A call trains on one batch: the forward (features, labels, the resident values in
+    :attr:`AgentStep.resident` order) and the backward (fed ``dloss = 1``), which writes
+    the new resident values into the given vector of allocated OrtValues.
     """
 
     def __init__(
@@ -172,7 +171,11 @@ class AgentRun:
         self._dloss = np.ones(step.dloss_shape, dtype)  # the C value below borrows it
         self._grad_outputs = [backend.c_ortvalue(self._dloss, device)]
 
-    def __call__(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: Any) -> Any:
+    def __call__(
+        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: list[Any], new: Any
+    ) -> None:
+        """One batch: ``resident`` (C OrtValues) in, ``new`` (a C vector of as many
+        OrtValues, from :func:`graphkit.backend.values_vector`) out."""
         device = self._device
         # the C values borrow the arrays, which live until this call returns
         X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
@@ -181,7 +184,7 @@ class AgentRun:
             w = np.ascontiguousarray(w)
             data.append(backend.c_ortvalue(w, device))
         _, state, _feeds = backend.run_forward(self.agent, data, resident)  # _feeds: live on
-        return backend.run_backward(self.agent, self._grad_outputs, state)
+        backend.run_backward(self.agent, self._grad_outputs, state, new)
 
 
 def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list[str]:

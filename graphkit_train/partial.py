@@ -250,35 +250,34 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         order: np.ndarray | None,
         batch_size: int,
     ) -> float:
-        """One epoch of two-call batches: each backward returns the new weights and
-        optimizer state, which the next forward takes; they become the resident values
-        at the end, or where a batch fails (the values after the last good batch)."""
+        """One epoch of two-call batches: each forward reads the current buffer set, its
+        backward writes the new weights and optimizer state into the other one (a batch
+        that fails leaves the current set as the last good batch left it)."""
         if not self._fuses:
             return super()._run_rows(X, y, w, order, batch_size)
         if order is not None:
             X, y, w = X[order], y[order], None if w is None else w[order]
-        resident = self.update_step_.resident
-        current = self._resident
-        values: Any = [current[name]._ortvalue for name in resident]
+        if self._agent_sets is None:
+            resident = self.update_step_.resident
+            sets = [[b[n]._ortvalue for n in resident] for b in self._buffers]  # type: ignore[union-attr]
+            self._agent_sets = [(sets[k], backend.values_vector(sets[1 - k])) for k in (0, 1)]
         starts = range(0, len(X), batch_size)
-        runs, weighted = self._agent_runs, w is not None
-        try:
-            for start in starts:
-                stop = min(start + batch_size, len(X))
-                key = (weighted, stop - start)
-                run = runs[key] if key in runs else self._agent_run(*key)
-                values = run(
-                    X[start:stop], y[start:stop], None if w is None else w[start:stop], values
-                )
-        finally:
-            if not isinstance(values, list):  # a batch ran
-                self._adopt(dict(zip(resident, backend.wrap(values))))
+        runs, sets, weighted = self._agent_runs, self._agent_sets, w is not None
+        for start in starts:
+            stop = min(start + batch_size, len(X))
+            key = (weighted, stop - start)
+            run = runs[key] if key in runs else self._agent_run(*key)
+            weights = None if w is None else w[start:stop]
+            run(X[start:stop], y[start:stop], weights, *sets[self._current])
+            self._current = 1 - self._current
         return float(self._resident[LOSS_SUM].numpy()) / len(starts)
 
     # -- one batch, four calls (distributed training, the update-step path) ------------------
 
     def _buffers_changed(self) -> None:
         self._weight_feeds: list[list[Any]] | None = None
+        # per buffer set k: (its C values, a C vector of the other set's, written into)
+        self._agent_sets: list[tuple[list[Any], Any]] | None = None
 
     def _feeds(self, features: Any) -> list[Any]:
         """The forward's C OrtValues in feed order: the features (a C OrtValue) and the
