@@ -43,7 +43,8 @@ SPINNING = True
 
 SERIAL_BELOW = 250_000
 """Tensor elements (weights for the update, predictions of a batch for the loss) below
-which the loss and update sessions run on the calling thread, with no thread pool.
+which the loss and update sessions run on the calling thread, with no thread pool (where
+they run as sessions of their own: the four-call batches, validation losses).
 
 Each session owns a pool (onnxruntime-training 1.19.2's Python API has no global one), and
 a pool that spins after its run takes cores from the next session's kernels. Measured on
