@@ -11,7 +11,8 @@ more file with the same functions.
   weights and inputs, as one graph (full training).
 * :func:`module_graphs`: ``OrtModuleGraphBuilder``, a forward graph and a backward graph
   (forward/backward training, the PyTorch layer).
-* :func:`training_agent`, :func:`run_forward`, :func:`run_backward`: the TrainingAgent.
+* :func:`training_agent`, :func:`run_forward`, :func:`run_backward`,
+  :func:`train_batch`: the TrainingAgent.
 * :func:`providers_for`, :func:`ort_device`, :func:`ortvalue`, :func:`from_dlpack`,
   :func:`wrap`: devices and values.
 * :func:`explain_builder_failure`, :func:`short_message`: errors.
@@ -185,21 +186,16 @@ def training_agent(
     )
 
 
-def run_forward(agent: Any, feeds: Sequence[Any], carried: Any = ()) -> tuple[Any, Any, Any]:
-    """``(fetches vector, execution state, feeds vector)``: the forward on the C
-    OrtValues ``feeds`` followed by ``carried`` (a list, or a fetches vector taken as it
-    is).
+def run_forward(agent: Any, feeds: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """``(fetches vector, execution state, feeds vector)``: the forward on C OrtValues.
 
     The state and the feeds vector must live until the matching backward.
     """
     C = _capi()
     vector = C.OrtValueVector()
-    vector.reserve(len(feeds) + len(carried))
-    push = vector.push_back
+    vector.reserve(len(feeds))
     for value in feeds:
-        push(value)
-    for i in range(len(carried)):
-        push(carried[i])
+        vector.push_back(value)
     fetches, state = C.OrtValueVector(), C.PartialGraphExecutionState()
     try:
         agent.run_forward(vector, fetches, state, C.OrtValueCache())
@@ -208,23 +204,49 @@ def run_forward(agent: Any, feeds: Sequence[Any], carried: Any = ()) -> tuple[An
     return fetches, state, vector
 
 
-def run_backward(agent: Any, grad_outputs: Sequence[Any], state: Any, fetches: Any = None) -> Any:
-    """The fetches vector of the backward matching the forward that made ``state``.
-
-    ``fetches``: a vector of allocated OrtValues (see :func:`values_vector`) the backward
-    writes its outputs into, instead of allocating them.
-    """
+def run_backward(agent: Any, grad_outputs: Sequence[Any], state: Any) -> Any:
+    """The fetches vector of the backward matching the forward that made ``state``."""
     C = _capi()
     vector = C.OrtValueVector()
     for value in grad_outputs:
         vector.push_back(value)
-    if fetches is None:
-        fetches = C.OrtValueVector()
+    fetches = C.OrtValueVector()
     try:
         agent.run_backward(vector, fetches, state)
     except Exception as exc:
         raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
     return fetches
+
+
+def train_batch(
+    agent: Any,
+    arrays: Sequence[np.ndarray],
+    device: Any,
+    carried: Sequence[Any],
+    grads: Any,
+    new: Any,
+) -> None:
+    """A forward on ``arrays`` (C-contiguous, borrowed until the call returns) followed by
+    the C OrtValues ``carried``, then its backward fed the C vector ``grads``, writing its
+    outputs into ``new`` (a C vector of allocated OrtValues). The hot loop of
+    forward/backward training: every lookup is hoisted out of it."""
+    C = _capi()
+    from_numpy = C.OrtValue.ortvalue_from_numpy
+    feeds = C.OrtValueVector()
+    push = feeds.push_back
+    for array in arrays:
+        push(from_numpy(array, device))
+    for value in carried:
+        push(value)
+    outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()  # live until backward
+    try:
+        agent.run_forward(feeds, outputs, state, C.OrtValueCache())
+    except Exception as exc:
+        raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
+    try:
+        agent.run_backward(grads, new, state)
+    except Exception as exc:
+        raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
 
 
 def values_vector(values: Sequence[Any]) -> Any:

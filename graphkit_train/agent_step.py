@@ -13,10 +13,12 @@ can live in the agent's own graph::
                gradients = the model's backward(dprediction)
                weights, state, step, loss_sum = update(weights, gradients, state, loss)
 
-The backward then returns the new resident values, which the next forward takes as its
-feeds: one batch is two onnxruntime calls, with the update's kernels on the agent's
-thread pool. The loss gradient is graphkit's own (the same graph as the separate loss
-session), so the two designs run the same kernels on the same values.
+The backward writes the new resident values into the trainer's other buffer set (its
+fetches are given allocated, as an IOBinding's outputs are), which the next forward
+reads: one batch is two onnxruntime calls and one thread pool, with no allocation. The
+loss gradient is graphkit's own (the same graph as the separate loss session), so the two
+designs run the same kernels on the same values. ``dloss`` makes the backward depend on
+what it is fed, which keeps every node after the yield in the backward call.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class AgentStep:
 
     Its inputs are ``data`` (features, label[, sample weight]) then the resident values
     in ``resident`` order; its outputs are the new resident values in the same order, so
-    that a backward's fetches are the next forward's feeds as they come.
+    that one list of buffers serves as the forward's feeds of one batch and the
+    backward's fetches of the batch before.
     """
 
     model: onnx.ModelProto
@@ -169,22 +172,16 @@ class AgentRun:
         )
         self._device = device
         self._dloss = np.ones(step.dloss_shape, dtype)  # the C value below borrows it
-        self._grad_outputs = [backend.c_ortvalue(self._dloss, device)]
+        self._grads = backend.values_vector([backend.c_ortvalue(self._dloss, device)])
 
     def __call__(
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: list[Any], new: Any
     ) -> None:
         """One batch: ``resident`` (C OrtValues) in, ``new`` (a C vector of as many
         OrtValues, from :func:`graphkit.backend.values_vector`) out."""
-        device = self._device
-        # the C values borrow the arrays, which live until this call returns
-        X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
-        data = [backend.c_ortvalue(X, device), backend.c_ortvalue(y, device)]
-        if w is not None:
-            w = np.ascontiguousarray(w)
-            data.append(backend.c_ortvalue(w, device))
-        _, state, _feeds = backend.run_forward(self.agent, data, resident)  # _feeds: live on
-        backend.run_backward(self.agent, self._grad_outputs, state, new)
+        arrays = (X, y) if w is None else (X, y, w)
+        contiguous = [np.ascontiguousarray(a) for a in arrays]
+        backend.train_batch(self.agent, contiguous, self._device, resident, self._grads, new)
 
 
 def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list[str]:
