@@ -52,9 +52,10 @@ cells = [
         "ax.set_yscale('log'); ax.set_xlabel('epoch'); ax.legend();"
     ),
     md(
-        "Each batch takes four onnxruntime runs: forward, the loss and its gradient, backward, "
-        "and one update of every weight that fuses penalty, schedule and optimizer. "
-        "`save_onnx_graph` exports them all:"
+        "Each batch takes two onnxruntime calls, the TrainingAgent's forward and backward: "
+        "the loss and its gradient run inside the forward, and one update of every weight "
+        "(penalty, schedule and optimizer fused) inside the backward. `save_onnx_graph` "
+        "exports the pieces:"
     ),
     code(
         "graphs = train_session.save_onnx_graph(bytes)\n"
