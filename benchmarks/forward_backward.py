@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from run import (
+    TURN,
     Workload,
     _graphkit_optimizer,
     graphkit_forward_backward,
@@ -139,7 +140,7 @@ def main() -> None:
         "# Forward/backward training",
         "",
         f"One epoch of {w.name}, SGD, float32, {len(w.X)} rows; best of {repeat} or more "
-        "epochs, taken in turns of 3 (the first untimed) by numpy and graphkit, then by the "
+        f"epochs, taken in turns of {TURN} (the first untimed) by numpy and graphkit, then by the "
         "seed design alone. Regenerate with `make bench`.",
         "",
         "| implementation | onnxruntime runs per batch | µs / batch | time / numpy "

@@ -9,7 +9,7 @@ shuffling: scikit-learn shuffles with its own generator), computes every batch's
 a real training loop does, and trains the same number of epochs; the table shows the
 last epoch's mean batch loss next to each time, and a contender whose loss differs from
 the first one's by more than 1e-4 (relative) is flagged. Times are the best of
-``--repeat`` epochs (the contenders take turns of 3 epochs, the first untimed, so that
+``--repeat`` epochs (the contenders take turns of 2 epochs, the first untimed, so that
 the machine's slow moments fall on all of them alike), per batch; ratios are to
 hand-written numpy and to the fastest peer (a contender that is not graphkit).
 
@@ -174,10 +174,13 @@ class NotApplicable(Exception):
 
 Epoch = Callable[[], float]
 Result = tuple[float, float]  # (seconds of the best epoch, mean batch loss of the last one)
-TURN = 3
+TURN = 2
 """Epochs a contender runs in a row, the first untimed: it absorbs what the previous
 contender left behind (thread pools still spinning: PyTorch's OpenMP threads spin for
-200 ms after a parallel region; cold caches)."""
+200 ms after a parallel region; cold caches). Short turns spread each contender's timed
+epochs over the whole workload: this machine has slow phases of 10-20 s, which turns of
+3 epochs let fall on every timed epoch of one contender (a 1.5x outlier in one run of
+three)."""
 
 
 def timed_round_robin(w: Workload, repeat: int, epochs: dict[str, Epoch]) -> dict[str, Result]:
@@ -559,7 +562,7 @@ def main() -> None:
         "",
         f"`python benchmarks/run.py` on {platform.machine()}, {THREADS} cores, CPython "
         f"{platform.python_version()}, onnxruntime-training 1.19.2. Per-batch time of the best of "
-        f"{args.repeat} or more epochs, the contenders taking turns of 3 epochs (the first "
+        f"{args.repeat} or more epochs, the contenders taking turns of {TURN} epochs (the first "
         "untimed); **x numpy** is "
         "the ratio to hand-written numpy, **x best peer** "
         "to the fastest contender that is not graphkit (lower is faster). Same data, same "
