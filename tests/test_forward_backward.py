@@ -11,6 +11,8 @@ import onnx
 import pytest
 from conftest import export_torch, linear_regression_onnx, mlp_onnx
 from onnx import numpy_helper
+from onnxscript import FLOAT, script
+from onnxscript import opset18 as op
 from sklearn.base import clone
 
 import graphkit as gk
@@ -549,3 +551,44 @@ def test_small_loss_and_update_sessions_run_serially(hidden, threads, serial):
         assert got == [1] * len(got)
     else:
         assert got[0] == (threads or 0)  # 0: onnxruntime's default, a thread per core
+
+
+@script()
+def log_cosh(prediction: FLOAT, label: FLOAT) -> FLOAT:
+    """mean log(cosh(p - y)), cosh written with Exp (Cosh has no gradient)."""
+    d = prediction - label
+    half = op.CastLike(0.5, d)
+    return op.ReduceMean(op.Log((op.Exp(d) + op.Exp(op.Neg(d))) * half), keepdims=0)
+
+
+@pytest.mark.parametrize("calls", [2, 4])
+def test_custom_loss_matches_numpy(calls):
+    """A custom loss (its gradient built by onnxruntime-training's gradient builder)
+    spliced into the agent's graph, or run as its own session: SGD on mean log cosh,
+    whose gradient is tanh(d) / n."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 3))
+    y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
+    model = zero_linear() if calls == 2 else at_opset_17(zero_linear())
+    trainer = OrtGradientForwardBackwardOptimizer(
+        model,
+        max_iter=2,
+        batch_size=8,
+        shuffle=False,
+        learning_rate=gk.LearningRateSGD(eta0=0.1, learning_rate="constant"),
+        learning_loss=gk.losses.custom_loss(log_cosh),
+    ).fit(X, y)
+    assert bool(trainer._agent_runs) == (calls == 2)
+    w, b, losses = np.zeros((3, 1)), np.zeros(1), []
+    for _ in range(2):
+        epoch = []
+        for start in range(0, 40, 8):
+            x, t = X[start : start + 8], y[start : start + 8, None]
+            d = x @ w + b - t
+            epoch.append(np.mean(np.log(np.cosh(d))))
+            g = np.tanh(d) / len(x)
+            w, b = w - 0.1 * x.T @ g, b - 0.1 * g.sum(0)
+        losses.append(np.mean(epoch))
+    np.testing.assert_allclose(trainer.get_state()["coef"], w, rtol=1e-10)
+    np.testing.assert_allclose(trainer.get_state()["intercept"], b, rtol=1e-10)
+    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
