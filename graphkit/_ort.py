@@ -84,6 +84,13 @@ class Threads:
             raise ValueError(f"execution_mode must be one of {EXECUTION_MODES}, got {mode!r}.")
         return cls(intra_op, mode)
 
+    def once_per_epoch(self) -> Threads:
+        """The settings of a session that runs once per epoch (the last, shorter batch):
+        its idle threads do not spin, or they would take cores from the next epoch's
+        first runs of the main session (a forward/backward epoch of the MLP 100-256-256-1
+        at batch 256: 1022 -> 906 us a batch)."""
+        return Threads(self.intra_op, self.mode, spinning=False)
+
 
 def session_options(threads: Threads | None = None) -> Any:
     ort = onnxruntime()

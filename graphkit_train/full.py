@@ -173,8 +173,9 @@ class OrtGradientOptimizer(BaseTrainer):
         step = self.update_step_ = self.training_step_
         if self.distributed:  # gradients and update apart, an all-reduce between them
             self._build_distributed()
-        else:
-            self._resident_session = self._session(step.model)
+        else:  # the step for any batch size runs the last, shorter batch of an epoch
+            threads = self._threads.once_per_epoch()
+            self._resident_session = inference_session(step.model, self._providers, threads)
             self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
         self.loss_ = _recorded_loss(self.train_onnx_)
@@ -256,10 +257,13 @@ class OrtGradientOptimizer(BaseTrainer):
                 X, y, w = X[order], y[order], None if w is None else w[order]
             for start in range(0, n, batch_size):
                 stop = start + batch_size
-                binding = (runner.bindings if stop <= n else self._bindings)[self._current]  # type: ignore[index]
-                self._run_batch(
-                    binding, X[start:stop], y[start:stop], None if w is None else w[start:stop]
-                )
+                weights = None if w is None else w[start:stop]
+                if stop <= n:  # a full batch: the step specialized to its size
+                    binding = runner.bindings[self._current]  # type: ignore[index]
+                    self._run_step(runner.session, binding, X[start:stop], y[start:stop], weights)
+                else:
+                    binding = self._bindings[self._current]
+                    self._run_batch(binding, X[start:stop], y[start:stop], weights)
                 self._current = 1 - self._current
         batches_run = -(-n // batch_size)
         return float(self._resident[LOSS_SUM].numpy()) / batches_run
@@ -311,12 +315,19 @@ class OrtGradientOptimizer(BaseTrainer):
         return loss, dict(zip(step.weights, grads))
 
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+        """One batch through the step built for any batch size (a last, shorter batch)."""
+        self._run_step(self._resident_session, binding, X, y, w)
+
+    def _run_step(
+        self, session: Any, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+    ) -> None:
+        """One batch through ``session``, whose ``binding`` holds the resident values."""
         step = self.training_step_
         binding.bind_cpu_input(step.features, X)
         binding.bind_cpu_input(step.label, y)
         if w is not None:
             binding.bind_cpu_input(step.sample_weight, w)
-        self._resident_session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
 
     def _run(self, session: Any, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run a session reading the current weights from the resident buffers."""

@@ -226,7 +226,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         if key not in self._agent_runs:
             step = self._agent_step(weighted)
             model = specialize(step.model, dict.fromkeys(step.data, rows))
-            session = inference_session(model, self._providers, self._threads)
+            short = rows < self.batch_size  # the last batch, once per epoch
+            threads = self._threads.once_per_epoch() if short else self._threads
+            session = inference_session(model, self._providers, threads)
             self._agent_runs[key] = AgentRun(model, session, step, self._loss_dtype, self._c_device)
         return self._agent_runs[key]
 

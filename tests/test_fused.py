@@ -636,3 +636,54 @@ def test_a_computed_scalar_takes_the_rank_of_a_large_operand(rows, reshaped):
     (out,) = inference_session(static).run(None, {"X": X})
     assert out.shape == (rows, 1)
     np.testing.assert_allclose(out, X / X.astype(np.float64).sum(), rtol=1e-6)
+
+
+class CountingSession:
+    """An InferenceSession that counts its runs."""
+
+    def __init__(self, session):
+        self.session, self.runs = session, 0
+
+    def run_with_iobinding(self, *args):
+        self.runs += 1
+        return self.session.run_with_iobinding(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def spins(session) -> bool:
+    """onnxruntime's default (no entry) spins."""
+    options = session.get_session_options()
+    try:
+        return options.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+    except RuntimeError:  # no such entry
+        return True
+
+
+def test_one_run_per_batch_uses_the_specialized_step_and_a_short_batch_does_not_spin():
+    """steps_per_run=1: the 3 full batches of 8 rows run the step specialized to 8 rows,
+    the last 2 rows the step for any size, whose idle threads do not spin into the next
+    epoch's runs (a session that runs once per epoch)."""
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(26, 10)).astype(np.float32), rng.normal(size=(26, 1))
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp_onnx(10, 4, 1)), batch_size=8, max_iter=1, steps_per_run=1
+    )
+    trainer.fit(X, y.astype(np.float32))
+    (runner,) = trainer._fused_runners.values()
+    specialized = runner.session = CountingSession(runner.session)
+    any_size = trainer._resident_session = CountingSession(trainer._resident_session)
+    trainer.set_params(warm_start=True).fit(X, y.astype(np.float32))
+    assert (specialized.runs, any_size.runs) == (3, 1)
+    assert spins(specialized.session) and not spins(any_size.session)
+
+
+def test_forward_backward_short_batch_session_does_not_spin():
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(26, 10)).astype(np.float32), rng.normal(size=(26, 1))
+    trainer = OrtGradientForwardBackwardOptimizer(mlp_onnx(10, 4, 1), batch_size=8, max_iter=1)
+    trainer.fit(X, y.astype(np.float32))
+    runs = trainer._agent_runs
+    assert set(runs) == {(False, 8), (False, 2)}
+    assert spins(runs[(False, 8)].session) and not spins(runs[(False, 2)].session)
