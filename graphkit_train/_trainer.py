@@ -38,6 +38,7 @@ from graphkit_train._base import (
     check_sample_weight,
     validation_period,
 )
+from graphkit_train.batches import epoch_batches
 from graphkit_train.distributed import ProcessGroup, digest, shard
 from graphkit_train.progress import EpochProgress
 from graphkit_train.step import LOSS, LOSS_SUM, STEP, UpdateStep, grad_name, next_name
@@ -422,19 +423,16 @@ class BaseTrainer(ParamsMixin, ABC):
         group: ProcessGroup | None,
     ) -> float:
         """One run of the resident session per batch."""
-        if order is not None:
-            X, y, w = X[order], y[order], None if w is None else w[order]
-        starts = range(0, len(X), batch_size)
         bindings, run_batch = self._bindings, self._run_batch  # the hot loop: no lookups
-        for start in starts:
-            stop = start + batch_size
-            weights = None if w is None else w[start:stop]
+        batches = 0
+        for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, batch_size):
             if group is None:
-                run_batch(bindings[self._current], X[start:stop], y[start:stop], weights)
+                run_batch(bindings[self._current], X_batch, y_batch, w_batch)
             else:
-                self._run_batch_distributed(group, X[start:stop], y[start:stop], weights)
+                self._run_batch_distributed(group, X_batch, y_batch, w_batch)
             self._current = 1 - self._current
-        return float(self._resident[LOSS_SUM].numpy()) / len(starts)
+            batches += 1
+        return float(self._resident[LOSS_SUM].numpy()) / batches
 
     def _hold_out(
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, seed: int | None

@@ -36,6 +36,7 @@ from graphkit.rewrite import (
 from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
+from graphkit_train.batches import shuffled_pieces
 from graphkit_train.epoch import scan_over_batches
 from graphkit_train.forward_backward import binding_outputs
 from graphkit_train.step import (
@@ -409,11 +410,8 @@ class FusedRunner:
     ``steps_per_run`` batches. Rows in order are fed as views of the training data (no
     copy on the CPU); shuffled rows are gathered by numpy (onnxruntime's ``Gather`` of a
     batch inside the graph costs ~8 us per 1000 rows, numpy's of a whole epoch a few), a
-    piece of ``GATHER_BYTES`` or an eighth of the data at a time, whichever is larger: the
-    copy adds at most that to the peak memory.
+    piece at a time (:func:`graphkit_train.batches.shuffled_pieces`).
     """
-
-    GATHER_BYTES = 1 << 20
 
     def __init__(
         self, step: TrainingStep, batch_size: int, session: Any, static: bool, looped: bool
@@ -483,10 +481,7 @@ class FusedRunner:
             return
         full = len(order) // b
         row_bytes = sum(a[:1].nbytes for a in self._arrays)
-        piece = max(self.GATHER_BYTES, len(order) * row_bytes // 8)
-        per_run = min(self._chunk, max(1, piece // (b * row_bytes)))
-        for start in range(0, full, per_run):
-            rows = order[start * b : min(start + per_run, full) * b]
+        for rows in shuffled_pieces(order[: full * b], b, row_bytes, self._chunk):
             # the gathered arrays live until the next iteration, after the run
             gathered = [np.take(a, rows, axis=0) for a in self._arrays]
             yield [

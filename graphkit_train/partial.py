@@ -35,6 +35,7 @@ from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, BindingCache
 from graphkit_train.agent_step import AgentRun, AgentStep, agent_step, fusable
+from graphkit_train.batches import epoch_batches
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.step import LOSS_SUM, build_update_step, grad_name
 
@@ -258,22 +259,19 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         that fails leaves the current set as the last good batch left it)."""
         if not self._fuses:
             return super()._run_rows(X, y, w, order, batch_size)
-        if order is not None:
-            X, y, w = X[order], y[order], None if w is None else w[order]
         if self._agent_sets is None:
             resident = self.update_step_.resident
             sets = [[b[n]._ortvalue for n in resident] for b in self._buffers]  # type: ignore[union-attr]
             self._agent_sets = [(sets[k], backend.values_vector(sets[1 - k])) for k in (0, 1)]
-        starts = range(0, len(X), batch_size)
         runs, sets, weighted = self._agent_runs, self._agent_sets, w is not None
-        for start in starts:
-            stop = min(start + batch_size, len(X))
-            key = (weighted, stop - start)
+        batches = 0
+        for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, batch_size):
+            key = (weighted, len(X_batch))
             run = runs[key] if key in runs else self._agent_run(*key)
-            weights = None if w is None else w[start:stop]
-            run(X[start:stop], y[start:stop], weights, *sets[self._current])
+            run(X_batch, y_batch, w_batch, *sets[self._current])
             self._current = 1 - self._current
-        return float(self._resident[LOSS_SUM].numpy()) / len(starts)
+            batches += 1
+        return float(self._resident[LOSS_SUM].numpy()) / batches
 
     # -- one batch, four calls (distributed training, the update-step path) ------------------
 

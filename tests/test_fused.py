@@ -22,12 +22,11 @@ from graphkit._graph import all_graphs
 from graphkit._ort import inference_session
 from graphkit.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
 from graphkit.static_shapes import broadcast_gradient_args, specialize
-from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
-from graphkit_train.full import FusedRunner
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer, batches
 from graphkit_train.step import PACKED, build_update_step
 
 # (steps_per_run, static_shapes, bytes of shuffled rows gathered per run)
-ALL = FusedRunner.GATHER_BYTES
+ALL = batches.GATHER_BYTES
 RUNS = [(1, False, ALL), (1, True, ALL), (3, True, ALL), ("epoch", True, ALL)]
 RUNS += [("epoch", False, ALL), ("epoch", True, 1), (4, True, 1000)]
 
@@ -64,7 +63,7 @@ def test_every_way_of_running_equals_numpy_sgd(
 ):
     """53 rows at batch 10: five full batches and a short one, weighted rows, shuffled
     (gathered a batch, two batches or all batches at a time)."""
-    monkeypatch.setattr(FusedRunner, "GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(53, 4))
     y = rng.normal(size=(53, 1))
@@ -81,6 +80,39 @@ def test_every_way_of_running_equals_numpy_sgd(
         static_shapes=static_shapes,
     )
     trainer.fit(X, y, sample_weight=w)
+    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
+    state = trainer.get_state()
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
+    assert int(state["step"]) == 18
+
+
+@pytest.mark.parametrize("calls", [2, 4])
+@pytest.mark.parametrize("gather_bytes", [ALL, 1, 1000])
+def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, calls, monkeypatch):
+    """Forward/backward training on the same 53 shuffled, weighted rows of 48 bytes,
+    gathered a batch at a time (an eighth of the data, 318 bytes, is less than a batch),
+    two batches (1000 bytes) or all at once: numpy's SGD, in two-call and four-call
+    batches."""
+    monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(53, 4))
+    y = rng.normal(size=(53, 1))
+    w = rng.uniform(0.5, 2.0, size=53)
+    model = mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+    if calls == 4:
+        model.opset_import[0].version = 17  # older than the loss and update graphs
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    trainer = OrtGradientForwardBackwardOptimizer(
+        model,
+        max_iter=3,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.05),
+        random_state=7,
+    )
+    trainer.fit(X, y, sample_weight=w)
+    assert bool(trainer._agent_runs) == (calls == 2)
     expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
     state = trainer.get_state()
     for name, value in expected.items():
