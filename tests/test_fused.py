@@ -57,19 +57,36 @@ def mlp_sgd_numpy(weights, X, y, w, batch_size, lr, epochs, seed):
     return {"W1": W1, "b1": b1, "W2": W2, "b2": b2}, losses
 
 
-@pytest.mark.parametrize("steps_per_run, static_shapes, gather_bytes", RUNS)
-def test_every_way_of_running_equals_numpy_sgd(
-    steps_per_run, static_shapes, gather_bytes, monkeypatch
-):
-    """53 rows at batch 10: five full batches and a short one, weighted rows, shuffled
-    (gathered a batch, two batches or all batches at a time)."""
-    monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
+def weighted_rows():
+    """53 rows at batch 10 (five full batches and a short one), weighted, and a float64
+    MLP 4-5-1."""
     rng = np.random.default_rng(0)
     X = rng.normal(size=(53, 4))
     y = rng.normal(size=(53, 1))
     w = rng.uniform(0.5, 2.0, size=53)
-    model = mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+    return X, y, w, mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+
+
+def assert_numpy_sgd(trainer, model, X, y, w):
+    """The trainer, fitted for 3 shuffled epochs (random_state=7) of SGD at lr 0.05 from
+    ``model``'s weights, holds what mlp_sgd_numpy computes."""
     initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
+    state = trainer.get_state()
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
+    assert int(state["step"]) == 18
+
+
+@pytest.mark.parametrize("steps_per_run, static_shapes, gather_bytes", RUNS)
+def test_every_way_of_running_equals_numpy_sgd(
+    steps_per_run, static_shapes, gather_bytes, monkeypatch
+):
+    """Weighted, shuffled rows (gathered a batch, two batches or all batches at a time)
+    with a short last batch, whichever way full training runs them."""
+    monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
+    X, y, w, model = weighted_rows()
     trainer = OrtGradientOptimizer(
         gk.add_loss_output(model, weight_name="weight"),
         max_iter=3,
@@ -78,47 +95,29 @@ def test_every_way_of_running_equals_numpy_sgd(
         random_state=7,
         steps_per_run=steps_per_run,
         static_shapes=static_shapes,
-    )
-    trainer.fit(X, y, sample_weight=w)
-    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
-    state = trainer.get_state()
-    for name, value in expected.items():
-        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
-    assert int(state["step"]) == 18
+    ).fit(X, y, sample_weight=w)
+    assert_numpy_sgd(trainer, model, X, y, w)
 
 
 @pytest.mark.parametrize("calls", [2, 4])
 @pytest.mark.parametrize("gather_bytes", [ALL, 1, 1000])
 def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, calls, monkeypatch):
-    """Forward/backward training on the same 53 shuffled, weighted rows of 48 bytes,
-    gathered a batch at a time (an eighth of the data, 318 bytes, is less than a batch),
-    two batches (1000 bytes) or all at once: numpy's SGD, in two-call and four-call
-    batches."""
+    """Forward/backward training on the same rows of 48 bytes, gathered a batch at a time
+    (an eighth of the data, 318 bytes, is less than a batch), two batches (1000 bytes) or
+    all at once, in two-call and four-call batches."""
     monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(53, 4))
-    y = rng.normal(size=(53, 1))
-    w = rng.uniform(0.5, 2.0, size=53)
-    model = mlp_onnx(4, 5, 1, dtype=np.float64, scale=0.5)
+    X, y, w, model = weighted_rows()
     if calls == 4:
         model.opset_import[0].version = 17  # older than the loss and update graphs
-    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     trainer = OrtGradientForwardBackwardOptimizer(
         model,
         max_iter=3,
         batch_size=10,
         learning_rate=optimizers.sgd(learning_rate=0.05),
         random_state=7,
-    )
-    trainer.fit(X, y, sample_weight=w)
+    ).fit(X, y, sample_weight=w)
     assert bool(trainer._agent_runs) == (calls == 2)
-    expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
-    state = trainer.get_state()
-    for name, value in expected.items():
-        np.testing.assert_allclose(state[name], value, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(trainer.train_losses_, losses, rtol=1e-10)
-    assert int(state["step"]) == 18
+    assert_numpy_sgd(trainer, model, X, y, w)
 
 
 @pytest.mark.parametrize("hidden, lowered", [(6, False), (512, True)])
