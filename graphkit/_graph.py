@@ -361,6 +361,14 @@ def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def renamed_value(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    """A copy of ``value`` (type and shape) under another name."""
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(value)
+    out.name = name
+    return out
+
+
 def namer(base: str, taken: set[str]) -> Callable[[str], str]:
     """Fresh tensor names under one prefix, for the nodes that replace one node."""
     prefix = fresh_name(base, taken)

@@ -28,10 +28,18 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from graphkit import backend
-from graphkit._graph import fresh_name, graph_names, splice, static_shape
+from graphkit._graph import (
+    copy_model,
+    fresh_name,
+    graph_names,
+    int_constant,
+    renamed_value,
+    splice,
+    static_shape,
+)
 from graphkit.compat import opset_of
 from graphkit_train.step import LOSS, UpdateStep, grad_name, next_name
 
@@ -82,8 +90,7 @@ def agent_step(
         gradient_of: gradient output of ``gradient`` -> public weight name.
         features: the feature input of ``gradient``.
     """
-    model = onnx.ModelProto()
-    model.CopyFrom(gradient)
+    model = copy_model(gradient)
     graph = model.graph
     nodes = list(graph.node)
     yields = [i for i, n in enumerate(nodes) if n.op_type == YIELD]
@@ -115,7 +122,7 @@ def agent_step(
     reshape = []
     if dloss_shape:
         yielded = fresh_name(f"{loss_value}/yielded", taken)
-        reshape = [_reshape(graph, loss_value, dloss_shape, yielded, taken)]
+        reshape = _reshape(loss_value, dloss_shape, yielded, taken)
     new_yield = onnx.NodeProto()
     new_yield.CopyFrom(old_yield)
     new_yield.input[:] = [yielded]
@@ -135,16 +142,20 @@ def agent_step(
 
     values = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
     inputs = {i.name: i for i in graph.input}
-    data_inputs = [inputs[features], _renamed(values["label"], label)]
+    data_inputs = [inputs[features], renamed_value(values["label"], label)]
     if weight is not None:
-        data_inputs.append(_renamed(values["weight"], weight))
-    resident_inputs = [inputs.get(carried[r]) or _renamed(values[r], carried[r]) for r in resident]
+        data_inputs.append(renamed_value(values["weight"], weight))
+    resident_inputs = [
+        inputs.get(carried[r]) or renamed_value(values[r], carried[r]) for r in resident
+    ]
     del graph.input[:]
     graph.input.extend([*data_inputs, *resident_inputs])
     outputs = {o.name: o for o in update.model.graph.output}
     fetched = _after_yield(graph, dloss, [produced[next_name(r)] for r in resident])
     del graph.output[:]
-    graph.output.extend(_renamed(outputs[next_name(r)], name) for r, name in zip(resident, fetched))
+    graph.output.extend(
+        renamed_value(outputs[next_name(r)], name) for r, name in zip(resident, fetched)
+    )
     return AgentStep(
         model=model,
         data=[i.name for i in data_inputs],
@@ -199,7 +210,7 @@ def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list
         return outputs
     taken = graph_names(graph)
     scalar = fresh_name(f"{dloss}/scalar", taken)  # a condition that broadcasts to any rank
-    graph.node.append(_reshape(graph, dloss, (), scalar, taken))
+    graph.node.extend(_reshape(dloss, (), scalar, taken))
     gate = fresh_name(f"{dloss}/is_nan", taken)
     graph.node.append(helper.make_node("IsNaN", [scalar], [gate], name=gate))
     gated = {}
@@ -211,19 +222,9 @@ def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list
     return [gated.get(o, o) for o in outputs]
 
 
-def _reshape(
-    graph: onnx.GraphProto, x: str, shape: tuple[int, ...], out: str, taken: set[str]
-) -> onnx.NodeProto:
+def _reshape(x: str, shape: tuple[int, ...], out: str, taken: set[str]) -> list[onnx.NodeProto]:
     target = fresh_name(f"{out}/shape", taken)
-    graph.initializer.append(numpy_helper.from_array(np.array(shape, dtype=np.int64), target))
-    return helper.make_node("Reshape", [x, target], [out], name=out)
-
-
-def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
-    copy = onnx.ValueInfoProto()
-    copy.CopyFrom(value)
-    copy.name = name
-    return copy
+    return [int_constant(target, list(shape)), helper.make_node("Reshape", [x, target], [out])]
 
 
 __all__ = ["AgentRun", "AgentStep", "agent_step", "fusable"]

@@ -22,18 +22,11 @@ from collections.abc import Sequence
 import onnx
 from onnx import TensorProto, helper
 
-from graphkit._graph import graph_names, int_constant, rename_tensors
+from graphkit._graph import graph_names, int_constant, rename_tensors, renamed_value
 
 make = helper.make_node
 PERMUTATION, BATCH_SIZE, BATCH_LOSSES = "permutation", "batch_size", "batch_losses"
 RESERVED = {PERMUTATION, BATCH_SIZE, BATCH_LOSSES}
-
-
-def _renamed(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(value)
-    out.name = name
-    return out
 
 
 def _scalar(name: str, elem: int, value: object) -> onnx.NodeProto:
@@ -68,14 +61,14 @@ class _Body:
         graph.name = "graphkit_training_step"
 
     def carried_inputs(self) -> list[onnx.ValueInfoProto]:
-        return [_renamed(self.inputs[n], self.scoped[n]) for n in self.carried]
+        return [renamed_value(self.inputs[n], self.scoped[n]) for n in self.carried]
 
     def carried_outputs(self, batch_losses: bool) -> list[onnx.ValueInfoProto]:
         names = [f"{n}.next" for n in self.carried] + ([self.loss] if batch_losses else [])
-        return [_renamed(self.outputs[n], self.scoped[n]) for n in names]
+        return [renamed_value(self.outputs[n], self.scoped[n]) for n in names]
 
     def outer_outputs(self, batch_losses: bool) -> list[onnx.ValueInfoProto]:
-        carried = [_renamed(self.outputs[f"{n}.next"], f"{n}.next") for n in self.carried]
+        carried = [renamed_value(self.outputs[f"{n}.next"], f"{n}.next") for n in self.carried]
         losses = [helper.make_tensor_value_info(BATCH_LOSSES, self.loss_elem, ["batches"])]
         return carried + (losses if batch_losses else [])
 
