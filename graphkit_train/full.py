@@ -36,7 +36,7 @@ from graphkit.rewrite import (
 from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer
-from graphkit_train.batches import shuffled_pieces
+from graphkit_train.batches import epoch_batches, shuffled_pieces
 from graphkit_train.epoch import scan_over_batches
 from graphkit_train.forward_backward import binding_outputs
 from graphkit_train.step import (
@@ -254,17 +254,12 @@ class OrtGradientOptimizer(BaseTrainer):
                 )
                 self._current = 1 - self._current
         else:
-            if order is not None:
-                X, y, w = X[order], y[order], None if w is None else w[order]
-            for start in range(0, n, batch_size):
-                stop = start + batch_size
-                weights = None if w is None else w[start:stop]
-                if stop <= n:  # a full batch: the step specialized to its size
+            for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, batch_size):
+                if len(X_batch) == batch_size:  # a full batch: the step specialized to it
                     binding = runner.bindings[self._current]  # type: ignore[index]
-                    self._run_step(runner.session, binding, X[start:stop], y[start:stop], weights)
+                    self._run_step(runner.session, binding, X_batch, y_batch, w_batch)
                 else:
-                    binding = self._bindings[self._current]
-                    self._run_batch(binding, X[start:stop], y[start:stop], weights)
+                    self._run_batch(self._bindings[self._current], X_batch, y_batch, w_batch)
                 self._current = 1 - self._current
         batches_run = -(-n // batch_size)
         return float(self._resident[LOSS_SUM].numpy()) / batches_run

@@ -35,9 +35,8 @@ from graphkit.static_shapes import specialize
 from graphkit_train._base import input_value, providers_for, select_learning_rate
 from graphkit_train._trainer import BaseTrainer, BindingCache
 from graphkit_train.agent_step import AgentRun, AgentStep, agent_step, fusable
-from graphkit_train.batches import epoch_batches
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
-from graphkit_train.step import LOSS_SUM, build_update_step, grad_name
+from graphkit_train.step import build_update_step, grad_name
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
@@ -244,41 +243,30 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
     def _bind_scratch(self, binding: Any) -> None:
         """The update step has no output besides the resident ones."""
 
-    # -- one epoch, two calls per batch -----------------------------------------------------
-
-    def _run_rows(
-        self,
-        X: np.ndarray,
-        y: np.ndarray,
-        w: np.ndarray | None,
-        order: np.ndarray | None,
-        batch_size: int,
-    ) -> float:
-        """One epoch of two-call batches: each forward reads the current buffer set, its
-        backward writes the new weights and optimizer state into the other one (a batch
-        that fails leaves the current set as the last good batch left it)."""
-        if not self._fuses:
-            return super()._run_rows(X, y, w, order, batch_size)
-        if self._agent_sets is None:
-            resident = self.update_step_.resident
-            sets = [[b[n]._ortvalue for n in resident] for b in self._buffers]  # type: ignore[union-attr]
-            self._agent_sets = [(sets[k], backend.values_vector(sets[1 - k])) for k in (0, 1)]
-        runs, sets, weighted = self._agent_runs, self._agent_sets, w is not None
-        batches = 0
-        for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, batch_size):
-            key = (weighted, len(X_batch))
-            run = runs[key] if key in runs else self._agent_run(*key)
-            run(X_batch, y_batch, w_batch, *sets[self._current])
-            self._current = 1 - self._current
-            batches += 1
-        return float(self._resident[LOSS_SUM].numpy()) / batches
-
-    # -- one batch, four calls (distributed training, the update-step path) ------------------
-
     def _buffers_changed(self) -> None:
         self._weight_feeds: list[list[Any]] | None = None
-        # per buffer set k: (its C values, a C vector of the other set's, written into)
-        self._agent_sets: list[tuple[list[Any], Any]] | None = None
+        # per buffer set k: its C values, and a C vector of the other set's, written into
+        resident = self.update_step_.resident
+        sets = [[b[n]._ortvalue for n in resident] for b in self._buffers]  # type: ignore[union-attr]
+        self._agent_sets = [(sets[k], backend.values_vector(sets[1 - k])) for k in (0, 1)]
+
+    # -- one batch -------------------------------------------------------------------------
+
+    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+        """Two calls (the agent's forward with the loss, its backward with the update: it
+        reads the current buffer set and writes the other, so a batch that fails leaves
+        the current set as the last good batch left it) or, where the pieces cannot be
+        fused, four."""
+        if self._fuses:
+            key, runs = (w is not None, len(X)), self._agent_runs
+            run = runs[key] if key in runs else self._agent_run(*key)
+            run(X, y, w, *self._agent_sets[self._current])
+            return
+        loss, gradients = self._backward(X, y, w)
+        names = self._update_inputs
+        self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
+
+    # -- four calls (distributed training, graphs older than the pieces' opset) -------------
 
     def _feeds(self, features: Any) -> list[Any]:
         """The forward's C OrtValues in feed order: the features (a C OrtValue) and the
@@ -336,11 +324,6 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
     def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         loss, gradients = self._backward(X, y, w)
         return loss, dict(zip(self._gradient_of, backend.wrap(gradients)))
-
-    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
-        loss, gradients = self._backward(X, y, w)
-        names = self._update_inputs
-        self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
 
     # -- using the trained weights ---------------------------------------------------------
 
