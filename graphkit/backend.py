@@ -192,29 +192,16 @@ def run_forward(agent: Any, feeds: Sequence[Any]) -> tuple[Any, Any, Any]:
     The state and the feeds vector must live until the matching backward.
     """
     C = _capi()
-    vector = C.OrtValueVector()
-    vector.reserve(len(feeds))
-    for value in feeds:
-        vector.push_back(value)
+    vector = values_vector(feeds)
     fetches, state = C.OrtValueVector(), C.PartialGraphExecutionState()
-    try:
-        agent.run_forward(vector, fetches, state, C.OrtValueCache())
-    except Exception as exc:
-        raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
+    _forward(agent, vector, fetches, state)
     return fetches, state, vector
 
 
 def run_backward(agent: Any, grad_outputs: Sequence[Any], state: Any) -> Any:
     """The fetches vector of the backward matching the forward that made ``state``."""
-    C = _capi()
-    vector = C.OrtValueVector()
-    for value in grad_outputs:
-        vector.push_back(value)
-    fetches = C.OrtValueVector()
-    try:
-        agent.run_backward(vector, fetches, state)
-    except Exception as exc:
-        raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
+    fetches = _capi().OrtValueVector()
+    _backward(agent, values_vector(grad_outputs), fetches, state)
     return fetches
 
 
@@ -228,8 +215,8 @@ def train_batch(
 ) -> None:
     """A forward on ``arrays`` (C-contiguous, borrowed until the call returns) followed by
     the C OrtValues ``carried``, then its backward fed the C vector ``grads``, writing its
-    outputs into ``new`` (a C vector of allocated OrtValues). The hot loop of
-    forward/backward training: every lookup is hoisted out of it."""
+    outputs into ``new`` (a C vector of allocated OrtValues): a forward/backward training
+    batch, with its lookups hoisted (it is the hot loop)."""
     C = _capi()
     from_numpy = C.OrtValue.ortvalue_from_numpy
     feeds = C.OrtValueVector()
@@ -239,14 +226,8 @@ def train_batch(
     for value in carried:
         push(value)
     outputs, state = C.OrtValueVector(), C.PartialGraphExecutionState()  # live until backward
-    try:
-        agent.run_forward(feeds, outputs, state, C.OrtValueCache())
-    except Exception as exc:
-        raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
-    try:
-        agent.run_backward(grads, new, state)
-    except Exception as exc:
-        raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
+    _forward(agent, feeds, outputs, state)
+    _backward(agent, grads, new, state)
 
 
 def values_vector(values: Sequence[Any]) -> Any:
@@ -256,6 +237,20 @@ def values_vector(values: Sequence[Any]) -> Any:
     for value in values:
         vector.push_back(value)
     return vector
+
+
+def _forward(agent: Any, feeds: Any, fetches: Any, state: Any) -> None:
+    try:
+        agent.run_forward(feeds, fetches, state, _capi().OrtValueCache())
+    except Exception as exc:
+        raise RuntimeError(f"forward failed in onnxruntime: {_short(exc)}") from exc
+
+
+def _backward(agent: Any, grads: Any, fetches: Any, state: Any) -> None:
+    try:
+        agent.run_backward(grads, fetches, state)
+    except Exception as exc:
+        raise RuntimeError(f"backward failed in onnxruntime: {_short(exc)}") from exc
 
 
 # -- devices and values -------------------------------------------------------------------------
