@@ -4,7 +4,16 @@ Losses, penalties, optimizers and learning-rate schedules are onnxscript functio
 (:mod:`graphkit.losses`, :mod:`graphkit.penalties`, :mod:`graphkit.optimizers`,
 :mod:`graphkit.schedules`); :mod:`graphkit.rewrite` turns a prediction graph into a
 training graph. The training runtime lives in ``graphkit_train``.
+
+The seed library's classes (``LearningRateSGD``, ``SquareLearningLoss``...) live in
+:mod:`graphkit.seed`; ``graphkit.LearningRateSGD`` still finds them, but they are not
+part of graphkit's own names (``__all__``).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from graphkit import (
     compat,
@@ -28,26 +37,6 @@ from graphkit.errors import (
     UnknownNameError,
 )
 from graphkit.gradient import gradient_model
-from graphkit.learning import (
-    AbsoluteLearningLoss,
-    BaseLearningLoss,
-    BaseLearningOnnx,
-    BaseLearningPenalty,
-    BaseLearningRate,
-    ElasticLearningLoss,
-    ElasticLearningPenalty,
-    HuberLearningLoss,
-    LearningRateAdagrad,
-    LearningRateAdam,
-    LearningRateAdamW,
-    LearningRateRMSProp,
-    LearningRateSGD,
-    LearningRateSGDNesterov,
-    NegLogLearningLoss,
-    NoLearningPenalty,
-    SoftmaxCrossEntropyLearningLoss,
-    SquareLearningLoss,
-)
 from graphkit.losses import Loss, custom_loss
 from graphkit.optimizers import Optimizer
 from graphkit.penalties import Penalty, custom_penalty
@@ -65,36 +54,18 @@ from graphkit.transforms import GradientTransformation, chain
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbsoluteLearningLoss",
-    "BaseLearningLoss",
-    "BaseLearningOnnx",
-    "BaseLearningPenalty",
-    "BaseLearningRate",
     "ConvergenceError",
     "DTypeError",
-    "ElasticLearningLoss",
-    "ElasticLearningPenalty",
     "GraphkitError",
-    "HuberLearningLoss",
     "IncompatibleModelError",
-    "LearningRateAdagrad",
-    "LearningRateAdam",
-    "LearningRateAdamW",
-    "LearningRateRMSProp",
-    "LearningRateSGD",
-    "LearningRateSGDNesterov",
     "Loss",
     "MissingGradientError",
-    "NegLogLearningLoss",
-    "NoLearningPenalty",
     "NotFittedError",
     "GradientTransformation",
     "Optimizer",
     "Penalty",
     "Schedule",
     "ShapeError",
-    "SoftmaxCrossEntropyLearningLoss",
-    "SquareLearningLoss",
     "UnknownNameError",
     "add_loss_output",
     "chain",
@@ -116,3 +87,14 @@ __all__ = [
     "transforms",
     "set_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The seed's classes, kept importable as ``graphkit.LearningRateSGD`` for existing
+    code: loaded from :mod:`graphkit.seed` when first asked for."""
+    seed = importlib.import_module("graphkit.seed")
+    if name == "seed":
+        return seed
+    if name in seed.__all__:
+        return getattr(seed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -579,21 +579,21 @@ def _check_signature(model: onnx.ModelProto, weighted: bool, name: str) -> None:
 LOSSES: Registry[Loss] = Registry("loss")
 
 
-@LOSSES.register("squared_error", "square_error", "l2", "mse", "SquareLearningLoss")
+@LOSSES.register("squared_error", "square_error", "l2", "mse")
 def squared_error_loss(reduction: str = "mean") -> Loss:
     """l = sum_j (p_j - y_j)^2 per sample."""
     kernels = _regression_kernels(squared_error, squared_error_derivative)
     return Loss("squared_error", REGRESSION, kernels=kernels, reduction=reduction)
 
 
-@LOSSES.register("absolute_error", "l1", "mae", "AbsoluteLearningLoss")
+@LOSSES.register("absolute_error", "l1", "mae")
 def absolute_error_loss(reduction: str = "mean") -> Loss:
     """l = sum_j |p_j - y_j| per sample; gradient sign(p - y), 0 at p = y."""
     kernels = _regression_kernels(absolute_error, absolute_error_derivative)
     return Loss("absolute_error", REGRESSION, kernels=kernels, reduction=reduction)
 
 
-@LOSSES.register("elastic", "elastic_error", "ElasticLearningLoss")
+@LOSSES.register("elastic", "elastic_error")
 def elastic_loss(l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str = "mean") -> Loss:
     """l = sum_j l1_weight |d_j| + l2_weight d_j^2 with d = p - y."""
     _check_nonnegative(l1_weight=l1_weight, l2_weight=l2_weight)
@@ -602,7 +602,7 @@ def elastic_loss(l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str 
     return Loss("elastic", REGRESSION, kernels=kernels, reduction=reduction, params=params)
 
 
-@LOSSES.register("huber", "HuberLearningLoss")
+@LOSSES.register("huber")
 def huber_loss(delta: float = 1.0, reduction: str = "mean") -> Loss:
     """l = sum_j huber(d_j): d^2/2 inside [-delta, delta], delta (|d| - delta/2) outside.
 
@@ -614,7 +614,7 @@ def huber_loss(delta: float = 1.0, reduction: str = "mean") -> Loss:
     return Loss("huber", REGRESSION, kernels=kernels, reduction=reduction, params={"delta": delta})
 
 
-@LOSSES.register("sigmoid_log_loss", "logistic", "neg_log", "NegLogLearningLoss")
+@LOSSES.register("sigmoid_log_loss", "logistic", "neg_log")
 def sigmoid_log_loss(reduction: str = "mean") -> Loss:
     """Binary log loss from a raw score s: log(1 + exp(s)) - y s; gradient sigmoid(s) - y.
 
@@ -679,7 +679,7 @@ def _one_column(shape: Shape) -> bool:
     return len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
 
 
-@LOSSES.register("cross_entropy", "softmax_cross_entropy", "SoftmaxCrossEntropyLearningLoss")
+@LOSSES.register("cross_entropy", "softmax_cross_entropy")
 def cross_entropy(reduction: str = "mean") -> Loss:
     """Softmax cross-entropy from logits z (N, K): logsumexp(z) - z_y.
 
@@ -701,7 +701,8 @@ def _rebuild(name: str, params: dict[str, Any]) -> Loss:
 
 
 def get(name: str | Loss, **kwargs: Any) -> Loss:
-    """The loss registered as ``name`` (an alias or a seed class name works too).
+    """The loss registered as ``name`` or an alias (the seed's class names are objects
+    of :mod:`graphkit.seed`, not names).
 
     >>> get("huber", delta=2.0)
     Loss('huber', delta=2.0, reduction='mean')
@@ -714,9 +715,9 @@ def get(name: str | Loss, **kwargs: Any) -> Loss:
 
 
 def resolve(loss: Any) -> Loss:
-    """The loss a trainer's ``learning_loss`` stands for: a :class:`Loss`, a registered
-    name or alias (the seed's class names included), or an object with ``to_loss()``
-    (the seed's ``*LearningLoss`` instances)."""
+    """The loss a trainer's ``loss`` (the seed's ``learning_loss``) stands for: a
+    :class:`Loss`, a registered name or alias, or an object with ``to_loss()`` (the
+    seed's ``*LearningLoss`` instances)."""
     if isinstance(loss, (Loss, str)):
         return get(loss)
     if hasattr(loss, "to_loss"):

@@ -28,7 +28,6 @@ import numpy as np
 import onnx
 
 from graphkit.dsl import FLOAT, INT64, op, script
-from graphkit.errors import UnknownNameError
 from graphkit.registry import Registry
 from graphkit.transforms import (
     OPEN,
@@ -677,16 +676,24 @@ def get(name: str | GradientTransformation, **kwargs: Any) -> GradientTransforma
     return OPTIMIZERS.get(name, **kwargs)
 
 
-def resolve(learning_rate: Any, default_rate: float = 0.01) -> GradientTransformation:
-    """The transformation a trainer's ``learning_rate`` argument stands for.
+DEFAULT_LEARNING_RATE = 0.01
+"""The constant rate that fills an open learning rate when a trainer is given none."""
+
+
+def resolve(
+    learning_rate: Any, default_rate: float = DEFAULT_LEARNING_RATE
+) -> GradientTransformation:
+    """The transformation a seed trainer's ``learning_rate`` argument stands for.
 
     * a number: plain SGD at that constant rate;
+    * a name: the optimizer :func:`get` gives, an open rate at ``default_rate``
+      (``"SGD"``, ``"sgd"`` and ``"Sgd"`` are one constant-rate SGD; the seed's
+      ``LearningRateSGD``, SGD with the invscaling schedule, is an object of
+      :mod:`graphkit.seed`);
     * a gradient transformation: itself, an open rate filled at ``default_rate``;
-    * ``(transformation, schedule)``: the schedule (a Schedule, its name or a number)
-      fills the transformation's open rate;
-    * an object with ``to_transformation()`` (the seed's ``LearningRate*`` classes);
-    * a name: a preset from :data:`PRESETS` (the seed's names, ``"SGD"``...), else a
-      registered optimizer at ``default_rate``.
+    * ``(transformation or name, schedule)``: the schedule (a Schedule, its name or a
+      number) fills the transformation's open rate;
+    * an object with ``to_transformation()`` (the seed's ``LearningRate*`` classes).
     """
     from graphkit import schedules
 
@@ -696,6 +703,8 @@ def resolve(learning_rate: Any, default_rate: float = 0.01) -> GradientTransform
         if not learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
         return sgd(learning_rate=float(learning_rate))
+    if isinstance(learning_rate, str):
+        learning_rate = get(learning_rate)
     if isinstance(learning_rate, GradientTransformation):
         if learning_rate.has_open_learning_rate:
             return learning_rate.with_learning_rate(default_rate)
@@ -708,25 +717,11 @@ def resolve(learning_rate: Any, default_rate: float = 0.01) -> GradientTransform
             return optimizer.with_learning_rate(schedules.get(schedule))
     if hasattr(learning_rate, "to_transformation"):
         return learning_rate.to_transformation()
-    if isinstance(learning_rate, str):
-        if learning_rate in PRESETS:
-            return PRESETS.get(learning_rate)
-        if learning_rate not in OPTIMIZERS:
-            raise UnknownNameError(
-                f"Unknown learning rate {learning_rate!r}. Valid choices: the optimizers "
-                f"{OPTIMIZERS.names()} and the presets {sorted(PRESETS.spellings())}."
-            )
-        return get(learning_rate).with_learning_rate(default_rate)
     raise TypeError(
-        "learning_rate must be a float, a name ('SGD', 'adam'...), a gradient "
+        "learning_rate must be a float, an optimizer name ('sgd', 'adam'...), a gradient "
         "transformation, a (transformation, schedule) pair or a LearningRate* object, "
         f"not {learning_rate!r}."
     )
-
-
-PRESETS: Registry[GradientTransformation] = Registry("learning rate preset")
-"""Names that stand for an optimizer *with* its schedule (the seed's ``"SGD"`` is SGD
-with scikit-learn's invscaling schedule); :mod:`graphkit.learning` registers them."""
 
 
 def update_model(
@@ -753,9 +748,9 @@ def update_model(
 
 
 __all__ = [
+    "DEFAULT_LEARNING_RATE",
     "OPEN",
     "OPTIMIZERS",
-    "PRESETS",
     "Optimizer",
     "adadelta",
     "adafactor",

@@ -176,7 +176,7 @@ class Penalty:
 PENALTIES: Registry[Penalty] = Registry("penalty")
 
 
-@PENALTIES.register("none", "NoLearningPenalty")
+@PENALTIES.register("none")
 def no_penalty() -> Penalty:
     """No penalty."""
     return Penalty(name="none")
@@ -194,7 +194,7 @@ def l2(alpha: float = 1e-4, weights: Iterable[str] | None = None) -> Penalty:
     return elastic(0.0, alpha, weights)
 
 
-@PENALTIES.register("elastic", "elasticnet", "ElasticLearningPenalty")
+@PENALTIES.register("elastic", "elasticnet")
 def elastic(l1: float = 0.5, l2: float = 0.5, weights: Iterable[str] | None = None) -> Penalty:
     """l1 sum|w| + l2 sum w^2 on ``weights`` (all when None)."""
     if weights is None:
@@ -250,9 +250,9 @@ def get(name: str | Penalty | None, **kwargs: Any) -> Penalty:
 
 
 def resolve(penalty: Any) -> Penalty:
-    """The penalty a trainer's ``learning_penalty`` stands for: None (no penalty), a
-    :class:`Penalty`, a registered name, or an object with ``to_penalty()`` (the seed's
-    ``*LearningPenalty`` instances)."""
+    """The penalty a trainer's ``penalty`` (the seed's ``learning_penalty``) stands
+    for: None (no penalty), a :class:`Penalty`, a registered name, or an object with
+    ``to_penalty()`` (the seed's ``*LearningPenalty`` instances)."""
     if penalty is None or isinstance(penalty, (Penalty, str)):
         return get(penalty)
     if hasattr(penalty, "to_penalty"):

@@ -14,6 +14,14 @@ def _key(name: str) -> str:
     return name.lower().replace("-", "_")
 
 
+def _seed_hint(kind: str, name: object) -> str:
+    """The object to use when ``name`` is one of the seed library's names, which no
+    registry holds (``"SquareLearningLoss"``, ``"SGDNesterov"``)."""
+    from graphkit.seed import hint  # only on this error path: the core does not need it
+
+    return hint(kind, name)
+
+
 class Registry(Generic[T]):
     """Factories registered under a canonical name and aliases.
 
@@ -57,6 +65,7 @@ class Registry(Generic[T]):
             )
             raise UnknownNameError(
                 f"Unknown {self.kind} {name!r}. Valid names (aliases): {listed}."
+                + _seed_hint(self.kind, name)
             ) from None
 
     def get(self, name: str, **kwargs: object) -> T:

@@ -1,11 +1,16 @@
 """graphkit_train: the training runtime.
 
-* :class:`OrtGradientOptimizer`: full training; the loss is part of the graph and one
-  fused ONNX graph per step does forward, gradient and update.
+* :class:`Trainer`: full training; the loss is part of the graph and one fused ONNX
+  graph per step does forward, gradient and update. ``optimizer=`` and ``schedule=``
+  are graphkit's names (:mod:`graphkit.optimizers`, :mod:`graphkit.schedules`).
+* :class:`ForwardBackwardTrainer`: forward/backward training of a prediction graph,
+  with graphkit's ``loss=``, ``penalty=``, ``optimizer=`` and ``schedule=``.
+* :class:`OrtGradientOptimizer` and :class:`OrtGradientForwardBackwardOptimizer`: the
+  same two trainers with the seed library's API (``learning_rate``, ``learning_loss``,
+  ``learning_penalty``; by default the seed's ``LearningRateSGD``, SGD with the
+  invscaling schedule).
 * :class:`OrtGradientForwardBackward`: forward and backward passes of an ONNX graph
   (onnxruntime-training's TrainingAgent), for any training framework.
-* :class:`OrtGradientForwardBackwardOptimizer`: forward/backward training with the
-  seed's ``learning_loss``, ``learning_rate`` and ``learning_penalty``.
 * :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
 * :mod:`graphkit_train.distributed`: data-parallel training on ``torch.distributed``
   (``distributed=True`` in both trainers, launched with ``torchrun``).
@@ -14,17 +19,19 @@
 from graphkit_train import checkpoint, distributed
 from graphkit_train.checkpoint import CheckpointError
 from graphkit_train.forward_backward import OrtGradientForwardBackward
-from graphkit_train.full import OrtGradientOptimizer
-from graphkit_train.partial import OrtGradientForwardBackwardOptimizer
+from graphkit_train.full import OrtGradientOptimizer, Trainer
+from graphkit_train.partial import ForwardBackwardTrainer, OrtGradientForwardBackwardOptimizer
 from graphkit_train.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 
 __all__ = [
     "CheckpointError",
     "checkpoint",
     "distributed",
+    "ForwardBackwardTrainer",
     "OrtGradientForwardBackward",
     "OrtGradientForwardBackwardOptimizer",
     "OrtGradientOptimizer",
+    "Trainer",
     "TrainingStep",
     "UpdateStep",
     "build_training_step",

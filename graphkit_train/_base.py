@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import optimizers
+from graphkit import optimizers, schedules
 from graphkit._graph import static_shape
 from graphkit.backend import CUDA_HINT, providers_for  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError
@@ -111,12 +111,46 @@ class ParamsMixin:
         return f"{type(self).__name__}({', '.join(shown)})"
 
 
+def select_optimizer(optimizer: Any, schedule: Any = None) -> GradientTransformation:
+    """The gradient transformation graphkit's trainers train with.
+
+    ``optimizer``: a gradient transformation, or an optimizer name meaning exactly
+    ``graphkit.optimizers.get(name)`` (in any case: ``"SGD"`` is ``"sgd"``).
+    ``schedule`` (a Schedule, a schedule name or a float) fills its open learning rate;
+    None leaves an open rate at a constant
+    :data:`~graphkit.optimizers.DEFAULT_LEARNING_RATE` (0.01).
+    """
+    if isinstance(optimizer, str):
+        optimizer = optimizers.get(optimizer)
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            "optimizer must be a graphkit gradient transformation or an optimizer name "
+            f"({', '.join(optimizers.OPTIMIZERS.names())}), not {optimizer!r}; the seed's "
+            "LearningRate* objects go to the seed trainers' learning_rate= (or pass "
+            "rate.to_transformation())."
+        )
+    if schedule is not None:
+        if not optimizer.has_open_learning_rate:
+            raise ValueError(
+                f"{optimizer!r} has its learning rate already; schedule= fills an open one "
+                "(build the optimizer without learning_rate=)."
+            )
+        return optimizer.with_learning_rate(schedules.get(schedule))
+    return optimizers.resolve(optimizer)
+
+
 def select_learning_rate(learning_rate: Any) -> GradientTransformation:
-    """The gradient transformation a trainer's ``learning_rate`` stands for: a float
-    (plain SGD at that constant rate), a name (``"SGD"``, ``"adam"``...), a graphkit
-    transformation (an open rate runs at a constant 0.01), a ``(transformation,
-    schedule or float)`` pair, or a ``LearningRate*`` object; see
+    """The gradient transformation a seed trainer's ``learning_rate`` stands for: None
+    (the seed's default, :class:`graphkit.seed.LearningRateSGD`: SGD with the
+    invscaling schedule), a float (plain SGD at that constant rate), an optimizer name
+    (graphkit's, as in :func:`select_optimizer`: ``"SGD"`` is constant-rate SGD), a
+    graphkit transformation (an open rate runs at a constant 0.01), a
+    ``(transformation, schedule or float)`` pair, or a ``LearningRate*`` object; see
     :func:`graphkit.optimizers.resolve`."""
+    if learning_rate is None:
+        from graphkit.seed import LearningRateSGD
+
+        learning_rate = LearningRateSGD()
     return optimizers.resolve(learning_rate)
 
 

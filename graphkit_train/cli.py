@@ -30,7 +30,7 @@ import graphkit as gk
 from graphkit import losses, optimizers, schedules
 from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, metadata
-from graphkit_train.full import OrtGradientOptimizer
+from graphkit_train.full import Trainer
 
 
 class CliError(Exception):
@@ -336,12 +336,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     total_steps = args.epochs * -(-len(train_rows) // args.batch_size)
     schedule = cli_schedule(args.schedule, args.lr, total_steps)
-    trainer = OrtGradientOptimizer(
+    trainer = Trainer(
         train_onx,
         weights,
+        optimizer=args.optimizer,  # graphkit.optimizers.get(args.optimizer), as everywhere
+        schedule=schedule,
         max_iter=args.epochs,
         batch_size=args.batch_size,
-        learning_rate=(optimizers.get(args.optimizer), schedule),
         validation_every=1,
         random_state=args.seed,
         verbose=0 if quiet else 1,
@@ -369,6 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": {"train": int(len(train_rows)), "held_out": int(len(test_rows))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
         "weights_trained": trainer.weights_to_train_,
+        "optimizer": {"name": trainer.optimizer_.name, "params": trainer.optimizer_.params},
         "processes": world_size,
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
@@ -425,7 +427,7 @@ def _sklearn_reference(X, y, train_rows, test_rows, args) -> dict[str, Any]:  # 
     return {"estimator": "MLPRegressor(32, tanh, adam), scaled X and y", "held_out_r2": score}
 
 
-def _write(trainer: OrtGradientOptimizer, folder: str, report: dict[str, Any]) -> dict[str, str]:
+def _write(trainer: Trainer, folder: str, report: dict[str, Any]) -> dict[str, str]:
     os.makedirs(folder, exist_ok=True)
     files = {
         "model": os.path.join(folder, "model.onnx"),

@@ -1,6 +1,7 @@
 """Full training: the loss is part of the graph, one fused ONNX graph per training step.
 
-:class:`OrtGradientOptimizer` builds the training step once
+:class:`Trainer` (and :class:`OrtGradientOptimizer`, the same with the seed's API)
+builds the training step once
 (:func:`graphkit_train.step.build_training_step`) and runs it once per mini-batch: the
 weights, the optimizer state, the step counter and the epoch's loss sum stay resident
 in onnxruntime (see :mod:`graphkit_train._trainer`); only the batch's features and
@@ -29,12 +30,19 @@ from graphkit.rewrite import (
     META_LABEL,
     META_LOSS_FUNCTION,
     META_PREDICTION,
+    add_loss_output,
     initializers_to_inputs,
     metadata,
     strip_loss_output,
 )
 from graphkit.static_shapes import specialize
-from graphkit_train._base import input_value, providers_for, select_learning_rate
+from graphkit.transforms import GradientTransformation
+from graphkit_train._base import (
+    input_value,
+    providers_for,
+    select_learning_rate,
+    select_optimizer,
+)
 from graphkit_train._trainer import BaseTrainer
 from graphkit_train.batches import epoch_batches, shuffled_pieces
 from graphkit_train.epoch import scan_over_batches
@@ -48,22 +56,32 @@ from graphkit_train.step import (
 )
 
 
-class OrtGradientOptimizer(BaseTrainer):
+class Trainer(BaseTrainer):
     """Train the weights of an ONNX graph whose loss is one of its outputs.
 
     Args:
-        model_onnx: a training graph, e.g. from :func:`graphkit.add_loss_output`
-            (a ModelProto, its bytes or a path).
+        model_onnx: a training graph, e.g. from :func:`graphkit.add_loss_output`, or a
+            prediction graph when ``loss`` is given (a ModelProto, its bytes or a path).
         weights_to_train: names of the float initializers to train (a list or one name);
             None trains the model's parameters and never its constants (the rule is in
             :mod:`graphkit.parameters`; ``weights_to_train_`` holds the choice).
+        optimizer: an optimizer name, meaning exactly ``graphkit.optimizers.get(name)``
+            in any case (``"sgd"``, ``"adam"``, ``"nesterov"``...), or a graphkit
+            gradient transformation or chain (:mod:`graphkit.transforms`). Default
+            ``"sgd"``: plain SGD at a constant 0.01.
+        schedule: fills the optimizer's open learning rate: a
+            :class:`~graphkit.schedules.Schedule`, a schedule name (``"cosine"``...) or a
+            float. None: an open rate runs at a constant 0.01
+            (:data:`graphkit.optimizers.DEFAULT_LEARNING_RATE`).
+        loss: None (the default): ``model_onnx`` outputs its loss already. A loss name
+            or :class:`~graphkit.losses.Loss`: ``model_onnx`` is a prediction graph, and
+            the trainer appends the loss to its only float output with
+            ``graphkit.add_loss_output(model_onnx, loss, loss_name=loss_output_name)``
+            (no sample-weight input and no penalty: for those, or to choose the output,
+            call ``add_loss_output`` yourself).
         loss_output_name: the output holding the loss.
         max_iter: number of epochs.
         batch_size: rows per training step.
-        learning_rate: a float (SGD at that constant rate), a name (``"SGD"``,
-            ``"SGDNesterov"``, ``"adam"``...), a graphkit gradient transformation or chain
-            (:mod:`graphkit.transforms`; an open learning rate runs at a constant 0.01),
-            a ``(transformation, schedule)`` pair, or a ``LearningRate*`` object.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (needs the CUDA build).
         warm_start: continue from where the previous ``fit`` stopped (weights, optimizer
             state, step count and shuffling sequence) instead of the initial weights.
@@ -98,7 +116,8 @@ class OrtGradientOptimizer(BaseTrainer):
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
         validation_losses_: loss on ``(X_val, y_val)`` at each validation.
-        learning_rate_: the gradient transformation trained with.
+        learning_rate_, optimizer_: the gradient transformation trained with (its
+            learning rate filled in).
         weights_to_train_: the weights trained.
         training_step_: the :class:`~graphkit_train.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).
@@ -108,10 +127,13 @@ class OrtGradientOptimizer(BaseTrainer):
         self,
         model_onnx: Any,
         weights_to_train: list[str] | None = None,
+        *,
+        optimizer: Any = "sgd",
+        schedule: Any = None,
+        loss: Any = None,
         loss_output_name: str = "loss",
         max_iter: int = 100,
         batch_size: int = 10,
-        learning_rate: Any = "SGD",
         device: str = "cpu",
         warm_start: bool = False,
         verbose: int = 0,
@@ -132,6 +154,27 @@ class OrtGradientOptimizer(BaseTrainer):
         self._store_params(locals())
         self._invalidate()
 
+    # -- parameters (the seed's subclass maps its own onto these) --------------------------
+
+    def _select_optimizer(self) -> GradientTransformation:
+        return select_optimizer(self.optimizer, self.schedule)
+
+    def _select_loss(self) -> Loss | None:
+        """The loss to append to ``model_onnx`` (None: the graph has its loss)."""
+        return None if self.loss is None else losses.resolve(self.loss)
+
+    def _training_graph(self) -> onnx.ModelProto:
+        model = load_model(self.model_onnx)
+        loss = self._select_loss()
+        if loss is None:
+            return model
+        return add_loss_output(model, loss, loss_name=self.loss_output_name)
+
+    @property
+    def optimizer_(self) -> GradientTransformation:
+        """The gradient transformation trained with (``learning_rate_``)."""
+        return self.learning_rate_
+
     # changing how many steps a run takes, or whether the step is specialized, keeps
     # the built graphs: the fused sessions are built per batch size when first needed
     _loop_params = BaseTrainer._loop_params | {"steps_per_run", "static_shapes"}
@@ -151,12 +194,12 @@ class OrtGradientOptimizer(BaseTrainer):
         # the graph exported with the trained weights: the user's, linear models written
         # with standard operators (their coefficients are the weights)
         self._user_onnx = linear_models_as_standard_ops(
-            make_compatible(load_model(self.model_onnx))
+            make_compatible(self._training_graph())
         )
         self.train_onnx_, self.weights_to_train_ = prepare_for_training(
             self._user_onnx, self.weights_to_train
         )
-        self.learning_rate_ = select_learning_rate(self.learning_rate)
+        self.learning_rate_ = self._select_optimizer()
         try:
             self.training_step_: TrainingStep = build_training_step(
                 self.train_onnx_,
@@ -167,7 +210,8 @@ class OrtGradientOptimizer(BaseTrainer):
             )
         except MissingGradientError as exc:
             raise MissingGradientError(
-                f"{exc} OrtGradientForwardBackwardOptimizer takes its gradients from "
+                f"{exc} Forward/backward training (ForwardBackwardTrainer) takes its "
+                "gradients from "
                 "onnxruntime-training's other builder, which covers more operators (GRU, "
                 "LSTM among them): try it on the prediction graph."
             ) from exc
@@ -268,6 +312,9 @@ class OrtGradientOptimizer(BaseTrainer):
         """Class labels (an int64 label input), read from the graph without building."""
         if self._built:
             return self._classifier
+        loss = self._select_loss()
+        if loss is not None:
+            return loss.task == losses.CLASSIFICATION
         return self._has_class_labels(load_model(self.model_onnx))
 
     @staticmethod
@@ -500,4 +547,57 @@ def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:
         return None
 
 
-__all__ = ["OrtGradientOptimizer"]
+class OrtGradientOptimizer(Trainer):
+    """:class:`Trainer` with the seed library's API: ``learning_rate`` stands for
+    ``optimizer`` and ``schedule``, and ``model_onnx`` is a training graph (no ``loss``).
+
+    Args:
+        learning_rate: None (the default): the seed's ``LearningRateSGD()``, SGD with
+            scikit-learn's invscaling schedule, 0.01 / (step + 1) ** 0.25. A float: SGD
+            at that constant rate. A ``LearningRate*`` object (:mod:`graphkit.seed`). An
+            optimizer name, meaning graphkit's optimizer at a constant 0.01 as
+            everywhere (``"SGD"`` is constant-rate SGD; the seed's ``"SGDNesterov"`` is
+            the object ``LearningRateSGDNesterov()``). A graphkit transformation (an open
+            learning rate runs at a constant 0.01) or a ``(transformation, schedule)``
+            pair.
+        every other parameter: as in :class:`Trainer`, in the seed's order.
+
+    Attributes (after ``fit``): as in :class:`Trainer`.
+    """
+
+    def __init__(
+        self,
+        model_onnx: Any,
+        weights_to_train: list[str] | None = None,
+        loss_output_name: str = "loss",
+        max_iter: int = 100,
+        batch_size: int = 10,
+        learning_rate: Any = None,
+        device: str = "cpu",
+        warm_start: bool = False,
+        verbose: int = 0,
+        validation_every: float | int = 0.1,
+        sample_weight_name: str = "weight",
+        shuffle: bool = True,
+        random_state: int | None = None,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        n_iter_no_change: int = 10,
+        tol: float = 1e-4,
+        distributed: bool = False,
+        steps_per_run: int | str = "epoch",
+        static_shapes: bool = True,
+        intra_op_num_threads: int | None = None,
+        execution_mode: str = "sequential",
+    ) -> None:
+        self._store_params(locals())
+        self._invalidate()
+
+    def _select_optimizer(self) -> GradientTransformation:
+        return select_learning_rate(self.learning_rate)
+
+    def _select_loss(self) -> Loss | None:
+        return None
+
+
+__all__ = ["OrtGradientOptimizer", "Trainer"]

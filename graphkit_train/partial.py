@@ -1,11 +1,13 @@
 """Forward/backward (partial) training: the ONNX graph predicts, graphkit does the rest.
 
-:class:`OrtGradientForwardBackwardOptimizer` trains a *prediction* graph with the seed's
-three attributes:
+:class:`ForwardBackwardTrainer` trains a *prediction* graph with graphkit's pieces:
 
-* ``learning_loss``: the loss and its gradient with respect to the prediction;
-* ``learning_penalty``: a penalty on the weights and its gradient;
-* ``learning_rate``: the optimizer and its schedule.
+* ``loss``: the loss and its gradient with respect to the prediction;
+* ``penalty``: a penalty on the weights and its gradient;
+* ``optimizer`` and ``schedule``: the update and its learning rate.
+
+:class:`OrtGradientForwardBackwardOptimizer` is the same trainer with the seed's
+``learning_loss``, ``learning_penalty`` and ``learning_rate``.
 
 Each batch takes two onnxruntime calls: the TrainingAgent's forward, which also computes
 the loss and its gradient, and its backward, which also applies one fused update of every
@@ -32,7 +34,13 @@ from graphkit.compat import load_model
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
-from graphkit_train._base import input_value, providers_for, select_learning_rate
+from graphkit.transforms import GradientTransformation
+from graphkit_train._base import (
+    input_value,
+    providers_for,
+    select_learning_rate,
+    select_optimizer,
+)
 from graphkit_train._trainer import BaseTrainer, BindingCache
 from graphkit_train.agent_step import AgentRun, AgentStep, agent_step, fusable
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
@@ -53,7 +61,7 @@ us/batch with a serial loss and update, 1400-2150 with pools (spinning or not); 
 update alone costs 250 us serial, 212 on 2 threads, but 1362 against 833 at 500k weights."""
 
 
-class OrtGradientForwardBackwardOptimizer(BaseTrainer):
+class ForwardBackwardTrainer(BaseTrainer):
     """Train a prediction graph with forward/backward passes and graphkit's DSL pieces.
 
     Args:
@@ -63,51 +71,53 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
             constants; see :mod:`graphkit.parameters`).
         loss_output_name: name given to the loss in the exported graphs.
         max_iter, batch_size, device, warm_start, verbose, validation_every, shuffle,
-            random_state: as in :class:`~graphkit_train.OrtGradientOptimizer`.
-        learning_rate: a float, a name (``"SGD"``, ``"SGDNesterov"``, ``"adam"``...), a
-            graphkit transformation (:mod:`graphkit.transforms`), a ``(transformation,
-            schedule)`` pair or a ``LearningRate*`` object.
-        learning_loss: a loss name (the names of :mod:`graphkit.losses`, the same as
+            random_state: as in :class:`~graphkit_train.Trainer`.
+        optimizer, schedule: as in :class:`~graphkit_train.Trainer`: an optimizer name
+            (``graphkit.optimizers.get(name)``) or a gradient transformation, default
+            ``"sgd"``; the schedule (a Schedule, its name or a float) fills its open
+            learning rate, a constant 0.01 when None.
+        loss: a loss name (the names of :mod:`graphkit.losses`, the same as
             everywhere in graphkit: ``"squared_error"``, ``"elastic"``, ``"log"`` for
             probabilities, ``"sigmoid_log_loss"`` for raw scores, ``"cross_entropy"``
-            for logits...), a seed class name, a graphkit Loss or a ``*LearningLoss``
-            object.
+            for logits...) or a graphkit Loss.
         output_index: the output the loss applies to, by position or name (None: the
             only float tensor output; a skl2onnx ZipMap output stands for its
             probabilities).
-        learning_penalty: None, a name, a graphkit Penalty or a ``*LearningPenalty``
-            object.
+        penalty: None, a penalty name or a graphkit Penalty.
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
         exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
         early_stopping, validation_fraction, n_iter_no_change, tol, distributed: as in
-            :class:`~graphkit_train.OrtGradientOptimizer` (distributed training all-reduces
+            :class:`~graphkit_train.Trainer` (distributed training all-reduces
             the gradients that the backward pass returns).
         intra_op_num_threads, execution_mode: as in
-            :class:`~graphkit_train.OrtGradientOptimizer`, for every session (forward,
+            :class:`~graphkit_train.Trainer`, for every session (forward,
             backward, loss, update).
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
-    ``learning_loss_`` (a graphkit Loss), ``loss_`` (the loss resolved for the
-    prediction's shape), ``learning_rate_`` (the gradient transformation),
-    ``learning_penalty_`` (a graphkit Penalty), ``forward_backward_``, ``weights_to_train_``.
+    ``loss_`` (the loss resolved for the prediction's shape; ``learning_loss_`` as
+    given), ``optimizer_`` (the gradient transformation, also ``learning_rate_``),
+    ``penalty_`` (a graphkit Penalty, also ``learning_penalty_``), ``forward_backward_``,
+    ``weights_to_train_``.
     """
 
     def __init__(
         self,
         model_onnx: Any,
         weights_to_train: list[str] | None = None,
+        *,
+        loss: Any = "squared_error",
+        penalty: Any = None,
+        optimizer: Any = "sgd",
+        schedule: Any = None,
         loss_output_name: str = "loss",
         max_iter: int = 100,
         batch_size: int = 10,
-        learning_rate: Any = "SGD",
         device: str = "cpu",
         warm_start: bool = False,
         verbose: int = 0,
         validation_every: float | int = 0.1,
-        learning_loss: Any = "squared_error",
         output_index: int | str | None = None,
-        learning_penalty: Any = None,
         exc: bool = True,
         shuffle: bool = True,
         random_state: int | None = None,
@@ -122,6 +132,27 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._store_params(locals())
         self._invalidate()
 
+    # -- parameters (the seed's subclass maps its own onto these) --------------------------
+
+    def _select_loss(self) -> losses.Loss:
+        return losses.resolve(self.loss)
+
+    def _select_optimizer(self) -> GradientTransformation:
+        return select_optimizer(self.optimizer, self.schedule)
+
+    def _select_penalty(self) -> penalties.Penalty:
+        return penalties.resolve(self.penalty)
+
+    @property
+    def optimizer_(self) -> GradientTransformation:
+        """The gradient transformation trained with (``learning_rate_``)."""
+        return self.learning_rate_
+
+    @property
+    def penalty_(self) -> penalties.Penalty:
+        """The penalty trained with (``learning_penalty_``)."""
+        return self.learning_penalty_
+
     # -- building --------------------------------------------------------------------------
 
     def _build(self) -> None:
@@ -132,9 +163,9 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._threads = Threads(threads.intra_op, threads.mode, spinning=SPINNING)
         model, prediction = select_prediction(load_model(self.model_onnx), self.output_index)
-        self.learning_loss_ = losses.resolve(self.learning_loss)
-        self.learning_rate_ = select_learning_rate(self.learning_rate)
-        self.learning_penalty_ = penalties.resolve(self.learning_penalty)
+        self.learning_loss_ = self._select_loss()
+        self.learning_rate_ = self._select_optimizer()
+        self.learning_penalty_ = self._select_penalty()
         fb = self.forward_backward_ = OrtGradientForwardBackward(
             model,
             self.weights_to_train,
@@ -179,11 +210,11 @@ class OrtGradientForwardBackwardOptimizer(BaseTrainer):
         self._built = True
 
     def _is_classifier(self) -> bool:
-        """Whether the loss takes class labels (read from ``learning_loss``, no build)."""
+        """Whether the loss takes class labels (read from the loss parameter, no build)."""
         if self._built:
             return self.loss_.task == losses.CLASSIFICATION
         try:
-            return losses.resolve(self.learning_loss).task == losses.CLASSIFICATION
+            return self._select_loss().task == losses.CLASSIFICATION
         except (TypeError, ValueError, KeyError):  # fit() will report the bad loss
             return False
 
@@ -400,5 +431,68 @@ class LossRun:
 _LOSS_OUTPUTS = ("loss", "prediction_grad")
 
 
+class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
+    """:class:`ForwardBackwardTrainer` with the seed library's three attributes.
+
+    Args:
+        learning_rate: the optimizer and its schedule, as in
+            :class:`~graphkit_train.OrtGradientOptimizer`: None (the default) is the
+            seed's ``LearningRateSGD()``, SGD with scikit-learn's invscaling schedule; a
+            name is graphkit's optimizer at a constant 0.01 (``"SGD"`` is constant-rate
+            SGD).
+        learning_loss: a loss name (graphkit's, as everywhere: ``"squared_error"``,
+            ``"sigmoid_log_loss"``...), a graphkit Loss or a ``*LearningLoss`` object
+            (:mod:`graphkit.seed`; a seed class name is no loss name).
+        learning_penalty: None, a penalty name, a graphkit Penalty or a
+            ``*LearningPenalty`` object.
+        every other parameter: as in :class:`ForwardBackwardTrainer`, in the seed's order.
+
+    Attributes (after ``fit``): as in :class:`ForwardBackwardTrainer`.
+    """
+
+    def __init__(
+        self,
+        model_onnx: Any,
+        weights_to_train: list[str] | None = None,
+        loss_output_name: str = "loss",
+        max_iter: int = 100,
+        batch_size: int = 10,
+        learning_rate: Any = None,
+        device: str = "cpu",
+        warm_start: bool = False,
+        verbose: int = 0,
+        validation_every: float | int = 0.1,
+        learning_loss: Any = "squared_error",
+        output_index: int | str | None = None,
+        learning_penalty: Any = None,
+        exc: bool = True,
+        shuffle: bool = True,
+        random_state: int | None = None,
+        early_stopping: bool = False,
+        validation_fraction: float = 0.1,
+        n_iter_no_change: int = 10,
+        tol: float = 1e-4,
+        distributed: bool = False,
+        intra_op_num_threads: int | None = None,
+        execution_mode: str = "sequential",
+    ) -> None:
+        self._store_params(locals())
+        self._invalidate()
+
+    def _select_loss(self) -> losses.Loss:
+        return losses.resolve(self.learning_loss)
+
+    def _select_optimizer(self) -> GradientTransformation:
+        return select_learning_rate(self.learning_rate)
+
+    def _select_penalty(self) -> penalties.Penalty:
+        return penalties.resolve(self.learning_penalty)
+
+
 # BindingCache: seed API
-__all__ = ["BindingCache", "LossRun", "OrtGradientForwardBackwardOptimizer"]
+__all__ = [
+    "BindingCache",
+    "ForwardBackwardTrainer",
+    "LossRun",
+    "OrtGradientForwardBackwardOptimizer",
+]

@@ -84,7 +84,7 @@ cells = [
         "for name, model in [\n"
         "    ('graphkit forward/backward', OrtGradientForwardBackwardOptimizer(\n"
         "        scores_onx, max_iter=30, batch_size=16, learning_rate=gk.LearningRateAdam(eta0=0.02),\n"
-        "        learning_loss='NegLogLearningLoss', random_state=0)),\n"
+        "        learning_loss=gk.NegLogLearningLoss(), random_state=0)),\n"
         "    ('sklearn SGDClassifier', SGDClassifier(loss='log_loss', max_iter=30, tol=None, random_state=0)),\n"
         "    ('sklearn LogisticRegression', LogisticRegression()),\n"
         "]:\n"
@@ -104,7 +104,7 @@ cells = [
     code(
         "classifier = OrtGradientForwardBackwardOptimizer(\n"
         "    scores_onx, max_iter=30, batch_size=16, learning_rate=gk.LearningRateAdam(eta0=0.02),\n"
-        "    learning_loss='NegLogLearningLoss', random_state=0).fit(Xc_train, yc_train, X_val=Xc_test, y_val=yc_test)\n"
+        "    learning_loss=gk.NegLogLearningLoss(), random_state=0).fit(Xc_train, yc_train, X_val=Xc_test, y_val=yc_test)\n"
         "per_sample = classifier.losses(Xc_test, yc_test)\n"
         "fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))\n"
         "ax[0].plot(classifier.train_losses_, label='train'); ax[0].set_yscale('log'); ax[0].set_xlabel('epoch'); ax[0].legend()\n"

@@ -205,8 +205,8 @@ def test_nesterov_with_elastic_penalty_matches_numpy(data):
 @pytest.mark.parametrize(
     "rate",
     [
-        "SGD",
-        "SGDNesterov",
+        gk.LearningRateSGD(),
+        gk.LearningRateSGDNesterov(),
         gk.LearningRateAdam(eta0=0.05),
         gk.LearningRateAdamW(eta0=0.05),
         gk.LearningRateAdagrad(eta0=0.5),
@@ -236,7 +236,7 @@ def test_binary_classification_on_raw_scores():
         max_iter=30,
         batch_size=32,
         learning_rate=gk.LearningRateAdam(eta0=0.05),
-        learning_loss="NegLogLearningLoss",
+        learning_loss=gk.NegLogLearningLoss(),
         random_state=0,
     ).fit(X, y)
     accuracy = (trainer.predict(X) == y).mean()

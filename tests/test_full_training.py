@@ -499,7 +499,7 @@ def test_devices(data):
 
 
 def test_bad_learning_rate():
-    with pytest.raises(gk.UnknownNameError, match="Valid choices"):
+    with pytest.raises(gk.UnknownNameError, match="Unknown optimizer 'adamax'. Valid names"):
         OrtGradientOptimizer(gk.add_loss_output(zero_linear()), learning_rate="adamax").fit(
             np.zeros((1, 3)), np.zeros(1)
         )

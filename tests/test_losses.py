@@ -378,9 +378,12 @@ def test_unknown_loss_lists_valid_names():
     assert "cross_entropy" in str(info.value) and "huber" in str(info.value)
 
 
-def test_seed_class_name_selects_loss():
-    assert losses.get("SquareLearningLoss").name == "squared_error"
-    assert losses.get("ElasticLearningLoss", l1_weight=0.1).params["l1_weight"] == 0.1
+def test_seed_class_name_is_no_loss_name():
+    """The seed's classes are objects of graphkit.seed; the error names the one to use."""
+    with pytest.raises(UnknownNameError, match="graphkit.seed.SquareLearningLoss.*'squared_error'"):
+        losses.get("SquareLearningLoss")
+    with pytest.raises(UnknownNameError, match="graphkit.seed.ElasticLearningLoss"):
+        losses.get("ElasticLearningLoss", l1_weight=0.1)
 
 
 def test_integer_labels_to_regression_loss():

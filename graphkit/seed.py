@@ -1,15 +1,47 @@
-"""The seed library's classes, rebuilt on the DSL.
+"""The seed library's API: its ``*LearningLoss``, ``LearningRate*`` and
+``*LearningPenalty`` classes, as thin adapters over graphkit's pieces.
 
-``learning_loss``, ``learning_rate`` and ``learning_penalty`` objects of the older
-library: each wraps a graphkit :class:`~graphkit.losses.Loss`,
-:class:`~graphkit.optimizers.Optimizer` + :class:`~graphkit.schedules.Schedule`, or
-:class:`~graphkit.penalties.Penalty`, and ``build_onnx_function()`` returns the ONNX
-graph it runs. ``select(x)`` takes an alias (``"square_error"``), a class name
-(``"SquareLearningLoss"``) or an instance::
+graphkit's own words are its registries' names (:mod:`graphkit.losses`,
+:mod:`graphkit.optimizers`, :mod:`graphkit.penalties`, :mod:`graphkit.schedules`): a
+string means the same thing wherever it is passed, and none of them is a seed class
+name. The seed's classes live here, and say what they are in graphkit's words:
+
+=============================  =========================================================
+seed class                     in graphkit
+=============================  =========================================================
+``SquareLearningLoss``         loss ``"squared_error"``
+``AbsoluteLearningLoss``       loss ``"absolute_error"``
+``ElasticLearningLoss``        loss ``"elastic"``
+``HuberLearningLoss``          loss ``"huber"``
+``NegLogLearningLoss``         loss ``"sigmoid_log_loss"`` (from a raw score)
+``SoftmaxCrossEntropy...``     loss ``"cross_entropy"`` (from logits)
+``NoLearningPenalty``          penalty ``"none"``
+``ElasticLearningPenalty``     penalty ``"elastic"``
+``LearningRateSGD``            optimizer ``"sgd"`` + schedule ``"invscaling"`` (eta0=0.01,
+                               power_t=0.25; ``"constant"``, ``"optimal"`` on request)
+``LearningRateSGDNesterov``    ``momentum(nesterov=True, convention="sklearn")`` +
+                               ``"invscaling"`` (graphkit's ``"nesterov"`` is torch's
+                               convention)
+``LearningRateAdam``           optimizer ``"adam"`` at a constant 0.001
+``LearningRateAdamW``          optimizer ``"adamw"`` at a constant 0.001
+``LearningRateAdagrad``        optimizer ``"adagrad"`` at a constant 0.01
+``LearningRateRMSProp``        optimizer ``"rmsprop"`` at a constant 0.01
+=============================  =========================================================
+
+Each wraps a graphkit :class:`~graphkit.losses.Loss`, optimizer +
+:class:`~graphkit.schedules.Schedule`, or :class:`~graphkit.penalties.Penalty`, and
+``build_onnx_function()`` returns the ONNX graph it runs. ``select(x)`` is the seed's
+selection: an instance, a seed class name (``"SquareLearningLoss"``,
+``"LearningRateSGDNesterov"``) or a graphkit name, which means what it means everywhere
+(``BaseLearningRate.select("sgd")`` is graphkit's SGD at a constant 0.01)::
 
     loss = BaseLearningLoss.select("elastic", l1_weight=0.1, l2_weight=0.9)
-    rate = BaseLearningRate.select("SGDNesterov", eta0=0.01)
+    rate = BaseLearningRate.select("LearningRateSGDNesterov", eta0=0.01)
     penalty = BaseLearningPenalty.select("ElasticLearningPenalty", l1=0.1, l2=0.9)
+
+The seed's short names (``"SGD"``, ``"SGDNesterov"``...) are gone: ``"SGD"`` is
+graphkit's ``"sgd"`` in any case, and a seed name that is no graphkit name raises an
+:class:`~graphkit.errors.UnknownNameError` naming the object to use (:func:`hint`).
 
 Differences from the seed, on purpose: losses are means over the batch by default
 (``reduction="sum"`` gives the seed's sums); the absolute and elastic gradients are taken
@@ -35,15 +67,17 @@ from graphkit.errors import UnknownNameError
 
 
 class BaseLearningOnnx:
-    """Common base: selection by a seed class name, a DSL name or an instance.
+    """Common base: selection by a seed class name, a graphkit name or an instance.
 
-    Names belong to the DSL registries (:data:`graphkit.losses.LOSSES`,
+    Names belong to graphkit's registries (:data:`graphkit.losses.LOSSES`,
     :data:`graphkit.optimizers.OPTIMIZERS`, :data:`graphkit.penalties.PENALTIES`): a
-    name means the same thing here as in ``losses.get``, ``add_loss_output`` or the
-    command line. The seed classes are selected by their class name.
+    name means the same thing here as in ``losses.get``, ``add_loss_output``, the
+    trainers or the command line. The seed classes are selected by their class name,
+    which no registry holds.
     """
 
     default: ClassVar[str]
+    in_graphkit: ClassVar[str] = ""  # what the class is in graphkit's words
 
     @classmethod
     def select(cls, x: Any = None, **kwargs: Any) -> Any:
@@ -58,7 +92,7 @@ class BaseLearningOnnx:
             x = cls.default
         if not isinstance(x, str):
             raise TypeError(f"Cannot select a {cls.__name__} from {type(x).__name__} {x!r}.")
-        seed = {k.lower(): sub for sub in _subclasses(cls) for k in sub._seed_names()}
+        seed = {sub.__name__.lower(): sub for sub in _subclasses(cls)}
         if x.lower() in seed:
             return seed[x.lower()](**kwargs)
         try:
@@ -66,11 +100,6 @@ class BaseLearningOnnx:
         except UnknownNameError as exc:
             classes = ", ".join(sorted(sub.__name__ for sub in _subclasses(cls)))
             raise UnknownNameError(f"{exc} Valid choices also: {classes}.") from None
-
-    @classmethod
-    def _seed_names(cls) -> tuple[str, ...]:
-        """Names selecting this class directly: its class name."""
-        return (cls.__name__,)
 
     @classmethod
     def _from_registry(cls, name: str, **kwargs: Any) -> Any:
@@ -113,6 +142,10 @@ class BaseLearningLoss(BaseLearningOnnx):
 
     default = "squared_error"
     loss_name: ClassVar[str | None] = None  # the registered loss a seed class wraps
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.in_graphkit = f"graphkit's loss {cls.loss_name!r}"
 
     def __init__(self, loss: _losses.Loss) -> None:
         self.loss = loss
@@ -210,6 +243,10 @@ class BaseLearningPenalty(BaseLearningOnnx):
     default = "none"
     penalty_name: ClassVar[str | None] = None  # the registered penalty a seed class wraps
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.in_graphkit = f"graphkit's penalty {cls.penalty_name!r}"
+
     def __init__(self, penalty: _penalties.Penalty) -> None:
         self.penalty = penalty
 
@@ -256,9 +293,12 @@ class ElasticLearningPenalty(BaseLearningPenalty):
 
 class BaseLearningRate(BaseLearningOnnx):
     """An optimizer with its learning-rate schedule: a thin adapter whose
-    :meth:`to_transformation` is the graphkit transformation the runtime trains with."""
+    :meth:`to_transformation` is the graphkit transformation the runtime trains with.
 
-    default = "SGD"
+    A name selects graphkit's optimizer at a constant 0.01, as in the trainers; the
+    default is the seed's :class:`LearningRateSGD` (SGD with the invscaling schedule)."""
+
+    default = "LearningRateSGD"
 
     def __init__(
         self, optimizer: _transforms.GradientTransformation, schedule: _schedules.Schedule
@@ -269,14 +309,10 @@ class BaseLearningRate(BaseLearningOnnx):
         self.schedule = schedule
 
     @classmethod
-    def _seed_names(cls) -> tuple[str, ...]:
-        """The class name and the seed's short form (``LearningRateSGD``: ``SGD``)."""
-        return (cls.__name__, cls.__name__.removeprefix("LearningRate"))
-
-    @classmethod
     def _from_registry(cls, name: str, **kwargs: Any) -> BaseLearningRate:
         """A registered optimizer at a constant learning rate of 0.01."""
-        return BaseLearningRate(_optimizers.get(name, **kwargs), _schedules.constant(0.01))
+        schedule = _schedules.constant(_optimizers.DEFAULT_LEARNING_RATE)
+        return BaseLearningRate(_optimizers.get(name, **kwargs), schedule)
 
     def _describe(self) -> str:
         return f"{self.optimizer!r}, {self.schedule!r}"
@@ -312,7 +348,13 @@ def _sgd_schedule(learning_rate: str, eta0: float, alpha: float, power_t: float)
 
 
 class LearningRateSGD(BaseLearningRate):
-    """Plain SGD with scikit-learn's schedules (``learning_rate``), as in the seed."""
+    """Plain SGD with scikit-learn's schedules (``learning_rate``), as in the seed:
+    ``invscaling`` by default, eta0 / (step + 1) ** power_t."""
+
+    in_graphkit = (
+        "graphkit's optimizer 'sgd' with the schedule 'invscaling' (eta0 / (step + 1) ** "
+        "power_t); the name 'sgd' alone is SGD at a constant rate"
+    )
 
     def __init__(
         self,
@@ -333,6 +375,11 @@ class LearningRateSGD(BaseLearningRate):
 class LearningRateSGDNesterov(BaseLearningRate):
     """SGD with momentum (Nesterov by default), scikit-learn's convention as in the seed:
     v <- momentum v - lr g; w <- w + momentum v - lr g (w + v without Nesterov)."""
+
+    in_graphkit = (
+        "graphkit's momentum(nesterov=True, convention='sklearn') with the schedule "
+        "'invscaling'; graphkit's 'nesterov' is torch's convention"
+    )
 
     def __init__(
         self,
@@ -363,6 +410,8 @@ def _schedule(learning_rate: Any, eta0: float) -> _schedules.Schedule:
 class LearningRateAdam(BaseLearningRate):
     """Adam; ``learning_rate`` is ``"constant"`` (at ``eta0``) or any schedule."""
 
+    in_graphkit = "graphkit's optimizer 'adam' at a constant 0.001 (eta0)"
+
     _factory = staticmethod(_optimizers.adam)
 
     def __init__(
@@ -382,6 +431,8 @@ class LearningRateAdam(BaseLearningRate):
 class LearningRateAdamW(LearningRateAdam):
     """AdamW (decoupled weight decay, 0.01 by default)."""
 
+    in_graphkit = "graphkit's optimizer 'adamw' at a constant 0.001 (eta0)"
+
     _factory = staticmethod(_optimizers.adamw)
 
     def __init__(self, eta0: float = 0.001, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -390,6 +441,8 @@ class LearningRateAdamW(LearningRateAdam):
 
 class LearningRateAdagrad(BaseLearningRate):
     """Adagrad."""
+
+    in_graphkit = "graphkit's optimizer 'adagrad' at a constant 0.01 (eta0)"
 
     def __init__(
         self,
@@ -406,6 +459,8 @@ class LearningRateAdagrad(BaseLearningRate):
 class LearningRateRMSProp(BaseLearningRate):
     """RMSProp."""
 
+    in_graphkit = "graphkit's optimizer 'rmsprop' at a constant 0.01 (eta0)"
+
     def __init__(
         self,
         eta0: float = 0.01,
@@ -416,21 +471,26 @@ class LearningRateRMSProp(BaseLearningRate):
         super().__init__(_optimizers.rmsprop(alpha, eps), _schedule(learning_rate, eta0))
 
 
-def _register_presets() -> None:
-    """Make the seed's learning-rate names mean the same to the runtime
-    (:func:`graphkit.optimizers.resolve`) as to :meth:`BaseLearningRate.select`."""
-    for cls in [BaseLearningRate, *_subclasses(BaseLearningRate)]:
-        if cls is BaseLearningRate:
-            continue
-
-        def preset(cls: type = cls, **kwargs: Any) -> _transforms.GradientTransformation:
-            return cls(**kwargs).to_transformation()
-
-        name, *aliases = dict.fromkeys(cls._seed_names())
-        _optimizers.PRESETS.register(name, *aliases)(preset)
-
-
-_register_presets()
+def hint(kind: str, name: object) -> str:
+    """What the seed's ``name`` is in graphkit (``""`` when it is none of the seed's),
+    for the error an unknown ``kind`` (``"loss"``, ``"penalty"``, ``"optimizer"``) name
+    raises: seed class names and the seed's short learning-rate names
+    (``"SGDNesterov"``) are no graphkit names."""
+    base = {
+        "loss": BaseLearningLoss,
+        "penalty": BaseLearningPenalty,
+        "optimizer": BaseLearningRate,
+    }.get(kind)
+    if base is None or not isinstance(name, str):
+        return ""
+    for cls in _subclasses(base):
+        spellings = {cls.__name__, cls.__name__.removeprefix("LearningRate")}
+        if name.lower() in {s.lower() for s in spellings}:
+            return (
+                f" The seed's {name} is the object graphkit.seed.{cls.__name__}(): "
+                f"{cls.in_graphkit}."
+            )
+    return ""
 
 
 __all__ = [
