@@ -16,7 +16,12 @@ from sklearn.exceptions import NotFittedError
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 import graphkit as gk
-from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+from graphkit_train import (
+    ForwardBackwardTrainer,
+    OrtGradientForwardBackwardOptimizer,
+    OrtGradientOptimizer,
+    Trainer,
+)
 
 
 def any_width_model():
@@ -40,9 +45,12 @@ def any_width_model():
 
 
 SETTINGS = dict(max_iter=5, learning_rate="adam", random_state=0)
+OURS = dict(max_iter=5, optimizer="adam", random_state=0)  # graphkit's trainers' words
 ESTIMATORS = [
     OrtGradientOptimizer(gk.add_loss_output(any_width_model(), weight_name="weight"), **SETTINGS),
     OrtGradientForwardBackwardOptimizer(any_width_model(), **SETTINGS),
+    Trainer(gk.add_loss_output(any_width_model(), weight_name="weight"), **OURS),
+    ForwardBackwardTrainer(any_width_model(), **OURS),
 ]
 
 # Each reason says why a graph with fixed parameters cannot pass the check.
