@@ -42,7 +42,7 @@ def test_optimizer_examples_run_as_written(tmp_path, monkeypatch):
     from conftest import linear_regression_onnx
 
     import graphkit as gk
-    from graphkit_train import OrtGradientOptimizer
+    from graphkit_train import Trainer
 
     section = README.split("## Optimizers are chains of gradient transformations")[1]
     section = section.split("\n## ")[0]
@@ -58,7 +58,7 @@ def test_optimizer_examples_run_as_written(tmp_path, monkeypatch):
         str(script),
         init_globals={
             "train_onx": gk.add_loss_output(onx),
-            "OrtGradientOptimizer": OrtGradientOptimizer,
+            "Trainer": Trainer,
         },
     )
     rng = np.random.default_rng(0)
