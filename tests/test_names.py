@@ -295,6 +295,26 @@ def test_graphkit_trainers_equal_the_seed_trainers_given_the_same_update(regress
         assert a.train_losses_ == b.train_losses_
 
 
+@pytest.mark.parametrize(
+    "seed,ours,seed_only,ours_only",
+    [
+        (OrtGradientOptimizer, Trainer, {"learning_rate"}, {"optimizer", "schedule", "loss"}),
+        (
+            OrtGradientForwardBackwardOptimizer,
+            ForwardBackwardTrainer,
+            {"learning_rate", "learning_loss", "learning_penalty"},
+            {"optimizer", "schedule", "loss", "penalty"},
+        ),
+    ],
+)
+def test_seed_trainers_take_every_other_parameter_of_graphkits(seed, ours, seed_only, ours_only):
+    """The seed's subclass repeats its parent's signature with the seed's words: a
+    parameter added to graphkit's trainer must be added to the seed's too."""
+    seed_params, our_params = set(seed._param_names()), set(ours._param_names())
+    assert seed_params - seed_only == our_params - ours_only
+    assert seed_only <= seed_params and ours_only <= our_params
+
+
 @pytest.mark.parametrize("appended", [True, False], ids=["loss=", "training graph"])
 def test_trainer_sgd_matches_numpy_sgd_on_linear_regression(regression, appended):
     """Mean squared error over a batch, d/dW = 2/n X^T (XW + b - y); SGD at 0.01."""
