@@ -38,7 +38,7 @@ from run import (
 )
 
 import graphkit as gk
-from graphkit._ort import inference_session
+from graphkit.backends.ort_engine import inference_session
 from graphkit.optimizers import update_model
 from graphkit_train import OrtGradientForwardBackwardOptimizer
 

@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 from graphkit import (
+    backends,
     compat,
     dsl,
     losses,
@@ -25,8 +26,9 @@ from graphkit import (
     schedules,
     transforms,
 )
-from graphkit._ort import run
+from graphkit.backends.ort_engine import run
 from graphkit.errors import (
+    BackendNotInstalledError,
     ConvergenceError,
     DTypeError,
     GraphkitError,
@@ -54,6 +56,7 @@ from graphkit.transforms import GradientTransformation, chain
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendNotInstalledError",
     "ConvergenceError",
     "DTypeError",
     "GraphkitError",
@@ -68,6 +71,7 @@ __all__ = [
     "ShapeError",
     "UnknownNameError",
     "add_loss_output",
+    "backends",
     "chain",
     "compat",
     "custom_loss",

@@ -31,11 +31,15 @@ class DTypeError(GraphkitError, TypeError):
 
 
 class IncompatibleModelError(GraphkitError, ValueError):
-    """A model onnxruntime-training 1.19.2 cannot load and graphkit cannot convert."""
+    """A model the runtime cannot load and graphkit cannot convert."""
 
 
 class MissingGradientError(GraphkitError, ValueError):
-    """onnxruntime-training has no gradient for an operator on the path to the loss."""
+    """The backend has no gradient for an operator on the path to the loss."""
+
+
+class BackendNotInstalledError(GraphkitError, ImportError):
+    """The chosen backend's runtime is not installed; the message says what to install."""
 
 
 class ConvergenceError(GraphkitError, ArithmeticError):

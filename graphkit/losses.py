@@ -13,8 +13,8 @@ optionally with sample weights) into ONNX models::
     loss.value_and_grad(prediction, label)   # (loss, d loss / d prediction)
     loss.gradient_model(numpy.float64)       # the ONNX model doing it
 
-A user-written loss (:func:`custom_loss`) gets its gradient from onnxruntime-training's
-gradient builder instead.
+A user-written loss (:func:`custom_loss`) gets its gradient from the backend's gradient
+source instead (:func:`graphkit.gradient_model`).
 
 Labels: regression losses take float labels of the prediction's size (``(N,)`` and
 ``(N, 1)`` are interchangeable); classification losses take int64 class indices ``(N,)``.
@@ -30,8 +30,8 @@ import onnx
 import onnxscript
 
 from graphkit._graph import Dim, Shape, compile_function, float_dtype, symbolic_shape
-from graphkit._ort import Runner
 from graphkit._reduce import REDUCTIONS, ones_like
+from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, INT64, op, script
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.gradient import gradient_model
@@ -399,8 +399,8 @@ class Loss:
         """
         if self.kernels is None:
             raise TypeError(
-                f"{self.name!r} is a custom loss: its gradient is derived by "
-                "onnxruntime-training, use gradient_model()."
+                f"{self.name!r} is a custom loss: its gradient is derived by the "
+                "backend's gradient source, use gradient_model()."
             )
         reduce, scale = REDUCTIONS[self.reduction]
         return _value_and_grad_function(*self.kernels, reduce, scale, weighted)
@@ -451,7 +451,7 @@ class Loss:
         """``(prediction, label[, weight]) -> (loss, prediction_grad)`` as an ONNX model.
 
         Built-in losses use their analytic gradient; a custom loss is differentiated by
-        onnxruntime-training's gradient builder (and then runs on onnxruntime-training only).
+        the default backend's gradient source (:func:`graphkit.gradient_model`).
         """
         if self._resolve is not None:
             return self.for_prediction(prediction_shape).gradient_model(
@@ -740,7 +740,7 @@ def custom_loss(fn: Callable[..., Any], name: str | None = None) -> Loss:
         name: a name for messages and reports (defaults to the function's).
 
     Returns:
-        A :class:`Loss` whose gradient graph is derived by onnxruntime-training.
+        A :class:`Loss` whose gradient graph is derived by the backend's gradient source.
 
     Raises:
         MissingGradientError: when the gradient is built, if an operator has none.

@@ -7,7 +7,7 @@ A :class:`Penalty` holds, per weight name, an elastic coefficient pair ``(l1, l2
     penalty.gradient({"coef": w, "intercept": b})   # {"coef": l1 sign(coef) + 2 l2 coef}
 
 ``weights=None`` means every weight it is given. A user-written penalty
-(:func:`custom_penalty`) gets its gradient from onnxruntime-training.
+(:func:`custom_penalty`) gets its gradient from the backend's gradient source.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import onnx
 import onnxscript
 
 from graphkit._graph import Dim, compile_function, float_dtype, splice
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, op, script
 from graphkit.errors import UnknownNameError
 from graphkit.gradient import gradient_model
@@ -120,7 +120,7 @@ class Penalty:
         self, name: str
     ) -> tuple[onnxscript.OnnxFunction, onnxscript.OnnxFunction | None]:
         """``(value, gradient)`` scripted functions for weight ``name`` (gradient None for a
-        custom penalty, derived by onnxruntime-training)."""
+        custom penalty, derived by the backend's gradient source)."""
         if self.custom is not None:
             return self.custom, None
         return _elastic_functions(*self.coefficients_of(name))
@@ -229,7 +229,7 @@ def from_spec(spec: Mapping[str, float | Mapping[str, float]] | Penalty | None) 
 def custom_penalty(fn: Callable[..., Any], weights: Iterable[str] | None = None) -> Penalty:
     """A penalty written as an onnxscript function ``weight -> scalar``.
 
-    Its gradient is derived by onnxruntime-training. Applies to ``weights`` (all if None).
+    Its gradient is derived by the backend's gradient source. Applies to ``weights`` (all if None).
     """
     if not isinstance(fn, onnxscript.OnnxFunction):
         raise TypeError("A custom penalty must be an onnxscript function (@graphkit.dsl.script()).")

@@ -1,31 +1,24 @@
-"""Rewrites that make a converted graph trainable by onnxruntime-training 1.19.2.
+"""A user's model made ready for training: the one place the weights are chosen.
 
-:func:`prepare_for_training` is what both trainers run on a user's model before any
-gradient is built. Each rewrite computes the same function as the node it replaces:
+:func:`prepare_for_training` is what every trainer runs on a user's model before any
+gradient is built. Each rewrite computes the same function as the nodes it replaces:
 
+* skl2onnx's linear models become standard operators whose coefficients are
+  initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
+* the weights to train are chosen (:func:`trainable_weights`: the model's parameters,
+  never its constants, unless named);
 * trained weights stop feeding constant roles (:func:`graphkit.parameters.untie_constants`);
-* ``LayerNormalization`` declares its optional ``Mean`` and ``InvStdDev`` outputs, which
-  the gradient builders need (without them: ``node_->OutputDefs().size() was false``);
-* an inference ``BatchNormalization`` becomes ``X * a + b`` with
-  ``a = scale / sqrt(var + epsilon)`` and ``b = bias - mean * a`` (the full-training
-  gradient builder has no gradient for it);
-* ``AveragePool`` becomes a convolution with a constant ``1 / prod(kernel)`` kernel over
-  ``(N * C, 1, ...)``: onnxruntime's ``AveragePoolGrad`` reads shapes from static
-  dimensions and divides by zero (SIGFPE, the process dies) on a symbolic batch.
-
-Before that, skl2onnx's linear models become standard operators whose coefficients are
-initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
+* the backend's own rewrites, for what its gradient source cannot differentiate as it
+  is (:meth:`graphkit.backends.base.GradientSource.prepare`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
 
-from graphkit._graph import GraphInfo, copy_model, fresh_name, graph_names, int_constant, namer
+from graphkit import backends
 from graphkit.compat import make_compatible
 from graphkit.errors import MissingGradientError
 from graphkit.ml_ops import linear_models_as_standard_ops
@@ -34,20 +27,19 @@ from graphkit.rewrite import check_weight_names, float_initializers, get_train_i
 
 
 def prepare_for_training(
-    model: onnx.ModelProto, weights_to_train: Sequence[str] | str | None
+    model: onnx.ModelProto,
+    weights_to_train: Sequence[str] | str | None,
+    backend: str | None = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(rewritten model, weights to train)`` for a user's prediction or training graph.
 
     The weights are decided on the model as given (see :mod:`graphkit.parameters`), then
-    the rewrites above are applied.
+    the rewrites above are applied, the last ones by ``backend`` (None: the default).
     """
     model = linear_models_as_standard_ops(make_compatible(model))
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)
-    model = declare_layer_norm_outputs(model)
-    model = unfold_batch_norm(model)
-    model = average_pool_as_conv(model)
-    return model, weights
+    return backends.get(backend).prepare(model), weights
 
 
 def trainable_weights(
@@ -86,146 +78,8 @@ def _no_weights(onx: onnx.ModelProto) -> None:
     if holders:
         raise MissingGradientError(
             f"The model has no float initializer to train: its parameters are attributes of "
-            f"{', '.join(repr(h) for h in holders)}, and onnxruntime-training 1.19.2 has no "
-            "gradient for these operators. Rebuild the model from standard operators "
-            "(MatMul, Gemm, Add...) whose weights are initializers."
+            f"{', '.join(repr(h) for h in holders)}, which no gradient reaches. Rebuild the "
+            "model from standard operators (MatMul, Gemm, Add...) whose weights are "
+            "initializers."
         )
     raise ValueError("The model has no float initializer: there is nothing to train.")
-
-
-def declare_layer_norm_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy where every LayerNormalization has its three outputs."""
-    out = copy_model(model)
-    taken = graph_names(out.graph)
-    for node in out.graph.node:
-        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx"):
-            while len(node.output) < 3:
-                node.output.append("")
-            for i, role in ((1, "mean"), (2, "inv_std_dev")):
-                if not node.output[i]:
-                    node.output[i] = fresh_name(f"{node.output[0]}/{role}", taken)
-    return out
-
-
-def unfold_batch_norm(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy where every inference BatchNormalization is ``X * a + b`` (see module)."""
-    return _rewrite(model, "BatchNormalization", _unfold_one_batch_norm)
-
-
-def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy where every AveragePool is a convolution (see the module docstring).
-
-    Raises:
-        MissingGradientError: an AveragePool with ``ceil_mode=1`` (a convolution has no
-            such option), naming the node.
-    """
-    return _rewrite(model, "AveragePool", _one_average_pool_as_conv)
-
-
-Replacement = Callable[[onnx.NodeProto, dict, GraphInfo], list[onnx.NodeProto] | None]
-
-
-def _rewrite(model: onnx.ModelProto, op_type: str, replace: Replacement) -> onnx.ModelProto:
-    """A copy where each standard ``op_type`` node becomes ``replace(node, attributes,
-    info)``'s nodes (None keeps the node as it is)."""
-    out = copy_model(model)
-    if not any(n.op_type == op_type for n in out.graph.node):
-        return out
-    info = GraphInfo(out)
-    nodes: list[onnx.NodeProto] = []
-    for node in out.graph.node:
-        replacement = None
-        if node.op_type == op_type and node.domain in ("", "ai.onnx"):
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            replacement = replace(node, attrs, info)
-        nodes.extend([node] if replacement is None else replacement)
-    del out.graph.node[:]
-    out.graph.node.extend(nodes)
-    return out
-
-
-def _unfold_one_batch_norm(
-    node: onnx.NodeProto, attrs: dict, info: GraphInfo
-) -> list[onnx.NodeProto] | None:
-    rank = info.rank.get(node.input[0])
-    if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
-        return None
-    x, scale, bias, mean, var = node.input
-    name = namer(f"{node.name or node.output[0]}/unfolded", info.taken)
-    eps, std, a, shift, b = (name(s) for s in ("epsilon", "std", "a", "shift", "b"))
-    epsilon = np.array(attrs.get("epsilon", 1e-5), dtype=info.dtype(scale))
-    # a = scale / sqrt(var + epsilon); b = bias - mean a
-    nodes = [
-        helper.make_node("Constant", [], [eps], value=numpy_helper.from_array(epsilon)),
-        helper.make_node("Add", [var, eps], [f"{std}/sq"]),
-        helper.make_node("Sqrt", [f"{std}/sq"], [std]),
-        helper.make_node("Div", [scale, std], [a]),
-        helper.make_node("Mul", [mean, a], [shift]),
-        helper.make_node("Sub", [bias, shift], [b]),
-    ]
-    if rank > 2:  # (C,) -> (C, 1, ..., 1) to broadcast over the spatial axes
-        axes, a_bc, b_bc = name("axes"), name("a_bc"), name("b_bc")
-        nodes += [
-            int_constant(axes, list(range(1, rank - 1))),
-            helper.make_node("Unsqueeze", [a, axes], [a_bc]),
-            helper.make_node("Unsqueeze", [b, axes], [b_bc]),
-        ]
-        a, b = a_bc, b_bc
-    scaled = name("scaled")
-    nodes.append(helper.make_node("Mul", [x, a], [scaled]))
-    nodes.append(helper.make_node("Add", [scaled, b], [node.output[0]]))
-    return nodes
-
-
-def _one_average_pool_as_conv(
-    node: onnx.NodeProto, attrs: dict, info: GraphInfo
-) -> list[onnx.NodeProto]:
-    if attrs.get("ceil_mode", 0):
-        raise MissingGradientError(
-            f"AveragePool node {node.name!r} uses ceil_mode=1, whose gradient kernel in "
-            "onnxruntime-training 1.19.2 crashes on a dynamic batch and which graphkit "
-            "cannot rewrite. Export the pooling with ceil_mode=False."
-        )
-    kernel = list(attrs["kernel_shape"])
-    dtype = info.dtype(node.input[0])
-    name = namer(f"{node.name or node.output[0]}/as_conv", info.taken)
-    x = node.input[0]
-    lead, rest, flat_shape, flat = (name(s) for s in ("lead", "rest", "flat_shape", "flat"))
-    weight, summed, averaged = name("weight"), name("summed"), name("averaged")
-    conv = {k: v for k, v in attrs.items() if k in ("auto_pad", "pads", "strides", "dilations")}
-    ones = numpy_helper.from_array(np.ones([1, 1, *kernel], dtype=dtype))
-    # (N, C, ...) -> (N * C, 1, ...), a sum over each window by a kernel of ones
-    nodes = [
-        int_constant(lead, [-1, 1]),
-        helper.make_node("Shape", [x], [rest], start=2),
-        helper.make_node("Concat", [lead, rest], [flat_shape], axis=0),
-        helper.make_node("Reshape", [x, flat_shape], [flat]),
-        helper.make_node("Constant", [], [weight], value=ones),
-        helper.make_node("Conv", [flat, weight], [summed], kernel_shape=kernel, **conv),
-    ]
-    padded = any(attrs.get("pads", [])) or attrs.get("auto_pad", "NOTSET") not in (
-        "NOTSET",
-        "VALID",
-    )
-    divisor = name("divisor")
-    if attrs.get("count_include_pad", 0) or not padded:
-        count = numpy_helper.from_array(np.array(np.prod(kernel), dtype=dtype))
-        nodes.append(helper.make_node("Constant", [], [divisor], value=count))
-    else:  # divide by the number of real (non-padding) cells under each window
-        ones_lead, ones_shape, plane = name("ones_lead"), name("ones_shape"), name("plane")
-        one = numpy_helper.from_array(np.ones(1, dtype=dtype))
-        nodes += [
-            int_constant(ones_lead, [1, 1]),
-            helper.make_node("Concat", [ones_lead, rest], [ones_shape], axis=0),
-            helper.make_node("ConstantOfShape", [ones_shape], [plane], value=one),
-            helper.make_node("Conv", [plane, weight], [divisor], kernel_shape=kernel, **conv),
-        ]
-    spatial, channels, out_shape = name("spatial"), name("channels"), name("out_shape")
-    nodes += [
-        helper.make_node("Div", [summed, divisor], [averaged]),
-        helper.make_node("Shape", [averaged], [spatial], start=2),
-        helper.make_node("Shape", [x], [channels], start=0, end=2),
-        helper.make_node("Concat", [channels, spatial], [out_shape], axis=0),
-        helper.make_node("Reshape", [averaged, out_shape], [node.output[0]]),
-    ]
-    return nodes

@@ -23,7 +23,7 @@ import onnx
 import onnxscript
 
 from graphkit._graph import compile_function
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import DOUBLE, INT64, op, script
 from graphkit.registry import Registry
 

@@ -1,15 +1,17 @@
 """Specialize a graph to a concrete batch size, so that its shape arithmetic disappears.
 
 A training step built for a dynamic batch dimension spends most of its kernels on shape
-plumbing: ``Shape``, ``Reshape(label, Shape(Y))``, ``Expand``, and onnxruntime-training's
-``BroadcastGradientArgs``, which tells a gradient which axes to sum. Once every input
+plumbing: ``Shape``, ``Reshape(label, Shape(Y))``, ``Expand``, and a gradient source's
+own shape operators (onnxruntime-training's ``BroadcastGradientArgs``, which tells a
+gradient which axes to sum). Once every input
 shape is known, all of it is constant. :func:`specialize` fixes the batch dimension of
 the named inputs and folds what became constant:
 
 * onnxscript's constant folding (with onnx shape inference) evaluates ``Shape``, ``Size``,
   shape arithmetic and every node whose inputs are all constant;
-* :func:`broadcast_gradient_args` evaluates ``BroadcastGradientArgs`` on constant shapes
-  (onnx's shape inference does not know that operator);
+* the backend's ``folds`` evaluate its own operators on constant inputs (onnx's shape
+  inference does not know them; see ``constant_folds`` of
+  :class:`graphkit.backends.base.GradientSource`);
 * unused nodes go, common subexpressions (the same bias-correction power in every weight's
   Adam update) are computed once;
 * :func:`simplify_reductions` rewrites each ``ReduceSum`` whose shape is now known into
@@ -30,52 +32,13 @@ evaluates what the graph computes, so the specialized graph computes the same va
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names
-
-_MS = "com.microsoft"
-
-
-def broadcast_gradient_args(a: Sequence[int], b: Sequence[int]) -> tuple[list[int], list[int]]:
-    """onnxruntime's BroadcastGradientArgs on concrete shapes: for each operand, the axes
-    of the broadcast result (decreasing) its gradient is summed over. With both shapes
-    left-padded with 1 to rank r, axis i belongs to a's list when it pads a, or when
-    a_i = 1 and b_i != 1; symmetrically for b."""
-    rank = max(len(a), len(b))
-    pa = [1] * (rank - len(a)) + list(a)
-    pb = [1] * (rank - len(b)) + list(b)
-    axes_a = [i for i in reversed(range(rank)) if i < rank - len(a) or (pa[i] == 1 != pb[i])]
-    axes_b = [i for i in reversed(range(rank)) if i < rank - len(b) or (pb[i] == 1 != pa[i])]
-    return axes_a, axes_b
-
-
-def _fold_broadcast_gradient_args(model: onnx.ModelProto) -> bool:
-    """Replace each BroadcastGradientArgs whose two inputs are constant by initializers."""
-    constants = {t.name: t for t in model.graph.initializer}
-    kept, folded = [], False
-    for node in model.graph.node:
-        if (
-            node.op_type == "BroadcastGradientArgs"
-            and node.domain == _MS
-            and all(name in constants for name in node.input)
-        ):
-            shapes = [numpy_helper.to_array(constants[name]).tolist() for name in node.input]
-            for name, axes in zip(node.output, broadcast_gradient_args(*shapes)):
-                if name:
-                    model.graph.initializer.append(
-                        numpy_helper.from_array(np.array(axes, dtype=np.int64), name)
-                    )
-            folded = True
-        else:
-            kept.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
-    return folded
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -302,9 +265,16 @@ def _is_block(axes: list[int], rank: int) -> bool:
     return contiguous and len(axes) < rank and (axes[0] == 0 or axes[-1] == rank - 1)
 
 
-def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelProto:
+Fold = Callable[[onnx.ModelProto], bool]
+"""Folds what it can of a model in place; whether it changed anything."""
+
+
+def specialize(
+    model: onnx.ModelProto, batch: Mapping[str, int], folds: Sequence[Fold] = ()
+) -> onnx.ModelProto:
     """``model`` with the first dimension of each input in ``batch`` fixed to its value,
-    and every computation that became constant folded away (see the module docstring).
+    and every computation that became constant folded away (see the module docstring),
+    ``folds`` (a backend's, for its own operators) included.
 
     The result computes the same values as ``model`` on inputs of those sizes; its
     outputs and inputs keep their names.
@@ -334,9 +304,10 @@ def specialize(model: onnx.ModelProto, batch: Mapping[str, int]) -> onnx.ModelPr
     # gradient graphs (a ConvGrad after a MaxPoolGrad) whose types it has to infer again
     for _ in range(4):  # folding a BroadcastGradientArgs opens more folding after it
         fixed = _fold(fixed)
-        if not _fold_broadcast_gradient_args(fixed):
+        changed = [fold(fixed) for fold in folds]
+        if not any(changed):
             break
     return simplify_reductions(fixed)
 
 
-__all__ = ["broadcast_gradient_args", "simplify_reductions", "specialize"]
+__all__ = ["Fold", "simplify_reductions", "specialize"]

@@ -1,11 +1,12 @@
 """Keep training an exported step on any ONNX runtime: plain onnxruntime, onnx.reference.
 
-:func:`graphkit_train.export.export_training_step` writes a training step in standard
+:func:`graphkit.training.export.export_training_step` writes a training step in standard
 ONNX whose metadata names its data inputs and resident tensors. :class:`StepTrainer`
 runs it epoch after epoch, as graphkit's own trainer does (same batches, same
 ``random_state`` permutation), with nothing but onnx, numpy and the runtime: like
 :mod:`graphkit.training_info`, this file can be loaded where graphkit and
-onnxruntime-training are not installed::
+onnxruntime-training are not installed (with ``training_info.py`` and
+``training/batches.py`` beside it, as in graphkit's source tree)::
 
     trainer = StepTrainer("step.onnx", batch_size=32).fit(X, y, epochs=5)
     trainer.train_losses_, trainer.state()["W1"]
@@ -21,17 +22,21 @@ import onnx
 from onnx import numpy_helper
 
 try:
+    from graphkit.training.batches import epoch_batches
     from graphkit.training_info import session
-except ImportError:  # loaded from its file where graphkit is not installed: so is its sibling
+except ImportError:  # loaded from its file where graphkit is not installed: so are these
     import importlib.util
     import pathlib
 
-    _spec = importlib.util.spec_from_file_location(
-        "training_info", pathlib.Path(__file__).with_name("training_info.py")
-    )
-    _sibling = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
-    _spec.loader.exec_module(_sibling)  # type: ignore[union-attr]
-    session = _sibling.session
+    def _load(relative: str) -> object:
+        path = pathlib.Path(__file__).parent / relative
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    session = _load("training_info.py").session  # type: ignore[attr-defined]
+    epoch_batches = _load("training/batches.py").epoch_batches  # type: ignore[attr-defined]
 
 META = "graphkit.training_step"
 """The metadata key of an exported step: JSON with features, label, sample_weight, loss,
@@ -92,20 +97,18 @@ class StepTrainer:
         weight = self.roles.get("sample_weight")
         if sample_weight is not None and not weight:
             raise ValueError("This training step takes no sample weights.")
+        w = None
+        if weight:
+            w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight)
+            w = w.astype(X.dtype, copy=False)
         for _ in range(epochs):
-            order = self._rng.permutation(len(X)) if self.shuffle else np.arange(len(X))
+            order = self._rng.permutation(len(X)) if self.shuffle else None
             self._resident["loss_sum"] = np.zeros_like(self._resident["loss_sum"])
             batches = 0
-            for start in range(0, len(X), self.batch_size):
-                rows = order[start : start + self.batch_size]
-                feeds = {self.roles["features"]: X[rows], self.roles["label"]: y[rows]}
+            for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, self.batch_size):
+                feeds = {self.roles["features"]: X_batch, self.roles["label"]: y_batch}
                 if weight:
-                    w = (
-                        np.ones(len(rows), X.dtype)
-                        if sample_weight is None
-                        else sample_weight[rows]
-                    )
-                    feeds[weight] = np.asarray(w, dtype=X.dtype)
+                    feeds[weight] = w_batch
                 out = dict(zip(self._outputs, self._run({**feeds, **self._resident})))
                 self._resident = {n: out[f"{n}.next"] for n in self._resident}
                 batches += 1

@@ -4,7 +4,7 @@ ONNX can store how to keep training a model next to the model itself
 (``TrainingInfoProto``, see onnx.proto): an *algorithm* graph whose nodes may read the
 inference graph's tensors, computing new values that ``update_binding`` assigns to
 initializers after each run, and an *initialization* graph that resets some of them.
-:func:`graphkit_train.export.export_training_info` writes one; this module executes it
+:func:`graphkit.training.export.export_training_info` writes one; this module executes it
 with plain onnxruntime or ``onnx.reference``, so it needs only onnx and numpy (it can be
 loaded from its file where graphkit itself is not installed)::
 
@@ -43,7 +43,7 @@ def check_training_info(model: onnx.ModelProto, index: int = 0) -> onnx.Training
     if len(model.training_info) <= index:
         raise TrainingInfoError(
             f"The model carries {len(model.training_info)} TrainingInfoProto; index {index} "
-            "does not exist. Export one with graphkit_train.export.export_training_info."
+            "does not exist. Export one with graphkit.training.export.export_training_info."
         )
     info = model.training_info[index]
     mutable = set(_initializers(model.graph)) | set(_initializers(info.algorithm))

@@ -50,7 +50,7 @@ from graphkit._graph import (
     splice,
     value_info,
 )
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 from graphkit.compat import DSL_OPSET, finalize
 from graphkit.dsl import FLOAT, INT64, op, script
 from graphkit.errors import ShapeError, UnknownNameError
@@ -237,7 +237,7 @@ class GradientTransformation(abc.ABC):
         """True when each entry of the new update and state depends only on the same
         entry of the update, weight and state, and on sums over every entry: the update
         of all weights can then run once on them laid end to end (the training step
-        packs them so, see :func:`graphkit_train.step.build_update_step`). False unless
+        packs them so, see :func:`graphkit.training.step.build_update_step`). False unless
         a transformation says so (a per-weight norm, a factored moment, a partition by
         name are not)."""
         return all(c.elementwise for c in self.children()) if self.children() else False

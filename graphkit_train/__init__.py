@@ -10,18 +10,18 @@
   ``learning_penalty``; by default the seed's ``LearningRateSGD``, SGD with the
   invscaling schedule).
 * :class:`OrtGradientForwardBackward`: forward and backward passes of an ONNX graph
-  (onnxruntime-training's TrainingAgent), for any training framework.
+  (the backend's forward/backward runner), for any training framework.
 * :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
 * :mod:`graphkit_train.distributed`: data-parallel training on ``torch.distributed``
   (``distributed=True`` in both trainers, launched with ``torchrun``).
 """
 
+from graphkit.training.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 from graphkit_train import checkpoint, distributed
 from graphkit_train.checkpoint import CheckpointError
 from graphkit_train.forward_backward import OrtGradientForwardBackward
 from graphkit_train.full import OrtGradientOptimizer, Trainer
 from graphkit_train.partial import ForwardBackwardTrainer, OrtGradientForwardBackwardOptimizer
-from graphkit_train.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 
 __all__ = [
     "CheckpointError",

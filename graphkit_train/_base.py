@@ -13,7 +13,7 @@ import onnx
 
 from graphkit import optimizers, schedules
 from graphkit._graph import static_shape
-from graphkit.backend import CUDA_HINT, providers_for  # noqa: F401 - re-exported
+from graphkit.backends.ort_engine import CUDA_HINT, providers_for  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.transforms import GradientTransformation
 

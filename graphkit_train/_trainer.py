@@ -1,12 +1,11 @@
 """The training loop both trainers share.
 
-A trainer owns a *resident session*: a graph whose inputs include the weights, the
-optimizer state, ``step`` and ``loss_sum``, and whose ``.next`` outputs hold their new
-values (the fused training step, or the update step of forward/backward training).
-Those values live in two sets of OrtValues bound once to two IOBindings that
-alternate: one reads set A and writes set B, the other the reverse. A subclass says how
-one batch runs (:meth:`BaseTrainer._run_batch`); the loop, the per-epoch loss read-back,
-the rollback on NaN, the state, pickling and exports are here.
+:class:`BaseTrainer` is three parts: the loop (here: epochs, the per-epoch loss
+read-back, the rollback on NaN, early stopping, checkpoints, callbacks, exports and
+pickling), the engine side (:class:`graphkit_train.resident.ResidentState`: the weights
+and optimizer state in two alternating buffer sets of a resident session) and the
+estimator protocol (:class:`graphkit_train.estimator.EstimatorMixin`). A subclass says
+how one batch runs (:meth:`BaseTrainer._run_batch`).
 """
 
 from __future__ import annotations
@@ -14,20 +13,21 @@ from __future__ import annotations
 import os
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
-from graphkit import backend
 from graphkit.compat import load_model
-from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
+from graphkit.errors import ConvergenceError
 from graphkit.losses import Loss
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
+from graphkit.training.batches import epoch_batches
+from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
 from graphkit.transforms import ema_weights
-from graphkit_train import checkpoint
 from graphkit_train._base import (
     ParamsMixin,
     as_state,
@@ -38,34 +38,13 @@ from graphkit_train._base import (
     check_sample_weight,
     validation_period,
 )
-from graphkit_train.batches import epoch_batches
 from graphkit_train.distributed import ProcessGroup, digest, shard
+from graphkit_train.estimator import EstimatorMixin
 from graphkit_train.progress import EpochProgress
-from graphkit_train.step import LOSS, LOSS_SUM, STEP, UpdateStep, grad_name, next_name
+from graphkit_train.resident import ResidentState
 
 
-class BindingCache:
-    """Binds an OrtValue input only when its data pointer or shape changed (the seed's
-    cache): an IOBinding holds its own reference to what it binds, so an unchanged
-    pointer is the same live buffer."""
-
-    def __init__(self, binding: Any) -> None:
-        self.binding = binding
-        self._bound: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.hits = 0
-        self.binds = 0
-
-    def bind(self, name: str, value: Any) -> None:
-        key = (value.data_ptr(), tuple(value.shape()))
-        if self._bound.get(name) == key:
-            self.hits += 1
-            return
-        self.binding.bind_ortvalue_input(name, value)
-        self._bound[name] = key
-        self.binds += 1
-
-
-class BaseTrainer(ParamsMixin, ABC):
+class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     """Mini-batch training around a resident session; see the module docstring.
 
     Subclasses set in ``_build``: ``update_step_`` (an :class:`UpdateStep`),
@@ -100,134 +79,6 @@ class BaseTrainer(ParamsMixin, ABC):
             )
         if self.tol < 0:
             raise ValueError(f"tol must be >= 0, got {self.tol!r}.")
-
-    def _ortvalue(self, array: np.ndarray) -> Any:
-        return backend.ortvalue(np.array(array), self._ort_device, self._device_id)
-
-    def _allocate(self, values: Mapping[str, np.ndarray]) -> None:
-        """Two buffer sets holding ``values``, the two bindings that alternate, and a
-        cache of what the update-step path binds in each."""
-        step = self.update_step_
-        self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
-        self._bindings = []
-        for k in (0, 1):
-            binding = self._bind_resident(self._resident_session, k)
-            self._bind_scratch(binding)
-            self._bindings.append(binding)
-        self._update_caches = [BindingCache(b) for b in self._bindings]
-        self._weight_names = list(step.weights)
-        self._grad_names = [grad_name(n) for n in step.weights]
-        self._current = 0
-        self._buffers_changed()
-
-    def _bind_resident(self, session: Any, k: int) -> Any:
-        """A binding of ``session`` reading buffer set ``k`` and writing set ``1 - k``."""
-        binding = session.io_binding()
-        for name in self.update_step_.resident:
-            binding.bind_ortvalue_input(name, self._buffers[k][name])  # type: ignore[index]
-            binding.bind_ortvalue_output(next_name(name), self._buffers[1 - k][name])  # type: ignore[index]
-        return binding
-
-    def _buffers_changed(self) -> None:
-        """The buffer sets were (re)allocated: bindings made on the old ones are stale
-        (subclasses that keep more bindings drop them here)."""
-
-    def _bind_scratch(self, binding: Any) -> None:
-        """Bind the session's outputs that are not resident (subclasses)."""
-
-    @property
-    def _fitted(self) -> bool:
-        return self._buffers is not None
-
-    @property
-    def _resident(self) -> dict[str, Any]:
-        """The buffer set holding the current values."""
-        if self._buffers is None:
-            raise not_fitted(
-                f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
-            )
-        return self._buffers[self._current]
-
-    def __sklearn_is_fitted__(self) -> bool:
-        return bool(getattr(self, "_buffers", None))
-
-    # -- state -----------------------------------------------------------------------------
-
-    def get_state(self) -> dict[str, np.ndarray]:
-        """Weights, optimizer state and ``"step"`` (updates applied), as numpy copies."""
-        current = self._resident
-        step = self.update_step_
-        return step.public(
-            {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
-        )
-
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write weights, optimizer state, step, the shuffling generator, the epoch count
-        and the loss history to ``path``, atomically (see :mod:`graphkit_train.checkpoint`)."""
-        arrays = self.get_state()
-        header = {
-            "trainer": type(self).__name__,
-            "graph_hash": self._graph_hash(),
-            "epochs": len(self.train_losses_),
-            "train_losses": [float(x) for x in self.train_losses_],
-            "validation_losses": [float(x) for x in self.validation_losses_],
-            "rng": self._rng.bit_generator.state if self._rng is not None else None,
-        }
-        checkpoint.write(path, arrays, header)
-
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> BaseTrainer:
-        """Continue from a checkpoint of :meth:`save_checkpoint`: the next ``fit`` with
-        ``warm_start=True`` (or ``checkpoint=path``) goes on exactly where it stopped.
-
-        Raises:
-            CheckpointError: the file is truncated or corrupted, or belongs to another
-                model (other weights, shapes, dtypes, operators or optimizer).
-        """
-        self._build()
-        arrays, header = checkpoint.read(path)
-        step = self.update_step_
-        expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
-        checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
-        self.set_state(arrays)
-        self.train_losses_ = list(header["train_losses"])
-        self.validation_losses_ = list(header["validation_losses"])
-        if header["rng"] is not None:
-            self._rng = np.random.default_rng()
-            self._rng.bit_generator.state = header["rng"]
-        return self
-
-    def _graph_hash(self) -> str:
-        """The structure of the user's graph and of the update step (no weight values)."""
-        return checkpoint.graph_hash(load_model(self.model_onnx), self.update_step_.model)
-
-    def set_state(self, state: Mapping[str, Any]) -> BaseTrainer:
-        """Load weights (and optionally optimizer state and ``"step"``) to train from.
-
-        Missing optimizer state starts at its initial value; the next ``fit`` with
-        ``warm_start=True`` continues from this state.
-        """
-        self._build()
-        step = self.update_step_
-        unknown = sorted(set(state) - {*step.weights, *step.public_state, STEP})
-        if unknown:
-            raise UnknownNameError(
-                f"Unknown state entries {unknown}; expected weights {step.weights}, "
-                f"optimizer state {step.public_state} and 'step'."
-            )
-        values = step.public(step.initial)
-        for name, value in state.items():
-            value = np.asarray(value)
-            expected = values[name]
-            if value.shape != expected.shape:
-                raise ShapeError(
-                    f"State {name!r} has shape {value.shape}, expected {expected.shape}."
-                )
-            values[name] = value.astype(expected.dtype)
-        self._allocate(step.internal(values))
-        if not hasattr(self, "train_losses_"):
-            self.train_losses_: list[float] = []
-            self.validation_losses_: list[float] = []
-        return self
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -267,6 +118,31 @@ class BaseTrainer(ParamsMixin, ABC):
             ValueError: class labels outside the model's classes, and other bad input.
         """
         self._build()
+        run = self._start_fit(
+            (X, y, sample_weight), (X_val, y_val), checkpoint, checkpoint_every, callback
+        )
+        try:
+            for epoch in range(run.first_epoch, run.max_iter):
+                if self._fit_epoch(epoch, run):
+                    break
+        finally:
+            if run.progress is not None:
+                run.progress.close()
+        if run.stopper is not None and run.stopper.best is not None:
+            self._restore(run.stopper.best)
+            self.best_loss_ = run.stopper.best_loss
+        return self
+
+    def _start_fit(
+        self,
+        train: tuple[Any, Any, Any],
+        held_out: tuple[Any, Any],
+        checkpoint: str | os.PathLike[str] | None,
+        checkpoint_every: int,
+        callback: Callable[..., Any] | None,
+    ) -> _FitRun:
+        """Check the arguments and the data, resume or start the state: what the epochs
+        of one ``fit`` share."""
         if checkpoint is not None and self.distributed:
             raise ValueError("checkpoint= is not supported with distributed=True yet.")
         check_loop_param("checkpoint_every", checkpoint_every)
@@ -277,12 +153,10 @@ class BaseTrainer(ParamsMixin, ABC):
         seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
         max_iter = check_loop_param("max_iter", self.max_iter)
         batch_size = check_loop_param("batch_size", self.batch_size)
-        X, y, w, validation = self._checked_data(
-            (X, y, sample_weight), (X_val, y_val), group, seed, batch_size
-        )
+        X, y, w, validation = self._checked_data(train, held_out, group, seed, batch_size)
         if X.ndim == 2:
             self.n_features_in_ = int(X.shape[1])
-        done = len(self.train_losses_) if resumed else 0
+        first_epoch = len(self.train_losses_) if resumed else 0
         if not ((self.warm_start or resumed) and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
@@ -290,59 +164,63 @@ class BaseTrainer(ParamsMixin, ABC):
             self._rng = np.random.default_rng(seed)
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(seed)
-        period = 1 if self.early_stopping else validation_period(self.validation_every, max_iter)
-        stopper = _EarlyStopping(self.n_iter_no_change, self.tol) if self.early_stopping else None
-        zero = np.zeros_like(self.update_step_.initial[LOSS_SUM])
         shows = self.verbose and (group is None or group.rank == 0)
-        progress = EpochProgress(max_iter) if shows else None
+        early = self.early_stopping
         self.n_iter_ = 0
         if group is None:
             self._prepare_epochs(X, y, w, batch_size)
-        try:
-            for epoch in range(done, max_iter):
-                snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
-                self._resident[LOSS_SUM].update_inplace(zero)
-                loss = self._run_epoch(X, y, w, batch_size, group)
-                problem = self._loss_problem(loss)
-                if problem:
-                    self._restore(snapshot)
-                    message = (
-                        f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
-                        f"{problem}; the weights and optimizer state are those of the "
-                        "previous epoch."
-                    )
-                    if self.exc:
-                        raise ConvergenceError(message)
-                    warnings.warn(message, RuntimeWarning, stacklevel=2)
-                    break
-                self.train_losses_.append(loss)
-                self.n_iter_ += 1
-                held_out = None
-                if validation is not None and period and (epoch + 1) % period == 0:
-                    held_out = self._held_out_loss(validation, group)
-                    self.validation_losses_.append(held_out)
-                if progress is not None:
-                    lr = self.learning_rate_.learning_rate_at(int(self._resident[STEP].numpy()))
-                    progress.update(epoch + 1, loss, held_out, lr)
-                if stopper is not None and stopper.done(held_out, self):  # type: ignore[arg-type]
-                    break
-                stop = bool(
-                    callback is not None
-                    and callback(epoch + 1, {"train": loss, "validation": held_out}, self)
-                )
-                if checkpoint is not None and (
-                    stop or epoch + 1 == max_iter or (epoch + 1) % checkpoint_every == 0
-                ):
-                    self.save_checkpoint(checkpoint)
-                if stop if group is None else group.any(stop):
-                    break
-        finally:
-            if progress is not None:
-                progress.close()
-        if stopper is not None and stopper.best is not None:
-            self._restore(stopper.best)
-            self.best_loss_ = stopper.best_loss
-        return self
+        return _FitRun(
+            data=(X, y, w),
+            validation=validation,
+            group=group,
+            batch_size=batch_size,
+            max_iter=max_iter,
+            first_epoch=first_epoch,
+            period=1 if early else validation_period(self.validation_every, max_iter),
+            stopper=_EarlyStopping(self.n_iter_no_change, self.tol) if early else None,
+            progress=EpochProgress(max_iter) if shows else None,
+            checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every,
+            callback=callback,
+        )
+
+    def _fit_epoch(self, epoch: int, run: _FitRun) -> bool:
+        """One epoch of ``fit`` and what follows it (validation, progress, early stopping,
+        the callback, the checkpoint); whether training stops."""
+        snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
+        self._resident[LOSS_SUM].update_inplace(np.zeros_like(snapshot[LOSS_SUM]))
+        loss = self._run_epoch(*run.data, run.batch_size, run.group)
+        problem = self._loss_problem(loss)
+        if problem:
+            self._restore(snapshot)
+            message = (
+                f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
+                f"{problem}; the weights and optimizer state are those of the previous epoch."
+            )
+            if self.exc:
+                raise ConvergenceError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)  # at the caller of fit
+            return True
+        self.train_losses_.append(loss)
+        self.n_iter_ += 1
+        held_out = None
+        if run.validation is not None and run.period and (epoch + 1) % run.period == 0:
+            held_out = self._held_out_loss(run.validation, run.group)
+            self.validation_losses_.append(held_out)
+        if run.progress is not None:
+            lr = self.learning_rate_.learning_rate_at(int(self._resident[STEP].numpy()))
+            run.progress.update(epoch + 1, loss, held_out, lr)
+        if run.stopper is not None and run.stopper.done(held_out, self):  # type: ignore[arg-type]
+            return True
+        stop = bool(
+            run.callback is not None
+            and run.callback(epoch + 1, {"train": loss, "validation": held_out}, self)
+        )
+        if run.checkpoint is not None and (
+            stop or epoch + 1 == run.max_iter or (epoch + 1) % run.checkpoint_every == 0
+        ):
+            self.save_checkpoint(run.checkpoint)
+        return stop if run.group is None else run.group.any(stop)
 
     def _checked_data(
         self,
@@ -451,46 +329,6 @@ class BaseTrainer(ParamsMixin, ABC):
         held = (X[val], y[val], None if w is None else w[val])
         return X[train], y[train], None if w is None else w[train], held
 
-    # -- the update-step path: gradients, (all-reduce), update ------------------------------
-
-    @abstractmethod
-    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
-        """``(loss, {weight: gradient})`` of one batch as OrtValues (weights unchanged)."""
-
-    def _apply_update(self, binding: Any, loss: Any, grads: Mapping[str, Any]) -> None:
-        """Run the update step on given gradients and loss (binding what changed)."""
-        gradients = [grads[name]._ortvalue for name in self._weight_names]
-        self._run_update(binding, loss, self._grad_names, gradients)
-
-    def _run_update(
-        self, binding: Any, loss: Any, inputs: Sequence[str], gradients: Sequence[Any]
-    ) -> None:
-        """Run the update step on the gradients (C OrtValues) bound to ``inputs``."""
-        # gradients are new tensors every batch: bound without the cache's check
-        bind = binding._iobinding.bind_ortvalue_input
-        for name, gradient in zip(inputs, gradients):
-            bind(name, gradient)
-        self._update_caches[self._current].bind(LOSS, loss)
-        self._resident_session.run_with_iobinding(binding)
-
-    def _run_batch_distributed(
-        self, group: ProcessGroup, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
-    ) -> None:
-        """Local gradients, one all-reduce of them (see :mod:`graphkit_train.distributed`),
-        the same update on every rank."""
-        from graphkit_train.torch_module import _to_ortvalue, _to_tensor
-
-        loss, grads = self._gradients(X, y, w)
-        names = self.update_step_.weights
-        weight = len(X) if w is None else float(w.sum())
-        mean = self.loss_ is None or self.loss_.reduction != "sum"
-        tensors = [_to_tensor(grads[n]) for n in names]  # DLPack views, as OnnxModule's
-        reduced = group.average(tensors, _to_tensor(loss), weight, mean)
-        values = [backend.python_ortvalue(_to_ortvalue(t)) for t in reduced]
-        for value, tensor in zip(values, reduced):
-            value._graphkit_owner = tensor  # the OrtValue borrows the tensor's memory
-        self._apply_update(self._bindings[self._current], values[-1], dict(zip(names, values[:-1])))
-
     def _held_out_loss(self, validation: tuple[Any, ...], group: ProcessGroup | None) -> float:
         """The held-out loss; in distributed training each rank scores its share of the
         rows and the shares are averaged by their weight."""
@@ -537,12 +375,12 @@ class BaseTrainer(ParamsMixin, ABC):
             )
 
     @abstractmethod
+    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+        """``(loss, {weight: gradient})`` of one batch as OrtValues (weights unchanged)."""
+
+    @abstractmethod
     def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
         """One training step on a batch; ``binding`` reads the current resident set."""
-
-    def _restore(self, values: Mapping[str, np.ndarray]) -> None:
-        for name, value in values.items():
-            self._resident[name].update_inplace(value)
 
     def _check(
         self, X: Any, y: Any, sample_weight: Any, x_name: str = "X", y_name: str = "y"
@@ -561,118 +399,6 @@ class BaseTrainer(ParamsMixin, ABC):
                 "build it with add_loss_output(..., weight_name='weight')."
             )
         return X, y, check_sample_weight(sample_weight, len(X), X.dtype)
-
-    # -- using the trained weights ---------------------------------------------------------
-
-    def predict(self, X: Any) -> np.ndarray:
-        """Predictions with the trained weights.
-
-        A regression graph returns the output the loss is computed on (1-D for one
-        column); a classification graph returns class labels in ``classes_`` (argmax of
-        the probabilities or logits; for one column, probability > 0.5 or score > 0).
-        """
-        self._build()
-        return self._predict_checked(self._features(X))
-
-    def _predict_checked(self, X: np.ndarray) -> np.ndarray:
-        """``predict`` on features already checked by :meth:`_features`."""
-        output = self._predict_outputs(X)
-        if self._is_classifier() and self.loss_ is not None:
-            return self.loss_.labels(output)
-        return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
-
-    def _features(self, X: Any, what: str = "X") -> np.ndarray:
-        """Checked features for a fitted trainer (NotFittedError comes first)."""
-        if not self._fitted:
-            raise not_fitted(
-                f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
-            )
-        X = check_features(X, self._features_value, what, type(self).__name__)
-        fitted_width = getattr(self, "n_features_in_", None)
-        if X.ndim == 2 and fitted_width is not None and X.shape[1] != fitted_width:
-            raise ShapeError(
-                f"{what} has {X.shape[1]} features, but {type(self).__name__} is expecting "
-                f"{fitted_width} features as input (the number it was fitted with)."
-            )
-        return X
-
-    @property
-    def predict_proba(self) -> Callable[[Any], np.ndarray]:
-        """``predict_proba(X)``: class probabilities (N, n_classes), for classification
-        graphs only (a regression graph has no such attribute, as in scikit-learn).
-
-        The loss says how (:meth:`graphkit.losses.Loss.probabilities`): the output itself
-        for ``log``, its softmax for ``cross_entropy``, ``[1 - sigmoid(s), sigmoid(s)]``
-        for ``sigmoid_log_loss``.
-        """
-        if not (self._is_classifier() and self.loss_ is not None and self.loss_.prediction):
-            raise AttributeError(
-                f"predict_proba: the loss of this {type(self).__name__} gives no class "
-                "probabilities (a regression loss, or a custom one)."
-            )
-        return self._predict_proba
-
-    def _predict_proba(self, X: Any) -> np.ndarray:
-        self._build()
-        return self.loss_.probabilities(self._predict_outputs(self._features(X)))  # type: ignore[union-attr]
-
-    @property
-    def classes_(self) -> np.ndarray:
-        """The class labels ``0 .. n_classes - 1`` of a classification graph."""
-        if not self._is_classifier() or not self._fitted:
-            raise AttributeError("classes_ exists once a classification graph is fitted.")
-        return np.arange(self._n_classes())
-
-    def _n_classes(self) -> int:
-        """Columns of the prediction (2 for one probability or score column)."""
-        if self.loss_ is None or not self.loss_.multiclass:
-            return 2
-        columns = self._prediction_shape[1] if len(self._prediction_shape) == 2 else None
-        if isinstance(columns, int):
-            return columns
-        if self._probed_classes is None:  # a dynamic class axis: one forward, once per build
-            probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
-            self._probed_classes = int(self._probe(probe).shape[1])
-        return self._probed_classes
-
-    def _probe(self, X: np.ndarray) -> np.ndarray:
-        """The prediction with the current weights, or the initial ones before ``fit``
-        (allocated for this call only: a failed check leaves no state behind)."""
-        if self._fitted:
-            return self._predict_outputs(X)
-        self._allocate(self.update_step_.initial)
-        try:
-            return self._predict_outputs(X)
-        finally:
-            self._buffers = None
-
-    def _features_shape(self) -> tuple[int, ...]:
-        dims = [d.dim_value for d in self._features_value.type.tensor_type.shape.dim]
-        return tuple(dims[1:])
-
-    def _features_dtype(self) -> np.dtype:
-        elem = self._features_value.type.tensor_type.elem_type
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
-
-    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
-        """scikit-learn's score: the coefficient of determination R^2 for a regression
-        graph (averaged over outputs), the accuracy for a classification graph; weighted
-        by ``sample_weight``. The loss itself is :meth:`compute_loss`."""
-        self._build()
-        X = self._features(X)  # NotFittedError, and the feature count fitted with
-        y = np.asarray(y)
-        if len(y) != len(X):
-            raise ShapeError(f"X has {len(X)} rows but y has {len(y)}; they must match.")
-        w = None if sample_weight is None else check_sample_weight(sample_weight, len(X), float)
-        prediction = self._predict_checked(X)
-        if self._is_classifier():
-            return float(np.average(prediction.reshape(-1) == y.reshape(-1), weights=w))
-        return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
-
-    def compute_loss(self, X: Any, y: Any, sample_weight: Any = None) -> float:
-        """The training loss on ``(X, y)`` with the current weights (lower is better)."""
-        self._build()
-        return self._loss(*self._check(self._features(X), y, sample_weight))
 
     def get_trained_onnx(
         self, model: onnx.ModelProto | None = None, ema: bool = False
@@ -769,16 +495,22 @@ class BaseTrainer(ParamsMixin, ABC):
         """Every graph the trainer runs, by name (for ``save_onnx_graph``)."""
 
 
-def _r2(y: np.ndarray, prediction: np.ndarray, w: np.ndarray | None) -> float:
-    """1 - sum w (y - p)^2 / sum w (y - mean_w y)^2 per output, averaged over outputs."""
-    y, prediction = y.astype(np.float64), prediction.astype(np.float64)
-    weights = np.ones(len(y)) if w is None else w.astype(np.float64)
-    mean = np.average(y, axis=0, weights=weights)
-    residual = (weights[:, None] * (y - prediction) ** 2).sum(axis=0)
-    total = (weights[:, None] * (y - mean) ** 2).sum(axis=0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scores = np.where(total > 0, 1 - residual / total, np.where(residual > 0, 0.0, 1.0))
-    return float(scores.mean())
+@dataclass
+class _FitRun:
+    """What the epochs of one ``fit`` call share."""
+
+    data: tuple[np.ndarray, np.ndarray, np.ndarray | None]
+    validation: tuple[Any, ...] | None
+    group: ProcessGroup | None
+    batch_size: int
+    max_iter: int
+    first_epoch: int
+    period: int
+    stopper: _EarlyStopping | None
+    progress: EpochProgress | None
+    checkpoint: str | os.PathLike[str] | None
+    checkpoint_every: int
+    callback: Callable[..., Any] | None
 
 
 class _EarlyStopping:

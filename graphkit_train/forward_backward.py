@@ -1,4 +1,4 @@
-"""Forward/backward through an ONNX graph with onnxruntime-training's TrainingAgent.
+"""Forward/backward through an ONNX graph: two calls, the backend's TrainingAgent.
 
 :class:`OrtGradientForwardBackward` is the low-level piece of forward/backward (partial)
 training: the ONNX graph is one layer of a larger model. ``forward`` computes the
@@ -10,9 +10,9 @@ to the inputs that asked for one)::
     (y,) = fb.forward([X])                      # OrtValues
     grads = fb.backward([dloss_dy])             # {"coef": OrtValue, "intercept": ...}
 
-The graphs come from ``OrtModuleGraphBuilder``, which wants the trained initializers
-named in alphabetical order of their position: graphkit renames them internally, the
-user never does.
+The forward and gradient graphs come from the backend's gradient source
+(:meth:`graphkit.backends.base.GradientSource.forward_backward_graphs`), in the model's
+own names.
 """
 
 from __future__ import annotations
@@ -25,17 +25,15 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit import backend
-from graphkit._graph import fresh_name, graph_names, rename_tensors, shape_matches, static_shape
-from graphkit._ort import Threads, inference_session
-from graphkit.backend import binding_outputs  # noqa: F401 - re-exported
+from graphkit import backends
+from graphkit._graph import shape_matches, static_shape
+from graphkit.backends import ort_engine as engine
+from graphkit.backends.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.lowering import lower_float32_only_ops, reads_float64
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
 from graphkit.static_shapes import specialize
-from graphkit_train._base import providers_for
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 
@@ -78,7 +76,9 @@ class OrtGradientForwardBackward:
             non-initializer inputs in graph order).
         output_names: the outputs ``forward`` returns, in order (None: the float outputs).
         providers: onnxruntime providers (None: from ``device``).
-        threads: the sessions' thread settings (:class:`graphkit._ort.Threads`).
+        threads: the sessions' thread settings (:class:`graphkit.backends.ort_engine.Threads`).
+        backend: the gradient source and its runner (:func:`graphkit.backends.get`;
+            None: the default).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
@@ -97,8 +97,12 @@ class OrtGradientForwardBackward:
         device: str = "cpu",
         inputs_requiring_grad: Iterable[str] = (),
         threads: Threads | None = None,
+        backend: str | None = None,
     ) -> None:
-        model, self.weight_names = prepare_for_training(load_model(onnx_model), weights_to_train)
+        self.backend = backends.get(backend)
+        model, self.weight_names = prepare_for_training(
+            load_model(onnx_model), weights_to_train, self.backend.name
+        )
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
         self.input_names = list(graph_inputs if input_names is None else input_names)
@@ -117,7 +121,7 @@ class OrtGradientForwardBackward:
                 f"output_names {unknown or '[]'} are not outputs; outputs: "
                 f"{[o.name for o in model.graph.output]}."
             )
-        device_providers, self._ort_device, self._device_id = providers_for(device)
+        device_providers, self._ort_device, self._device_id = engine.providers_for(device)
         self.device = device
         self.providers = list(providers or device_providers)
         self.threads = threads
@@ -133,27 +137,13 @@ class OrtGradientForwardBackward:
     # -- building ----------------------------------------------------------------------
 
     def _prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """Outputs restricted to ``output_names``; trained weights renamed ``gkw00000``...
-        and placed first, so that alphabetical order is initializer order."""
+        """Outputs restricted to ``output_names``, and what they do not need dropped."""
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         kept = {o.name: o for o in copy.graph.output}
         del copy.graph.output[:]
         copy.graph.output.extend(kept[n] for n in self.output_names)
-        copy = prune(copy)
-        taken = graph_names(copy.graph)
-        self._internal = {
-            w: fresh_name(f"gkw{i:05d}", taken) for i, w in enumerate(self.weight_names)
-        }
-        self._original = {v: k for k, v in self._internal.items()}
-        rename_tensors(copy.graph, lambda n: self._internal.get(n, n))
-        trained = {i.name: i for i in copy.graph.initializer if i.name in self._internal.values()}
-        others = [i for i in copy.graph.initializer if i.name not in trained]
-        del copy.graph.initializer[:]
-        copy.graph.initializer.extend(
-            [trained[self._internal[w]] for w in self.weight_names] + others
-        )
-        return copy
+        return prune(copy)
 
     def _check_requiring(self, names: Iterable[str]) -> None:
         unknown = sorted(set(names) - set(self.input_names))
@@ -173,25 +163,19 @@ class OrtGradientForwardBackward:
     def _build_variant(self, requiring: frozenset[str], rows: int | None) -> _Variant:
         if rows is not None:  # the graphs for any number of rows, specialized
             base = self._variant(requiring)
-            gradient = specialize(base.gradient_model, dict.fromkeys(self.input_names, rows))
+            rows_of = dict.fromkeys(self.input_names, rows)
+            gradient = specialize(base.gradient_model, rows_of, self.backend.constant_folds)
             return self._with_agent(
                 gradient, base.forward_model, None, base.grad_of, base.n_outputs
             )
-        internal = [self._internal[w] for w in self.weight_names]
         inputs = [n for n in self.input_names if n in requiring]
-        graphs = backend.module_graphs(self._model, internal, inputs)
-        gradient, forward = graphs.gradient, graphs.forward
-        if reads_float64(gradient):
-            lower_float32_only_ops(gradient)
-        original = self._original
+        graphs = self.backend.forward_backward_graphs(self._model, self.weight_names, inputs)
+        gradient, forward = self.backend.prepare_gradient(graphs.gradient), graphs.forward
         grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}
         grad_of.update(
-            zip(
-                graphs.initializer_grad_names_to_train,
-                (original[n] for n in graphs.initializer_names_to_train),
-            )
+            zip(graphs.initializer_grad_names_to_train, graphs.initializer_names_to_train)
         )
-        forward_session = inference_session(forward, self.providers, self.threads)
+        forward_session = self.backend.inference_session(forward, self.providers, self.threads)
         return self._with_agent(
             gradient, forward, forward_session, grad_of, len(graphs.user_output_names)
         )
@@ -205,11 +189,11 @@ class OrtGradientForwardBackward:
         n_outputs: int,
     ) -> _Variant:
         """A variant whose TrainingAgent runs ``gradient``."""
-        session = inference_session(gradient, self.providers, self.threads)
+        session = self.backend.inference_session(gradient, self.providers, self.threads)
         feed_names = [i.name for i in gradient.graph.input]
         fetch_names = [o.name for o in gradient.graph.output]
-        device = backend.ort_device(self._ort_device, self._device_id)
-        agent = backend.training_agent(session, feed_names, fetch_names, n_outputs, device)
+        device = engine.ort_device(self._ort_device, self._device_id)
+        agent = self.backend.training_agent(session, feed_names, fetch_names, n_outputs, device)
         return _Variant(
             gradient,
             forward,
@@ -226,9 +210,9 @@ class OrtGradientForwardBackward:
 
     def to_ortvalue(self, value: Any) -> Any:
         """An ``onnxruntime.OrtValue`` on this device from a numpy array (or itself)."""
-        if backend.is_ortvalue(value):
+        if engine.is_ortvalue(value):
             return value
-        return backend.ortvalue(np.asarray(value), self._ort_device, self._device_id)
+        return engine.ortvalue(np.asarray(value), self._ort_device, self._device_id)
 
     def _check_value(self, name: str, value: Any, expected: onnx.ValueInfoProto) -> None:
         elem = expected.type.tensor_type.elem_type
@@ -280,7 +264,7 @@ class OrtGradientForwardBackward:
                 )
             given.update({k: self.to_ortvalue(v) for k, v in weights.items()})
         for name, value in given.items():
-            feeds[self._internal[name]] = value
+            feeds[name] = value
         return feeds
 
     # -- forward and backward ------------------------------------------------------------
@@ -324,8 +308,8 @@ class OrtGradientForwardBackward:
 
         The outputs live in memory the matching backward reuses: read or copy them first.
         """
-        fetches, state, vector = backend.run_forward(variant.agent, feeds)
-        outputs = backend.wrap(fetches)
+        fetches, state, vector = self.backend.run_forward(variant.agent, feeds)
+        outputs = engine.wrap(fetches)
         return PendingForward(variant, state, outputs, keep_alive=[feeds, vector])
 
     def backward(self, grad_outputs: Sequence[Any]) -> dict[str, Any]:
@@ -373,13 +357,13 @@ class OrtGradientForwardBackward:
 
     def run_backward(self, pending: PendingForward, grad_outputs: list[Any]) -> dict[str, Any]:
         """Backward on C OrtValues for an explicit pending forward."""
-        fetches = backend.run_backward(pending.variant.agent, grad_outputs, pending.state)
+        fetches = self.backend.run_backward(pending.variant.agent, grad_outputs, pending.state)
         names = pending.variant.fetch_names
-        return {pending.variant.grad_of[n]: value for n, value in zip(names, backend.wrap(fetches))}
+        return {pending.variant.grad_of[n]: value for n, value in zip(names, engine.wrap(fetches))}
 
     def feed_sources(self, variant: _Variant) -> list[str]:
         """The input or weight name each feed of ``variant`` takes, in feed order."""
-        return [self._original.get(n, n) for n in variant.feed_names]
+        return list(variant.feed_names)
 
     @property
     def pending(self) -> int:
@@ -390,12 +374,9 @@ class OrtGradientForwardBackward:
         """The original graph (restricted to ``output_names``) with the current weights."""
         copy = onnx.ModelProto()
         copy.CopyFrom(self._model)
-        original = self._original
         for init in copy.graph.initializer:
-            if init.name in original:
-                name = original[init.name]
-                init.CopyFrom(numpy_helper.from_array(self.weights[name].numpy(), name))
-        rename_tensors(copy.graph, lambda n: original.get(n, n))
+            if init.name in self.weights:
+                init.CopyFrom(numpy_helper.from_array(self.weights[init.name].numpy(), init.name))
         return copy
 
 

@@ -2,7 +2,7 @@
 
 :class:`Trainer` (and :class:`OrtGradientOptimizer`, the same with the seed's API)
 builds the training step once
-(:func:`graphkit_train.step.build_training_step`) and runs it once per mini-batch: the
+(:func:`graphkit.training.step.build_training_step`) and runs it once per mini-batch: the
 weights, the optimizer state, the step counter and the epoch's loss sum stay resident
 in onnxruntime (see :mod:`graphkit_train._trainer`); only the batch's features and
 labels are bound per step, and the loss is read back once per epoch.
@@ -11,15 +11,16 @@ labels are bound per step, and the loss is read back once per epoch.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
 
-from graphkit import backend, losses
+from graphkit import backends, losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit._ort import Threads, inference_session
+from graphkit.backends import ort_engine as engine
+from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model, make_compatible
 from graphkit.errors import MissingGradientError
 from graphkit.gradient import gradient_model
@@ -35,7 +36,16 @@ from graphkit.rewrite import (
     metadata,
     strip_loss_output,
 )
-from graphkit.static_shapes import specialize
+from graphkit.static_shapes import Fold, specialize
+from graphkit.training.batches import epoch_batches, shuffled_pieces
+from graphkit.training.epoch import scan_over_batches
+from graphkit.training.step import (
+    LOSS_SUM,
+    TrainingStep,
+    build_training_step,
+    build_update_step,
+    grad_name,
+)
 from graphkit.transforms import GradientTransformation
 from graphkit_train._base import (
     input_value,
@@ -44,16 +54,7 @@ from graphkit_train._base import (
     select_optimizer,
 )
 from graphkit_train._trainer import BaseTrainer
-from graphkit_train.batches import epoch_batches, shuffled_pieces
-from graphkit_train.epoch import scan_over_batches
 from graphkit_train.forward_backward import binding_outputs
-from graphkit_train.step import (
-    LOSS_SUM,
-    TrainingStep,
-    build_training_step,
-    build_update_step,
-    grad_name,
-)
 
 
 class Trainer(BaseTrainer):
@@ -103,7 +104,7 @@ class Trainer(BaseTrainer):
             one all-reduce per step.
         steps_per_run: training steps per onnxruntime call: ``"epoch"`` (the default)
             runs every full batch of an epoch in one call of a ``Scan`` graph over the
-            data laid out batch by batch (:mod:`graphkit_train.epoch`); an int k runs k
+            data laid out batch by batch (:mod:`graphkit.training.epoch`); an int k runs k
             batches per call; 1 runs one call per batch. The weights are the same
             whichever is chosen; only the speed differs.
         static_shapes: build the step for the concrete ``batch_size`` with its shape
@@ -112,6 +113,9 @@ class Trainer(BaseTrainer):
         intra_op_num_threads: threads per kernel (None: one per core, onnxruntime's
             default).
         execution_mode: ``"sequential"`` or ``"parallel"`` (independent nodes at once).
+        backend: where gradients come from and what runs them, a name registered in
+            :mod:`graphkit.backends` (None: the first installed, ``"ort_training"``
+            today).
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -119,7 +123,7 @@ class Trainer(BaseTrainer):
         learning_rate_, optimizer_: the gradient transformation trained with (its
             learning rate filled in).
         weights_to_train_: the weights trained.
-        training_step_: the :class:`~graphkit_train.step.TrainingStep` (its ``model`` is
+        training_step_: the :class:`~graphkit.training.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).
     """
 
@@ -150,6 +154,7 @@ class Trainer(BaseTrainer):
         static_shapes: bool = True,
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
+        backend: str | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -190,14 +195,15 @@ class Trainer(BaseTrainer):
         steps_per_run(self.steps_per_run)
         self._threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
-        self._c_device = backend.ort_device(self._ort_device, self._device_id)
+        self._backend = backends.get(self.backend)
+        self._c_device = engine.ort_device(self._ort_device, self._device_id)
         # the graph exported with the trained weights: the user's, linear models written
         # with standard operators (their coefficients are the weights)
         self._user_onnx = linear_models_as_standard_ops(
             make_compatible(self._training_graph())
         )
         self.train_onnx_, self.weights_to_train_ = prepare_for_training(
-            self._user_onnx, self.weights_to_train
+            self._user_onnx, self.weights_to_train, self._backend.name
         )
         self.learning_rate_ = self._select_optimizer()
         try:
@@ -207,6 +213,7 @@ class Trainer(BaseTrainer):
                 self.learning_rate_,
                 self.loss_output_name,
                 self.sample_weight_name,
+                backend=self._backend.name,
             )
         except MissingGradientError as exc:
             raise MissingGradientError(
@@ -220,7 +227,9 @@ class Trainer(BaseTrainer):
             self._build_distributed()
         else:  # the step for any batch size runs the last, shorter batch of an epoch
             threads = self._threads.once_per_epoch()
-            self._resident_session = inference_session(step.model, self._providers, threads)
+            self._resident_session = self._backend.inference_session(
+                step.model, self._providers, threads
+            )
             self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._features_value = input_value(self.train_onnx_, step.features)
         self.loss_ = _recorded_loss(self.train_onnx_)
@@ -238,7 +247,7 @@ class Trainer(BaseTrainer):
         self._built = True
 
     def _session(self, model: onnx.ModelProto) -> Any:
-        return inference_session(model, self._providers, self._threads)
+        return self._backend.inference_session(model, self._providers, self._threads)
 
     # -- fused steps: one run for many batches ---------------------------------------------
 
@@ -249,7 +258,11 @@ class Trainer(BaseTrainer):
         runner = self._fused_runners.get(key)
         if runner is None:
             runner = self._fused_runners[key] = FusedRunner(
-                self.training_step_, batch_size, self._session, *key[1:]
+                self.training_step_,
+                batch_size,
+                self._session,
+                *key[1:],
+                folds=self._backend.constant_folds,
             )
         if runner.bindings is None:
             runner.bind(self)
@@ -282,7 +295,7 @@ class Trainer(BaseTrainer):
         if runner.scan is not None:
             for values in runner.chunks(order):
                 binding = runner.bindings[self._current]  # type: ignore[index]
-                bind = binding._iobinding.bind_ortvalue_input
+                bind = engine.input_binder(binding)
                 for name, value in zip(runner.data, values):
                     bind(name, value)
                 runner.scan.run_with_iobinding(binding)
@@ -332,7 +345,7 @@ class Trainer(BaseTrainer):
         """The gradient graph of the loss and the update step, as two sessions."""
         step = self.training_step_
         weighted = initializers_to_inputs(self.train_onnx_, step.weights)
-        self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights)
+        self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights, self._backend.name)
         self._gradient_session = self._session(self.gradient_onnx_)
         self._gradient_outputs = [step.loss, *(grad_name(w) for w in step.weights)]
         loss_value = next(o for o in self.gradient_onnx_.graph.output if o.name == step.loss)
@@ -400,22 +413,22 @@ class Trainer(BaseTrainer):
 
     def export_training_step(self, path: Any = None) -> onnx.ModelProto:
         """The training step in standard ONNX, to keep training on any runtime; see
-        :func:`graphkit_train.export.export_training_step`."""
-        from graphkit_train.export import export_training_step
+        :func:`graphkit.training.export.export_training_step`."""
+        from graphkit.training.export import export_training_step
 
         return export_training_step(self, path)
 
     def export_training_epoch(self, path: Any = None) -> onnx.ModelProto:
         """One epoch as one standard-ONNX model (the step in a Loop over the batches);
-        see :func:`graphkit_train.export.export_training_epoch`."""
-        from graphkit_train.export import export_training_epoch
+        see :func:`graphkit.training.export.export_training_epoch`."""
+        from graphkit.training.export import export_training_epoch
 
         return export_training_epoch(self, path)
 
     def export_training_info(self, path: Any = None) -> onnx.ModelProto:
         """The trained prediction model carrying its training step as an ONNX
-        TrainingInfoProto; see :func:`graphkit_train.export.export_training_info`."""
-        from graphkit_train.export import export_training_info
+        TrainingInfoProto; see :func:`graphkit.training.export.export_training_info`."""
+        from graphkit.training.export import export_training_info
 
         return export_training_info(self, path)
 
@@ -448,15 +461,21 @@ class FusedRunner:
 
     ``step``: the training step (specialized to the batch size when ``static``), run
     once per batch when ``looped`` is False; ``scan``: that step as the body of a Scan
-    over batch-major data (:func:`graphkit_train.epoch.scan_over_batches`), run once per
+    over batch-major data (:func:`graphkit.training.epoch.scan_over_batches`), run once per
     ``steps_per_run`` batches. Rows in order are fed as views of the training data (no
     copy on the CPU); shuffled rows are gathered by numpy (onnxruntime's ``Gather`` of a
     batch inside the graph costs ~8 us per 1000 rows, numpy's of a whole epoch a few), a
-    piece at a time (:func:`graphkit_train.batches.shuffled_pieces`).
+    piece at a time (:func:`graphkit.training.batches.shuffled_pieces`).
     """
 
     def __init__(
-        self, step: TrainingStep, batch_size: int, session: Any, static: bool, looped: bool
+        self,
+        step: TrainingStep,
+        batch_size: int,
+        session: Any,
+        static: bool,
+        looped: bool,
+        folds: Sequence[Fold] = (),
     ) -> None:
         self.step = step
         self.batch_size = batch_size
@@ -464,7 +483,9 @@ class FusedRunner:
             [step.sample_weight] if step.sample_weight else []
         )
         model = (
-            specialize(step.model, dict.fromkeys(self.data, batch_size)) if static else step.model
+            specialize(step.model, dict.fromkeys(self.data, batch_size), folds)
+            if static
+            else step.model
         )
         self.model = model
         self.scan = None
@@ -514,7 +535,7 @@ class FusedRunner:
                 views = [a[: full * b].reshape(full, b, *a.shape[1:]) for a in self._arrays]
                 self._in_order = [
                     [
-                        backend.c_ortvalue(v[start : start + self._chunk], self._device)
+                        engine.c_ortvalue(v[start : start + self._chunk], self._device)
                         for v in views
                     ]
                     for start in range(0, full, self._chunk)
@@ -527,7 +548,7 @@ class FusedRunner:
             # the gathered arrays live until the next iteration, after the run
             gathered = [np.take(a, rows, axis=0) for a in self._arrays]
             yield [
-                backend.c_ortvalue(g.reshape(-1, b, *g.shape[1:]), self._device) for g in gathered
+                engine.c_ortvalue(g.reshape(-1, b, *g.shape[1:]), self._device) for g in gathered
             ]
 
 
@@ -589,6 +610,7 @@ class OrtGradientOptimizer(Trainer):
         static_shapes: bool = True,
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
+        backend: str | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -11,8 +11,8 @@
 
 Each batch takes two onnxruntime calls: the TrainingAgent's forward, which also computes
 the loss and its gradient, and its backward, which also applies one fused update of every
-weight (penalty + schedule + optimizer, see :func:`graphkit_train.step.build_update_step`
-and :mod:`graphkit_train.agent_step`). Distributed training, which all-reduces the
+weight (penalty + schedule + optimizer, see :func:`graphkit.training.step.build_update_step`
+and :mod:`graphkit.backends.ort_training.agent_step`). Distributed training, which all-reduces the
 gradients between backward and update, and graphs older than the loss and update
 graphs' opset run the same pieces as four calls: forward, loss and its gradient,
 backward, update. The seed's design ran one session for forward, one for the loss, one
@@ -27,13 +27,15 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import backend, losses, penalties
+from graphkit import backends, losses, penalties
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit._ort import Threads, inference_session
+from graphkit.backends import ort_engine as engine
+from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
+from graphkit.training.step import build_update_step, grad_name
 from graphkit.transforms import GradientTransformation
 from graphkit_train._base import (
     input_value,
@@ -41,10 +43,9 @@ from graphkit_train._base import (
     select_learning_rate,
     select_optimizer,
 )
-from graphkit_train._trainer import BaseTrainer, BindingCache
-from graphkit_train.agent_step import AgentRun, AgentStep, agent_step, fusable
+from graphkit_train._trainer import BaseTrainer
 from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
-from graphkit_train.step import build_update_step, grad_name
+from graphkit_train.resident import BindingCache
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
@@ -93,6 +94,8 @@ class ForwardBackwardTrainer(BaseTrainer):
         intra_op_num_threads, execution_mode: as in
             :class:`~graphkit_train.Trainer`, for every session (forward,
             backward, loss, update).
+        backend: as in :class:`~graphkit_train.Trainer`: the gradient source and the
+            forward/backward runner.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``loss_`` (the loss resolved for the prediction's shape; ``learning_loss_`` as
@@ -128,6 +131,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         distributed: bool = False,
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
+        backend: str | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -159,6 +163,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         if self._built:
             return
         self._check_loop_params()
+        self._backend = backends.get(self.backend)
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
         threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._threads = Threads(threads.intra_op, threads.mode, spinning=SPINNING)
@@ -172,6 +177,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             output_names=[prediction.name],
             device=self.device,
             threads=self._threads,
+            backend=self._backend.name,
         )
         if len(fb.input_names) != 1:
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
@@ -189,7 +195,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         # folded once (its scalar arithmetic on constants, the Identity nodes): the
         # exported "update" graph stays the readable one
         size = sum(v.size for v in values.values())
-        self._resident_session = inference_session(
+        self._resident_session = self._backend.inference_session(
             specialize(self.update_step_.model, {}), self._providers, self._threads_for(size)
         )
         self._features_value = input_value(model, fb.input_names[0])
@@ -197,15 +203,17 @@ class ForwardBackwardTrainer(BaseTrainer):
         self._accepts_sample_weight = True
         self._requires_sample_weight = False
         self._no_input_grads: frozenset[str] = frozenset()
-        self._c_device = backend.ort_device(self._ort_device, self._device_id)
+        self._c_device = engine.ort_device(self._ort_device, self._device_id)
         self._variant = fb._variant(self._no_input_grads)
         self._feed_sources = fb.feed_sources(self._variant)
         # the weight of each gradient the backward returns, in its order (the same in
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
-        self._fuses = fusable(self._variant.gradient_model, self.loss_onnx_, self.update_step_)
-        self._agent_runs: dict[tuple[bool, int], AgentRun] = {}
+        self._fuses = self._backend.fusable(
+            self._variant.gradient_model, self.loss_onnx_, self.update_step_
+        )
+        self._agent_runs: dict[tuple[bool, int], Any] = {}
         self._per_sample: Any = None
         self._built = True
 
@@ -228,39 +236,47 @@ class ForwardBackwardTrainer(BaseTrainer):
             graph = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
             if rows is not None:
                 data = ["prediction", "label"] + (["weight"] if weighted else [])
-                graph = specialize(graph, dict.fromkeys(data, rows))
+                graph = specialize(
+                    graph, dict.fromkeys(data, rows), self._backend.constant_folds
+                )
             per_row = self._prediction_shape[1:]
             known = rows is not None and all(isinstance(d, int) for d in per_row)
             size = rows * math.prod(per_row) if known else None  # type: ignore[operator,arg-type]
-            session = inference_session(graph, self._providers, self._threads_for(size))
+            session = self._backend.inference_session(
+                graph, self._providers, self._threads_for(size)
+            )
             self._loss_runs[key] = LossRun(graph, session, self._ort_device, self._device_id)
         return self._loss_runs[key]
 
-    def _agent_step(self, weighted: bool) -> AgentStep:
+    def _agent_step(self, weighted: bool) -> Any:
         """The agent's gradient graph with the loss and the update fused in, for any
-        number of rows (see :mod:`graphkit_train.agent_step`)."""
+        number of rows (see :mod:`graphkit.backends.ort_training.agent_step`)."""
         fb, variant = self.forward_backward_, self._variant
         loss = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
-        return agent_step(
+        return self._backend.agent_step(
             variant.gradient_model,
             loss,
             self.update_step_,
-            fb._internal,
+            {w: w for w in fb.weight_names},
             variant.grad_of,
             fb.input_names[0],
         )
 
-    def _agent_run(self, weighted: bool, rows: int) -> AgentRun:
+    def _agent_run(self, weighted: bool, rows: int) -> Any:
         """The two-call batch for batches of ``rows`` rows, with or without sample
         weights: :meth:`_agent_step` specialized to that size, built once."""
         key = (weighted, rows)
         if key not in self._agent_runs:
             step = self._agent_step(weighted)
-            model = specialize(step.model, dict.fromkeys(step.data, rows))
+            model = specialize(
+                step.model, dict.fromkeys(step.data, rows), self._backend.constant_folds
+            )
             short = rows < self.batch_size  # the last batch, once per epoch
             threads = self._threads.once_per_epoch() if short else self._threads
-            session = inference_session(model, self._providers, threads)
-            self._agent_runs[key] = AgentRun(model, session, step, self._loss_dtype, self._c_device)
+            session = self._backend.inference_session(model, self._providers, threads)
+            self._agent_runs[key] = self._backend.AgentRun(
+                model, session, step, self._loss_dtype, self._c_device
+            )
         return self._agent_runs[key]
 
     def _threads_for(self, elements: int | None) -> Threads:
@@ -279,7 +295,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         # per buffer set k: its C values, and a C vector of the other set's, written into
         resident = self.update_step_.resident
         sets = [[b[n]._ortvalue for n in resident] for b in self._buffers]  # type: ignore[union-attr]
-        self._agent_sets = [(sets[k], backend.values_vector(sets[1 - k])) for k in (0, 1)]
+        self._agent_sets = [(sets[k], self._backend.values_vector(sets[1 - k])) for k in (0, 1)]
 
     # -- one batch -------------------------------------------------------------------------
 
@@ -335,8 +351,8 @@ class ForwardBackwardTrainer(BaseTrainer):
         y = np.ascontiguousarray(y)  # the C values borrow the arrays until the run ends
         w = None if w is None else np.ascontiguousarray(w)
         device = self._c_device
-        label = backend.c_ortvalue(y, device)
-        return run(prediction, label, None if w is None else backend.c_ortvalue(w, device))
+        label = engine.c_ortvalue(y, device)
+        return run(prediction, label, None if w is None else engine.c_ortvalue(w, device))
 
     def _backward(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, Any]:
         """``(loss, gradients)`` of one batch: forward, loss and its gradient, backward,
@@ -345,16 +361,16 @@ class ForwardBackwardTrainer(BaseTrainer):
         X = np.ascontiguousarray(X)  # the features' C value borrows it until the backward
         fb = self.forward_backward_
         variant = fb._variant(self._no_input_grads, len(X))  # specialized to the batch size
-        features = backend.c_ortvalue(X, self._c_device)
+        features = engine.c_ortvalue(X, self._c_device)
         # the feeds vector (third) must live until the backward
-        fetches, state, _feeds = backend.run_forward(variant.agent, self._feeds(features))
+        fetches, state, _feeds = self._backend.run_forward(variant.agent, self._feeds(features))
         loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=True)
-        gradients = backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
+        gradients = self._backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
         return loss, gradients
 
     def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         loss, gradients = self._backward(X, y, w)
-        return loss, dict(zip(self._gradient_of, backend.wrap(gradients)))
+        return loss, dict(zip(self._gradient_of, engine.wrap(gradients)))
 
     # -- using the trained weights ---------------------------------------------------------
 
@@ -401,7 +417,7 @@ class LossRun:
         self.graph = graph
         self.session = session
         self.binding = session.io_binding()
-        self._bind = self.binding._iobinding.bind_ortvalue_input
+        self._bind = engine.input_binder(self.binding)
         self._device = (device, device_id)
         self._shape: list[int] | None = None
         self._outputs: list[Any] = []
@@ -475,6 +491,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         distributed: bool = False,
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
+        backend: str | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -1,6 +1,7 @@
 """An ONNX graph as a ``torch.nn.Module`` (needs the ``torch`` extra).
 
-Forward and backward run through onnxruntime-training's TrainingAgent inside a
+Forward and backward run through the backend's forward/backward runner (the
+TrainingAgent of ``ort_training``) inside a
 ``torch.autograd.Function``; tensors cross through DLPack, without copies on CPU. The
 graph's weights are ``torch.nn.Parameter``s, so ``torch.optim`` updates them::
 
@@ -23,8 +24,8 @@ import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from graphkit import backend
 from graphkit._graph import shape_matches, static_shape
+from graphkit.backends import ort_engine as engine
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
 from graphkit_train.forward_backward import OrtGradientForwardBackward
@@ -41,7 +42,7 @@ _TORCH_TO_NUMPY = {
 
 def _to_ortvalue(tensor: torch.Tensor) -> Any:
     """A C OrtValue sharing ``tensor``'s memory (DLPack, no copy)."""
-    return backend.from_dlpack(to_dlpack(tensor.detach().contiguous()), tensor.dtype == torch.bool)
+    return engine.from_dlpack(to_dlpack(tensor.detach().contiguous()), tensor.dtype == torch.bool)
 
 
 def _to_tensor(value: Any) -> torch.Tensor:
@@ -56,8 +57,9 @@ class OnnxModule(torch.nn.Module):
     Args:
         onnx_model: the graph (ModelProto, bytes or path).
         weights_to_train: float initializers exposed as parameters (None: all).
-        device: ``"cpu"`` or ``"cuda[:N]"`` (the CUDA build of onnxruntime-training).
+        device: ``"cpu"`` or ``"cuda[:N]"`` (a CUDA build of onnxruntime).
         output_names: the outputs returned (None: the float outputs).
+        backend: the gradient source (:func:`graphkit.backends.get`; None: the default).
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
@@ -70,10 +72,11 @@ class OnnxModule(torch.nn.Module):
         weights_to_train: Sequence[str] | None = None,
         device: str = "cpu",
         output_names: Sequence[str] | None = None,
+        backend: str | None = None,
     ) -> None:
         super().__init__()
         self.forward_backward = OrtGradientForwardBackward(
-            onnx_model, weights_to_train, output_names=output_names, device=device
+            onnx_model, weights_to_train, output_names=output_names, device=device, backend=backend
         )
         fb = self.forward_backward
         self._torch_device = torch.device(device)

@@ -1,7 +1,9 @@
-"""The backend seam: onnxruntime-training's private API is reached from one module."""
+"""The backend seam: a registry of backends, each a package behind two protocols, and
+the import rules that keep onnxruntime-training's knowledge inside its package."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -10,44 +12,210 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from graphkit import MissingGradientError, backend
+import graphkit as gk
+from graphkit import MissingGradientError, backends
+from graphkit.backends.base import Engine, GradientSource
 
 ROOT = Path(__file__).resolve().parents[1]
-PRIVATE = re.compile(
-    r"capi|_pybind_state|GradientGraphBuilder|OrtModuleGraphBuilder\(|TrainingAgent\(|OrtValueVector"
+SOURCES = sorted(
+    p for package in ("graphkit", "graphkit_train") for p in (ROOT / package).rglob("*.py")
+)
+BACKENDS = ROOT / "graphkit" / "backends"
+ORT_TRAINING = BACKENDS / "ort_training"
+
+# onnxruntime's C bindings, and what only onnxruntime-training has
+C_API = re.compile(r"\bcapi\b|_pybind_state|\._iobinding|\._sess\b")
+ORT_TRAINING_ONLY = re.compile(
+    r"GradientGraphBuilder|OrtModuleGraphBuilder|TrainingAgent\(|OrtValueVector|"
+    r"PartialGraphExecutionState|OrtValueCache|\"YieldOp\""
 )
 
 
-def test_only_the_backend_reaches_onnxruntime_training_internals():
-    offenders = []
-    for package in ("graphkit", "graphkit_train"):
-        for path in sorted((ROOT / package).glob("*.py")):
-            if path.name == "backend.py":
-                continue
-            for number, line in enumerate(path.read_text().splitlines(), 1):
-                code = line.split("#")[0]
-                if PRIVATE.search(code) and not code.strip().startswith(('"', "'", "*", "``")):
-                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+def _code_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, code) without comments and docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = path.read_text().splitlines()
+    return [
+        (n, line.split("#")[0]) for n, line in enumerate(lines, 1) if n not in docstrings
+    ]
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+def _offenders(pattern: re.Pattern[str], allowed: Path) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{n}: {code.strip()}"
+        for path in SOURCES
+        if allowed not in path.parents
+        for n, code in _code_lines(path)
+        if pattern.search(code)
+    ]
+
+
+def test_only_the_backends_reach_onnxruntime_c_bindings():
+    assert not _offenders(C_API, BACKENDS), "\n".join(_offenders(C_API, BACKENDS))
+
+
+def test_only_the_ort_training_package_names_its_classes():
+    offenders = _offenders(ORT_TRAINING_ONLY, ORT_TRAINING)
     assert not offenders, "\n".join(offenders)
 
 
-def test_gradient_graph_and_its_errors():
+def test_backend_packages_are_reached_through_the_registry_only():
+    """Outside graphkit/backends, nothing imports a backend's package: the trainers, the
+    exports and OnnxModule get it from graphkit.backends.get."""
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in SOURCES
+        if BACKENDS not in path.parents
+        for name in _imports(path)
+        if name.startswith("graphkit.backends.ort_training")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_dsl_never_imports_the_runtime():
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in SOURCES
+        if (ROOT / "graphkit") in path.parents
+        for name in _imports(path)
+        if name.split(".")[0] == "graphkit_train"
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_registry():
+    assert backends.names() == ["ort_training"]
+    info = {i.name: i for i in backends.available()}
+    assert info["ort_training"].installed and "onnxruntime-training" in info["ort_training"].install
+    backend = backends.get()
+    assert backend is backends.get("ort_training") is backends.get("ORT-Training")
+    assert isinstance(backend, GradientSource)
+    assert isinstance(backend.engine, Engine)
+    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'.*ort_training"):
+        backends.get("tpu")
+    with pytest.raises(TypeError, match="backend must be a name"):
+        backends.get(3)  # type: ignore[arg-type]
+
+
+def test_a_backend_that_is_not_installed_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(
+        backends._BACKENDS,
+        "ort_training",
+        backends._Entry("graphkit.backends.ort_training", lambda: False, "pip install X", ""),
+    )
+    missing = "'ort_training' backend is not installed: pip install X"
+    with pytest.raises(gk.BackendNotInstalledError, match=missing):
+        backends.get("ort_training")
+    with pytest.raises(ImportError, match="No graphkit backend is installed.*pip install X"):
+        backends.get()
+    with pytest.raises(gk.BackendNotInstalledError):
+        gk.gradient_model(_model("Tanh"), "y", ["w"], backend="ort_training")
+
+
+def _model(op: str) -> onnx.ModelProto:
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [])
-    w = onnx.numpy_helper.from_array(np.ones(3, np.float32), "w")
+    w = onnx.numpy_helper.from_array(np.array([0.5, -1.0, 2.0], np.float32), "w")
+    nodes = [
+        helper.make_node("Mul", ["x", "w"], ["t"]),
+        helper.make_node(op, ["t"], ["u"]),
+        helper.make_node("ReduceSum", ["u"], ["y"], keepdims=0),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [y], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
-    def model(op):
-        nodes = [
-            helper.make_node("Mul", ["x", "w"], ["t"]),
-            helper.make_node(op, ["t"], ["u"]),
-            helper.make_node("ReduceSum", ["u"], ["y"], keepdims=0),
-        ]
-        graph = helper.make_graph(nodes, "g", [x], [y], [w])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
-    grad = backend.gradient_graph(model("Tanh"), "y", ["w"])
-    assert "w_grad" in [o.name for o in grad.graph.output]
+def test_gradient_graph_against_the_formula_and_its_errors():
+    backend = backends.get("ort_training")
+    grad = gk.gradient_model(_model("Tanh"), "y", ["w"], backend="ort_training")
+    x = np.array([1.0, 2.0, -0.5], np.float32)
+    out = gk.run(grad, {"x": x})
+    w = np.array([0.5, -1.0, 2.0], np.float32)
+    # d/dw sum(tanh(x w)) = x (1 - tanh(x w)^2)
+    np.testing.assert_allclose(out["w_grad"], x * (1 - np.tanh(x * w) ** 2), rtol=1e-6)
     with pytest.raises(MissingGradientError, match="no gradient for operator 'Cosh'"):
-        backend.gradient_graph(model("Cosh"), "y", ["w"])
+        backend.gradient_graph(_model("Cosh"), "y", ["w"])
     with pytest.raises(ValueError, match="Unknown device"):
-        backend.providers_for("tpu")
+        backend.engine.providers_for("tpu")
+
+
+def _regression():
+    from conftest import linear_regression_onnx
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(20, 3)).astype(np.float32)
+    y = (X @ np.array([1.0, -2.0, 0.5], np.float32) + 0.3).astype(np.float32)
+    onx = linear_regression_onnx(np.zeros((3, 1), np.float32), np.zeros(1, np.float32))
+    return onx, X, y
+
+
+def _entry_points():
+    from graphkit_train import ForwardBackwardTrainer, OrtGradientForwardBackward, Trainer
+
+    onx, X, y = _regression()
+    yield "gradient_model", lambda b: gk.gradient_model(_model("Tanh"), "y", ["w"], backend=b)
+    yield "Trainer", lambda b: Trainer(onx, loss="mse", max_iter=1, backend=b).fit(X, y)
+    yield "ForwardBackwardTrainer", lambda b: ForwardBackwardTrainer(
+        onx, max_iter=1, backend=b
+    ).fit(X, y)
+    yield "OrtGradientForwardBackward", lambda b: OrtGradientForwardBackward(onx, backend=b)
+    try:
+        from graphkit_train.torch_module import OnnxModule
+    except ImportError:
+        return
+    yield "OnnxModule", lambda b: OnnxModule(onx, backend=b)
+
+
+ENTRY_POINTS = dict(_entry_points())
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_entry_point_takes_backend(entry, monkeypatch):
+    build = ENTRY_POINTS[entry]
+    build("ort_training")  # the one installed: builds (and trains) as the default does
+    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'nope'"):
+        build("nope")
+    monkeypatch.setitem(
+        backends._BACKENDS,
+        "ort_training",
+        backends._Entry("graphkit.backends.ort_training", lambda: False, "pip install X", ""),
+    )
+    with pytest.raises(gk.BackendNotInstalledError, match="pip install X"):
+        build("ort_training")
+
+
+def test_the_backend_chosen_by_name_trains_like_the_default():
+    """Trainer(backend="ort_training") and Trainer() reach the weights numpy's SGD does."""
+    from graphkit_train import Trainer
+
+    onx, X, y = _regression()
+    kwargs = dict(loss="mse", max_iter=3, batch_size=5, shuffle=False, optimizer="sgd")
+    named = Trainer(onx, backend="ort_training", **kwargs).fit(X, y).get_state()
+    default = Trainer(onx, **kwargs).fit(X, y).get_state()
+    W, b = np.zeros((3, 1)), np.zeros(1)
+    for _ in range(3):
+        for start in range(0, 20, 5):
+            xb, yb = X[start : start + 5].astype(np.float64), y[start : start + 5, None]
+            residual = xb @ W + b - yb  # d mean((xW + b - y)^2) = 2 mean(residual x)
+            W -= 0.01 * 2 * xb.T @ residual / 5
+            b -= 0.01 * 2 * residual.mean(axis=0)
+    for state in (named, default):
+        np.testing.assert_allclose(state["coef"], W, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(state["intercept"], b, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ from conftest import linear_regression_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
-from graphkit.prepare import average_pool_as_conv, unfold_batch_norm
+from graphkit.backends.ort_training.rewrites import average_pool_as_conv, unfold_batch_norm
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 

@@ -9,7 +9,7 @@ from conftest import linear_regression_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit import IncompatibleModelError, add_loss_output
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 from graphkit.compat import MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
 
 

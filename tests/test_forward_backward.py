@@ -386,7 +386,7 @@ def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls)
 def test_a_failed_batch_keeps_the_weights_of_the_last_good_one(data, monkeypatch):
     """An error in the third batch's onnxruntime calls: the weights are those after two
     batches of SGD on the mean squared error (numpy), not the epoch's start or garbage."""
-    from graphkit_train.agent_step import AgentRun
+    from graphkit.backends.ort_training.agent_step import AgentRun
 
     X, y = data
     calls = []

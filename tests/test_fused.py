@@ -1,5 +1,5 @@
-"""Fused epochs, static shapes and packed updates (graphkit_train.epoch,
-graphkit.static_shapes, graphkit_train.step.Packing).
+"""Fused epochs, static shapes and packed updates (graphkit.training.epoch,
+graphkit.static_shapes, graphkit.training.step.Packing).
 
 The references are numpy written from the formulas (SGD on an MLP, Adam), onnxruntime's
 own BroadcastGradientArgs kernel, and the one-run-per-batch path on the graph built for
@@ -19,11 +19,13 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import optimizers, schedules, transforms
 from graphkit._graph import all_graphs
-from graphkit._ort import inference_session
-from graphkit.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
-from graphkit.static_shapes import broadcast_gradient_args, specialize
-from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer, batches
-from graphkit_train.step import PACKED, build_update_step
+from graphkit.backends.ort_engine import inference_session
+from graphkit.backends.ort_training.folding import broadcast_gradient_args
+from graphkit.backends.ort_training.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
+from graphkit.static_shapes import specialize
+from graphkit.training import batches
+from graphkit.training.step import PACKED, build_update_step
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 # (steps_per_run, static_shapes, bytes of shuffled rows gathered per run)
 ALL = batches.GATHER_BYTES
@@ -486,7 +488,8 @@ def test_specialized_step_has_no_shape_plumbing_and_computes_the_same():
     )
     trainer._build()
     step = trainer.training_step_
-    static = specialize(step.model, {step.features: 6, step.label: 6})
+    folds = trainer._backend.constant_folds  # its BroadcastGradientArgs
+    static = specialize(step.model, {step.features: 6, step.label: 6}, folds)
     kinds = {n.op_type for n in static.graph.node}
     assert not kinds & {"Shape", "BroadcastGradientArgs", "Expand", "Size"}
     assert len(static.graph.node) < len(step.model.graph.node) / 2
@@ -567,14 +570,15 @@ def test_bias_gradients_are_summed_by_a_matmul():
     trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 5, 1)), learning_rate="SGD")
     trainer._build()
     step = trainer.training_step_
-    static = specialize(step.model, {step.features: 6, step.label: 6})
+    folds = trainer._backend.constant_folds  # its BroadcastGradientArgs
+    static = specialize(step.model, {step.features: 6, step.label: 6}, folds)
     reductions = [n for n in static.graph.node if n.op_type == "ReduceSum" and len(n.input) > 1]
     assert not reductions
     assert any(n.op_type == "MatMul" for n in static.graph.node)
 
 
 def test_epoch_graph_refuses_a_model_using_its_names():
-    from graphkit_train.epoch import loop_over_batches, scan_over_batches
+    from graphkit.training.epoch import loop_over_batches, scan_over_batches
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["permutation"], ["permutation.next"])],

@@ -11,7 +11,7 @@ import numpy as np
 import graphkit as gk
 loss = gk.losses.get("squared_error")
 assert abs(loss(np.ones((2, 1)), np.zeros(2)) - 1.0) < 1e-12
-from graphkit._ort import onnxruntime
+from graphkit.backends.ort_engine import onnxruntime
 onnxruntime().capi._pybind_state.TrainingAgent  # the training bindings are there
 print("torch" in sys.modules)
 import onnxruntime.training  # still importable afterwards (it imports torch itself)

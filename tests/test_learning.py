@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import graphkit as gk
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import graphkit as gk
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
+from graphkit.backends.ort_training.lowering import lower_to_standard
 from graphkit.errors import IncompatibleModelError
-from graphkit.lowering import lower_to_standard
 from graphkit_train import OrtGradientOptimizer
 
 F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
@@ -460,7 +460,7 @@ def test_an_exported_step_keeps_training_where_the_trainer_stopped(rng, tmp_path
         np.testing.assert_allclose(resident[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
     with pytest.raises(TypeError, match="no fused training step"):
-        from graphkit_train.export import export_training_step
+        from graphkit.training.export import export_training_step
 
         export_training_step(OrtGradientForwardBackwardOptimizer(mlp("Tanh", 3, np.float32)))
 

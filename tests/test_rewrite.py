@@ -25,7 +25,7 @@ from graphkit import (
     rename_weights,
     set_weights,
 )
-from graphkit._ort import Runner
+from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, op, script
 from graphkit.rewrite import metadata
 

@@ -1,8 +1,9 @@
 """Training that runs anywhere ONNX runs.
 
 * :func:`export_training_step` writes a trainer's fused training step with every
-  onnxruntime-training operator lowered to standard ONNX (:mod:`graphkit.lowering`), so
-  that plain onnxruntime, ``onnx.reference`` or any other runtime can keep training::
+  operator of the trainer's gradient source lowered to standard ONNX
+  (:meth:`graphkit.backends.base.GradientSource.to_standard`), so that plain
+  onnxruntime, ``onnx.reference`` or any other runtime can keep training::
 
       inputs : <features>, <label>[, <sample weight>]         (one mini-batch)
                <weights>, <optimizer state>, step, loss_sum     (resident: initializers
@@ -29,12 +30,11 @@ from onnx import helper, numpy_helper
 from graphkit._graph import fresh_name, graph_names, rename_tensors
 from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
-from graphkit.lowering import lower_to_standard
 from graphkit.rewrite import prune
 from graphkit.step_trainer import META
+from graphkit.training.epoch import loop_over_batches
+from graphkit.training.step import build_training_step
 from graphkit.training_info import check_training_info
-from graphkit_train.epoch import loop_over_batches
-from graphkit_train.step import build_training_step
 
 
 def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
@@ -55,9 +55,10 @@ def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
             trainer.loss_output_name,
             trainer.sample_weight_name,
             pack=False,
+            backend=trainer._backend.name,
         )
     # nodes no output needs (a ZipMap after the probabilities) are dropped first
-    model = lower_to_standard(prune(step.model))
+    model = trainer._backend.to_standard(prune(step.model))
     values = trainer.get_state() if trainer._fitted else {}
     inputs = {i.name for i in model.graph.input}
     resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}

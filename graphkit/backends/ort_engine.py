@@ -1,9 +1,12 @@
-"""Importing onnxruntime, and inference sessions with its public API.
+"""The engine: onnxruntime sessions, values on a device, bindings and DLPack.
+
+Everything here is the API that every onnxruntime build shares (the plain CPU and GPU
+wheels and the training build): ``InferenceSession``, ``IOBinding``, ``OrtValue``, and
+the few C-binding fast paths the hot loops need (binding a C OrtValue, a C OrtValue
+borrowing a numpy array). Gradient sources live in their own packages
+(:mod:`graphkit.backends.ort_training`); this module knows none of them.
 
 onnxruntime is imported lazily: building graphs needs only ``onnx`` and ``onnxscript``.
-The training pieces (gradient builders, the TrainingAgent) go through
-:mod:`graphkit.backend`, which uses the C bindings directly: ``onnxruntime.training``
-would import torch.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ import numpy as np
 import onnx
 
 from graphkit.errors import IncompatibleModelError
-from graphkit.lowering import lower_slow_cpu_ops
 
 CPU = ("CPUExecutionProvider",)
+
+CUDA_HINT = (
+    "device='cuda' needs a CUDA build of onnxruntime: for the ort_training backend, "
+    "pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2 "
+    "(Linux x86_64, CPython <= 3.11)."
+)
 _NO_KERNEL = re.compile(
     r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'"
 )
+
+
+def _capi() -> Any:
+    """onnxruntime's C bindings (every build has them)."""
+    return onnxruntime().capi._pybind_state
 
 
 @functools.cache
@@ -44,9 +57,8 @@ def onnxruntime() -> Any:
         import onnxruntime as ort
     except ImportError as exc:  # pragma: no cover - the dependency is declared
         raise ImportError(
-            "graphkit needs the training build of onnxruntime: "
-            "pip install onnxruntime-training-cpu==1.19.2 "
-            "(or onnxruntime-training==1.19.2 for CUDA)."
+            "graphkit needs onnxruntime: pip install onnxruntime-training-cpu==1.19.2 "
+            "(the ort_training backend; onnxruntime-training==1.19.2 for CUDA)."
         ) from exc
     finally:
         if masked and sys.modules.get("onnxruntime.training", 0) is None:
@@ -55,6 +67,11 @@ def onnxruntime() -> Any:
     # graphkit turns every failure into an exception, so only fatal messages are shown
     ort.set_default_logger_severity(4)
     return ort
+
+
+def version() -> str:
+    """The installed onnxruntime's version, e.g. ``"1.19.2"`` (for messages)."""
+    return str(onnxruntime().__version__)
 
 
 EXECUTION_MODES = ("sequential", "parallel")
@@ -111,12 +128,9 @@ def inference_session(
 ) -> Any:
     """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``.
 
-    On the CPU, a ModelProto runs with the gradient operators whose CPU kernels are slow
-    lowered (:func:`graphkit.lowering.lower_slow_cpu_ops`); serialized bytes run as they
-    are.
+    The model runs as it is: a gradient source that wants its graphs rewritten for a
+    device does so in its own ``session`` (see :class:`graphkit.backends.Backend`).
     """
-    if isinstance(model, onnx.ModelProto) and tuple(providers) == CPU:
-        model = lower_slow_cpu_ops(model)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     try:
@@ -125,13 +139,13 @@ def inference_session(
         missing = _NO_KERNEL.search(str(exc))
         if missing:
             raise IncompatibleModelError(
-                f"onnxruntime-training 1.19.2 has no kernel for operator {missing.group(1)!r} "
+                f"onnxruntime {version()} has no kernel for operator {missing.group(1)!r} "
                 f"(node {missing.group(2)!r}) with these element types. Several gradient "
                 "operators (LogSoftmaxGrad, SoftmaxGrad...) exist for float32 only: train in "
                 "float32, or avoid this operator."
             ) from exc
         raise IncompatibleModelError(
-            f"onnxruntime-training 1.19.2 cannot load this model: {_short(exc)}"
+            f"onnxruntime {version()} cannot load this model: {short_message(exc)}"
         ) from exc
 
 
@@ -147,10 +161,11 @@ class Runner:
         try:
             return self.session.run(None, dict(feeds))
         except Exception as exc:
-            raise RuntimeError(f"onnxruntime failed to run the graph: {_short(exc)}") from exc
+            message = short_message(exc)
+            raise RuntimeError(f"onnxruntime failed to run the graph: {message}") from exc
 
 
-def _short(exc: BaseException) -> str:
+def short_message(exc: BaseException) -> str:
     """The useful part of an onnxruntime message (drops the C++ source location)."""
     text = str(exc).strip()
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
@@ -178,3 +193,90 @@ def run(model: Any, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         )
     arrays = {k: np.asarray(v) for k, v in feeds.items()}
     return dict(zip(runner.output_names, runner(arrays)))
+
+
+# -- devices, values and bindings ---------------------------------------------------------------
+
+
+def providers_for(device: str) -> tuple[list[str], str, int]:
+    """``(providers, ort device name, device id)`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}.")
+    if device == "cpu":
+        return ["CPUExecutionProvider"], "cpu", 0
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if "CUDAExecutionProvider" not in onnxruntime().get_available_providers():
+            raise RuntimeError(CUDA_HINT)
+        index = int(device[5:]) if ":" in device else 0
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda", index
+    raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.")
+
+
+def ort_device(kind: str, device_id: int) -> Any:
+    """The C OrtDevice for ``"cpu"`` or ``"cuda"``."""
+    C = _capi()
+    which = C.OrtDevice.cuda() if kind == "cuda" else C.OrtDevice.cpu()
+    return C.OrtDevice(which, C.OrtDevice.default_memory(), device_id)
+
+
+def ortvalue(array: np.ndarray, kind: str = "cpu", device_id: int = 0) -> Any:
+    """An ``onnxruntime.OrtValue`` holding ``array`` on the device."""
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+        array = np.ascontiguousarray(array)
+    return onnxruntime().OrtValue.ortvalue_from_numpy(array, kind, device_id)
+
+
+def c_ortvalue(array: np.ndarray, device: Any) -> Any:
+    """A C OrtValue holding ``array`` (C-contiguous) on ``device`` (a C OrtDevice, see
+    :func:`ort_device`). On the CPU it borrows the array's memory: the caller keeps the
+    array alive while the value is used. (The Python wrapper costs 2 us more a call.)"""
+    return _capi().OrtValue.ortvalue_from_numpy(array, device)
+
+
+def python_ortvalue(c_value: Any) -> Any:
+    """The ``onnxruntime.OrtValue`` wrapping a C OrtValue (from :func:`from_dlpack`)."""
+    return onnxruntime().OrtValue(c_value)
+
+
+def is_ortvalue(value: Any) -> bool:
+    return isinstance(value, onnxruntime().OrtValue)
+
+
+def from_dlpack(capsule: Any, is_bool: bool) -> Any:
+    """A C OrtValue sharing the memory of a DLPack capsule (no copy)."""
+    return _capi().OrtValue.from_dlpack(capsule, is_bool)
+
+
+def wrap(vector: Any) -> list[Any]:
+    """Python OrtValues for the elements of a C OrtValueVector.
+
+    Indexing the vector returns references into it: each wrapper keeps the vector alive,
+    or the values would point to freed memory once the vector is collected. (Indexing is
+    also what makes this fast: onnxruntime's ``IOBinding.get_outputs()`` iterates the
+    vector, which ends in a C++ exception and costs about 35 us per call.)
+    """
+    ort = onnxruntime()
+    values = []
+    for i in range(len(vector)):
+        value = ort.OrtValue(vector[i])
+        value._graphkit_owner = vector
+        values.append(value)
+    return values
+
+
+def binding_outputs(binding: Any) -> list[Any]:
+    """The outputs of an ``IOBinding`` after a run, read by index (see :func:`wrap`)."""
+    return wrap(binding._iobinding.get_outputs())
+
+
+def input_binder(binding: Any) -> Any:
+    """``bind(name, c_value)``: binds a C OrtValue (:func:`c_ortvalue`, :func:`wrap`'s
+    elements' ``_ortvalue``) to an input of an ``IOBinding``, without the Python
+    wrapper's checks (the hot loops bind every batch)."""
+    return binding._iobinding.bind_ortvalue_input
+
+
+def bind_output_values(binding: Any, names: Any, values: Any) -> None:
+    """Bind preallocated Python OrtValues as the outputs ``names`` of ``binding``."""
+    for name, value in zip(names, values):
+        binding.bind_ortvalue_output(name, value)

@@ -921,7 +921,7 @@ def lower_to_standard(model: onnx.ModelProto) -> onnx.ModelProto:
         raise IncompatibleModelError(
             f"Cannot lower {len(left)} operator(s) to standard ONNX: {'; '.join(left)}. "
             f"graphkit knows {sorted([*LOWERINGS, *WITH_PRODUCERS])} (see the conditions "
-            "in graphkit.lowering)."
+            "in graphkit.backends.ort_training.lowering)."
         )
     used = {n.domain for n in model.graph.node}
     keep = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]

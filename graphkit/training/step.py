@@ -7,16 +7,17 @@
       outputs: loss_sum.next, step.next, <weight>.next..., <state>.next...
 
   Forward/backward training runs it after the backward pass.
-* :func:`build_training_step`: full training. The gradient graph onnxruntime-training
-  builds for the loss, followed by the update step, as one graph::
+* :func:`build_training_step`: full training. The gradient graph the backend's gradient
+  source builds for the loss, followed by the update step, as one graph::
 
       inputs : X, label[, weight], <weights>, <optimizer state>, step, loss_sum
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
 ``step`` and ``loss_sum`` are resident like the weights: a loop binds every ``.next``
 output to the buffer the next run reads, and reads ``loss_sum`` once per epoch. Both
-results are plain ONNX models (the second with ``com.microsoft`` gradient operators):
-save them, open them in Netron, or run them by hand with onnxruntime-training.
+results are plain ONNX models (the second with the gradient source's operators, such as
+onnxruntime-training's ``com.microsoft`` ones): save them, open them in Netron, or run
+them by hand on the backend's engine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from graphkit import backends
 from graphkit._graph import (
     ELEM_TO_DTYPE,
     elem_type,
@@ -377,14 +379,18 @@ def build_training_step(
     sample_weight_name: str | None = "weight",
     learning_rate: Any = None,
     pack: bool = True,
+    backend: str | None = None,
 ) -> TrainingStep:
     """Compose the gradient graph of the loss and the update step into one model.
+
+    The gradient graph comes from ``backend``'s gradient source (None: the default,
+    see :func:`graphkit.backends.get`).
 
     Raises:
         UnknownNameError: a weight is not a float initializer (the message lists them),
             or the loss output does not exist.
         MissingGradientError: an operator between the weights and the loss has no
-            gradient in onnxruntime-training 1.19.2 (the message names it).
+            gradient in the backend (the message names it).
     """
     outputs = [o.name for o in train_onx.graph.output]
     if loss_output_name not in outputs:
@@ -397,7 +403,10 @@ def build_training_step(
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
     values = weight_values(train_onx, weights)
 
-    model = gradient_model(initializers_to_inputs(train_onx, weights), loss_output_name, weights)
+    model = gradient_model(
+        initializers_to_inputs(train_onx, weights), loss_output_name, weights, backend
+    )
+    source = backends.canonical(backend)
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
     loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
     update = build_update_step(
@@ -420,7 +429,7 @@ def build_training_step(
         )
     del model.graph.output[:]
     model.graph.output.extend([loss_value, *update.model.graph.output])
-    model.doc_string = "graphkit training step: forward, gradient (onnxruntime-training), " + (
+    model.doc_string = f"graphkit training step: forward, gradient ({source}), " + (
         update.model.doc_string.removeprefix("graphkit update step: ")
     )
     return TrainingStep(

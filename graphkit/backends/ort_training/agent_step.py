@@ -30,7 +30,6 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphkit import backend
 from graphkit._graph import (
     copy_model,
     fresh_name,
@@ -40,8 +39,10 @@ from graphkit._graph import (
     splice,
     static_shape,
 )
+from graphkit.backends.ort_engine import c_ortvalue
+from graphkit.backends.ort_training.agent import train_batch, training_agent, values_vector
 from graphkit.compat import opset_of
-from graphkit_train.step import LOSS, UpdateStep, grad_name, next_name
+from graphkit.training.step import LOSS, UpdateStep, grad_name, next_name
 
 YIELD = "YieldOp"
 
@@ -85,7 +86,7 @@ def agent_step(
         gradient: the agent's gradient graph (one ``YieldOp`` yielding the prediction).
         loss: inputs ``prediction``, ``label`` [, ``weight``]; outputs ``loss``,
             ``prediction_grad`` (:meth:`graphkit.losses.Loss.gradient_model`).
-        update: the update step (:func:`graphkit_train.step.build_update_step`).
+        update: the update step (:func:`graphkit.training.step.build_update_step`).
         internal: public weight name -> its name in ``gradient``.
         gradient_of: gradient output of ``gradient`` -> public weight name.
         features: the feature input of ``gradient``.
@@ -178,21 +179,21 @@ class AgentRun:
     ) -> None:
         self.model = model
         self.session = session
-        self.agent = backend.training_agent(
+        self.agent = training_agent(
             session, [i.name for i in session.get_inputs()], step.outputs, 1, device
         )
         self._device = device
         self._dloss = np.ones(step.dloss_shape, dtype)  # the C value below borrows it
-        self._grads = backend.values_vector([backend.c_ortvalue(self._dloss, device)])
+        self._grads = values_vector([c_ortvalue(self._dloss, device)])
 
     def __call__(
         self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: list[Any], new: Any
     ) -> None:
         """One batch: ``resident`` (C OrtValues) in, ``new`` (a C vector of as many
-        OrtValues, from :func:`graphkit.backend.values_vector`) out."""
+        OrtValues, from :func:`.agent.values_vector`) out."""
         arrays = (X, y) if w is None else (X, y, w)
         contiguous = [np.ascontiguousarray(a) for a in arrays]
-        backend.train_batch(self.agent, contiguous, self._device, resident, self._grads, new)
+        train_batch(self.agent, contiguous, self._device, resident, self._grads, new)
 
 
 def _after_yield(graph: onnx.GraphProto, dloss: str, outputs: list[str]) -> list[str]:

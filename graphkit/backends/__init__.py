@@ -1,0 +1,111 @@
+"""Backends: where gradients come from and what runs the graphs.
+
+A backend is a package implementing the two protocols of :mod:`graphkit.backends.base`
+(a gradient source and an engine), registered here by name and imported only when
+chosen::
+
+    from graphkit import backends
+    backends.available()           # [BackendInfo(name='ort_training', installed=True, ...)]
+    backend = backends.get()       # the default: the first installed backend
+    backend = backends.get("ort_training")
+
+Every entry point that builds or runs gradients (the trainers, ``gradient_model``,
+``OnnxModule``) takes ``backend=`` (a name, or None for the default) and resolves it
+here. Adding a backend is one sub-package and one :func:`register` call below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from graphkit.backends.base import BackendInfo
+from graphkit.errors import BackendNotInstalledError, UnknownNameError
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str  # the backend's package, imported when chosen
+    installed: Callable[[], bool]
+    install: str
+    description: str
+
+
+_BACKENDS: dict[str, _Entry] = {}
+
+
+def register(
+    name: str, module: str, installed: Callable[[], bool], install: str, description: str
+) -> None:
+    """Register the backend ``name``, implemented by the package ``module`` (which
+    defines ``BACKEND``); ``installed()`` says whether its runtime is importable."""
+    if name in _BACKENDS:
+        raise ValueError(f"backend {name!r} is already registered")
+    _BACKENDS[name] = _Entry(module, installed, install, description)
+
+
+def names() -> list[str]:
+    """The registered backends, in order of preference for the default."""
+    return list(_BACKENDS)
+
+
+def available() -> list[BackendInfo]:
+    """Every registered backend, whether it is installed, and how to install it."""
+    return [
+        BackendInfo(name, entry.installed(), entry.install, entry.description)
+        for name, entry in _BACKENDS.items()
+    ]
+
+
+def canonical(name: str | None) -> str:
+    """The registered name ``name`` means (case and ``-``/``_`` ignored); None is the
+    default backend: the first registered one that is installed."""
+    if name is None:
+        for candidate, entry in _BACKENDS.items():
+            if entry.installed():
+                return candidate
+        raise BackendNotInstalledError(
+            "No graphkit backend is installed. Install one of: "
+            + "; ".join(f"{n}: {e.install}" for n, e in _BACKENDS.items())
+            + "."
+        )
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a name {names()} or None, not {name!r}.")
+    key = name.lower().replace("-", "_")
+    if key not in _BACKENDS:
+        raise UnknownNameError(f"Unknown backend {name!r}. Valid names: {names()}.")
+    return key
+
+
+def get(name: str | None = None) -> Any:
+    """The backend ``name`` (None: the default), imported on first use.
+
+    Raises:
+        UnknownNameError: no backend has that name.
+        BackendNotInstalledError: its runtime is not installed (the message says what
+            to install).
+    """
+    key = canonical(name)
+    entry = _BACKENDS[key]
+    if not entry.installed():
+        raise BackendNotInstalledError(
+            f"The {key!r} backend is not installed: {entry.install}."
+        )
+    return importlib.import_module(entry.module).BACKEND
+
+
+def _ort_training_installed() -> bool:
+    return importlib.import_module("graphkit.backends.ort_training").installed()
+
+
+register(
+    "ort_training",
+    "graphkit.backends.ort_training",
+    _ort_training_installed,
+    install="pip install onnxruntime-training-cpu==1.19.2 (Python 3.10-3.12)",
+    description="gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent",
+)
+
+__all__ = ["BackendInfo", "available", "canonical", "get", "names", "register"]

@@ -1,0 +1,235 @@
+"""onnxruntime-training's two gradient builders, and their workarounds.
+
+* :func:`gradient_graph`: ``GradientGraphBuilder``, the gradient of a loss with respect
+  to weights and inputs, as one graph (full training, :func:`graphkit.gradient_model`).
+* :func:`module_graphs`: ``OrtModuleGraphBuilder``, a forward graph and a gradient graph
+  for the TrainingAgent (forward/backward training, the PyTorch layer).
+* :func:`explain_builder_failure`: their failures as graphkit errors.
+
+Both builders emit ``com.microsoft`` gradient operators (:mod:`.lowering` rewrites them
+into standard ONNX) and have quirks of their own, fixed here before they are called:
+a node reading a differentiated input twice, a float64 loss, the order of the trained
+initializers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from graphkit._graph import copy_model, fresh_name, graph_names, rename_tensors
+from graphkit.backends.ort_engine import onnxruntime, short_message
+from graphkit.backends.ort_training.lowering import lower_float32_only_ops
+from graphkit.errors import MissingGradientError
+
+NAME = "onnxruntime-training 1.19.2"
+
+_NO_BUILDER = re.compile(r"gradient builder has not been registered: (\S+) for node (\S*)")
+
+
+def _capi() -> Any:
+    return onnxruntime().capi._pybind_state
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def explain_builder_failure(exc: BaseException) -> MissingGradientError:
+    """The error to raise when a gradient builder fails."""
+    found = _NO_BUILDER.search(str(exc))
+    if found:
+        op_type, node = found.groups()
+        return MissingGradientError(
+            f"{NAME} has no gradient for operator {op_type!r} "
+            f"(node {node!r}). Rewrite that part with differentiable operators "
+            "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
+            "keep it off the path between the weights and the loss."
+        )
+    return MissingGradientError(f"Building the gradient graph failed: {short_message(exc)}")
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Silence the builders' C++ logging, which ignores onnxruntime's logger severity.
+
+    Failures still surface: the builder raises a Python exception, which
+    :func:`explain_builder_failure` rewrites.
+    """
+    fd = 2  # the C++ side writes to fd 2 even where sys.stderr is no file (notebooks)
+    try:
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+# -- gradient graphs -------------------------------------------------------------------------
+
+
+def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> onnx.ModelProto:
+    """``model`` extended with ``<name>_grad`` = d ``output`` / d ``name`` for ``wrt``
+    (GradientGraphBuilder), ``output`` being any float output.
+
+    Raises:
+        MissingGradientError: an operator on the path has no gradient.
+    """
+    wrt = list(wrt)
+    model, target = _float32_target(_isolate(model, wrt), output)
+    grad = _build_gradient(model, target, wrt)
+    if target != output:
+        extra = next(o for o in grad.graph.output if o.name == target)
+        grad.graph.output.remove(extra)
+        lower_float32_only_ops(grad)
+    return grad
+
+
+def _build_gradient(model: onnx.ModelProto, target: str, wrt: list[str]) -> onnx.ModelProto:
+    builder_cls = _capi().GradientGraphBuilder
+    try:
+        with quiet_native_stderr(), tempfile.TemporaryDirectory() as folder:
+            builder = builder_cls(model.SerializeToString(), {target}, set(wrt), target)
+            builder.build()
+            path = os.path.join(folder, "gradient.onnx")
+            builder.save(path)
+            return onnx.load(path)
+    except RuntimeError as exc:
+        raise explain_builder_failure(exc) from exc
+
+
+def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
+    """Route each name of ``wrt`` through an Identity before its consumers.
+
+    onnxruntime-training 1.19.2 emits ``<name>_grad`` twice (an invalid graph) when one
+    node reads a differentiated input twice, as ``Mul(w, w)`` does.
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    taken = graph_names(copy.graph)
+    mapping = {name: fresh_name(f"{name}__read", taken) for name in wrt}
+    for node in copy.graph.node:
+        node.input[:] = [mapping.get(n, n) for n in node.input]
+    nodes = [onnx.helper.make_node("Identity", [n], [m]) for n, m in mapping.items()]
+    nodes.extend(copy.graph.node)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    return copy
+
+
+def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProto, str]:
+    """The model and the name of a float32 version of ``output`` to differentiate.
+
+    onnxruntime-training 1.19.2 seeds the gradient of the differentiated output with a
+    float32 tensor, so a float64 loss fails to build. Differentiating ``Cast(loss, float)``
+    instead is exact: the seed is 1 and Cast's gradient casts it back to float64.
+    """
+    value = next(o for o in model.graph.output if o.name == output)
+    if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+        return model, output
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    target = f"{output}__float32"
+    copy.graph.node.append(
+        onnx.helper.make_node("Cast", [output], [target], to=onnx.TensorProto.FLOAT)
+    )
+    shape = value.type.tensor_type.shape
+    copy.graph.output.append(
+        onnx.helper.make_tensor_value_info(
+            target, onnx.TensorProto.FLOAT, [d.dim_value or d.dim_param or None for d in shape.dim]
+        )
+    )
+    return copy, target
+
+
+@dataclass
+class ModuleGraphs:
+    """What ``OrtModuleGraphBuilder`` returns for one set of inputs needing gradients."""
+
+    forward: onnx.ModelProto
+    gradient: onnx.ModelProto
+    user_output_names: list[str]
+    user_input_grad_names: dict[str, str]
+    """input name -> the name of its gradient"""
+    initializer_names_to_train: list[str]
+    initializer_grad_names_to_train: list[str]
+
+
+def module_graphs(
+    model: onnx.ModelProto, weights: Sequence[str], inputs_requiring_grad: Sequence[str]
+) -> ModuleGraphs:
+    """The forward graph and the gradient graph of ``model`` for the TrainingAgent, both
+    in the names of ``model``.
+
+    Raises:
+        MissingGradientError: an operator on the path has no gradient.
+    """
+    model, internal = _alphabetical_weights(model, weights)
+    original = {v: k for k, v in internal.items()}
+    graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
+    for graph in (graphs.forward.graph, graphs.gradient.graph):
+        rename_tensors(graph, lambda n: original.get(n, n))
+    graphs.initializer_names_to_train = [
+        original[n] for n in graphs.initializer_names_to_train
+    ]
+    return graphs
+
+
+def _alphabetical_weights(
+    model: onnx.ModelProto, weights: Sequence[str]
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``model`` with the trained weights renamed ``gkw00000``... and placed first, and
+    ``{weight: its new name}``: ``OrtModuleGraphBuilder`` wants the trained initializers
+    in alphabetical order of their position."""
+    copy = copy_model(model)
+    taken = graph_names(copy.graph)
+    internal = {w: fresh_name(f"gkw{i:05d}", taken) for i, w in enumerate(weights)}
+    rename_tensors(copy.graph, lambda n: internal.get(n, n))
+    trained = {i.name: i for i in copy.graph.initializer if i.name in internal.values()}
+    others = [i for i in copy.graph.initializer if i.name not in trained]
+    initializers = [trained[internal[w]] for w in weights] + others
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(initializers)
+    return copy, internal
+
+
+def _build_module(
+    model: onnx.ModelProto, weights: Sequence[str], inputs_requiring_grad: Sequence[str]
+) -> ModuleGraphs:
+    C = _capi()
+    config = C.OrtModuleGraphBuilderConfiguration()
+    config.initializer_names = list(weights)
+    config.initializer_names_to_train = list(weights)
+    config.input_names_require_grad = list(inputs_requiring_grad)
+    config.build_gradient_graph = True
+    builder = C.OrtModuleGraphBuilder()
+    try:
+        with quiet_native_stderr():
+            builder.initialize(model.SerializeToString(), config)
+            builder.build(C.TrainingGraphTransformerConfiguration())
+    except RuntimeError as exc:
+        raise explain_builder_failure(exc) from exc
+    info = builder.get_graph_info()
+    return ModuleGraphs(
+        forward=onnx.load_from_string(builder.get_forward_model()),
+        gradient=onnx.load_from_string(builder.get_gradient_model()),
+        user_output_names=list(info.user_output_names),
+        user_input_grad_names=dict(info.user_input_grad_names),
+        initializer_names_to_train=list(info.initializer_names_to_train),
+        initializer_grad_names_to_train=list(info.initializer_grad_names_to_train),
+    )
+
+

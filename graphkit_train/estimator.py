@@ -1,0 +1,148 @@
+"""The estimator protocol of a trainer: predict, predict_proba, classes_, score.
+
+What scikit-learn asks of a fitted estimator, read from the loss the trainer minimizes
+(:class:`graphkit.losses.Loss` says whether it takes class labels and how its output
+becomes labels or probabilities) and computed with the current weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx
+
+from graphkit.errors import ShapeError, not_fitted
+from graphkit_train._base import check_features, check_sample_weight
+
+
+class EstimatorMixin:
+    """``predict``, ``predict_proba``, ``classes_``, ``score``, ``compute_loss``.
+
+    The trainer provides ``_build``, ``_fitted``, ``_allocate``, ``_predict_outputs``,
+    ``_loss``, ``_check``, ``_is_classifier``, ``loss_``, ``_features_value`` and
+    ``_prediction_shape``.
+    """
+
+    def predict(self, X: Any) -> np.ndarray:
+        """Predictions with the trained weights.
+
+        A regression graph returns the output the loss is computed on (1-D for one
+        column); a classification graph returns class labels in ``classes_`` (argmax of
+        the probabilities or logits; for one column, probability > 0.5 or score > 0).
+        """
+        self._build()
+        return self._predict_checked(self._features(X))
+
+    def _predict_checked(self, X: np.ndarray) -> np.ndarray:
+        """``predict`` on features already checked by :meth:`_features`."""
+        output = self._predict_outputs(X)
+        if self._is_classifier() and self.loss_ is not None:
+            return self.loss_.labels(output)
+        return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
+
+    def _features(self, X: Any, what: str = "X") -> np.ndarray:
+        """Checked features for a fitted trainer (NotFittedError comes first)."""
+        if not self._fitted:
+            raise not_fitted(
+                f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
+            )
+        X = check_features(X, self._features_value, what, type(self).__name__)
+        fitted_width = getattr(self, "n_features_in_", None)
+        if X.ndim == 2 and fitted_width is not None and X.shape[1] != fitted_width:
+            raise ShapeError(
+                f"{what} has {X.shape[1]} features, but {type(self).__name__} is expecting "
+                f"{fitted_width} features as input (the number it was fitted with)."
+            )
+        return X
+
+    @property
+    def predict_proba(self) -> Callable[[Any], np.ndarray]:
+        """``predict_proba(X)``: class probabilities (N, n_classes), for classification
+        graphs only (a regression graph has no such attribute, as in scikit-learn).
+
+        The loss says how (:meth:`graphkit.losses.Loss.probabilities`): the output itself
+        for ``log``, its softmax for ``cross_entropy``, ``[1 - sigmoid(s), sigmoid(s)]``
+        for ``sigmoid_log_loss``.
+        """
+        if not (self._is_classifier() and self.loss_ is not None and self.loss_.prediction):
+            raise AttributeError(
+                f"predict_proba: the loss of this {type(self).__name__} gives no class "
+                "probabilities (a regression loss, or a custom one)."
+            )
+        return self._predict_proba
+
+    def _predict_proba(self, X: Any) -> np.ndarray:
+        self._build()
+        return self.loss_.probabilities(self._predict_outputs(self._features(X)))  # type: ignore[union-attr]
+
+    @property
+    def classes_(self) -> np.ndarray:
+        """The class labels ``0 .. n_classes - 1`` of a classification graph."""
+        if not self._is_classifier() or not self._fitted:
+            raise AttributeError("classes_ exists once a classification graph is fitted.")
+        return np.arange(self._n_classes())
+
+    def _n_classes(self) -> int:
+        """Columns of the prediction (2 for one probability or score column)."""
+        if self.loss_ is None or not self.loss_.multiclass:
+            return 2
+        columns = self._prediction_shape[1] if len(self._prediction_shape) == 2 else None
+        if isinstance(columns, int):
+            return columns
+        if self._probed_classes is None:  # a dynamic class axis: one forward, once per build
+            probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
+            self._probed_classes = int(self._probe(probe).shape[1])
+        return self._probed_classes
+
+    def _probe(self, X: np.ndarray) -> np.ndarray:
+        """The prediction with the current weights, or the initial ones before ``fit``
+        (allocated for this call only: a failed check leaves no state behind)."""
+        if self._fitted:
+            return self._predict_outputs(X)
+        self._allocate(self.update_step_.initial)
+        try:
+            return self._predict_outputs(X)
+        finally:
+            self._buffers = None
+
+    def _features_shape(self) -> tuple[int, ...]:
+        dims = [d.dim_value for d in self._features_value.type.tensor_type.shape.dim]
+        return tuple(dims[1:])
+
+    def _features_dtype(self) -> np.dtype:
+        elem = self._features_value.type.tensor_type.elem_type
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+
+    def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """scikit-learn's score: the coefficient of determination R^2 for a regression
+        graph (averaged over outputs), the accuracy for a classification graph; weighted
+        by ``sample_weight``. The loss itself is :meth:`compute_loss`."""
+        self._build()
+        X = self._features(X)  # NotFittedError, and the feature count fitted with
+        y = np.asarray(y)
+        if len(y) != len(X):
+            raise ShapeError(f"X has {len(X)} rows but y has {len(y)}; they must match.")
+        w = None if sample_weight is None else check_sample_weight(sample_weight, len(X), float)
+        prediction = self._predict_checked(X)
+        if self._is_classifier():
+            return float(np.average(prediction.reshape(-1) == y.reshape(-1), weights=w))
+        return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
+
+    def compute_loss(self, X: Any, y: Any, sample_weight: Any = None) -> float:
+        """The training loss on ``(X, y)`` with the current weights (lower is better)."""
+        self._build()
+        return self._loss(*self._check(self._features(X), y, sample_weight))
+
+
+def _r2(y: np.ndarray, prediction: np.ndarray, w: np.ndarray | None) -> float:
+    """1 - sum w (y - p)^2 / sum w (y - mean_w y)^2 per output, averaged over outputs."""
+    y, prediction = y.astype(np.float64), prediction.astype(np.float64)
+    weights = np.ones(len(y)) if w is None else w.astype(np.float64)
+    mean = np.average(y, axis=0, weights=weights)
+    residual = (weights[:, None] * (y - prediction) ** 2).sum(axis=0)
+    total = (weights[:, None] * (y - mean) ** 2).sum(axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scores = np.where(total > 0, 1 - residual / total, np.where(residual > 0, 0.0, 1.0))
+    return float(scores.mean())
