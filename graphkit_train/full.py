@@ -26,7 +26,6 @@ from graphkit.errors import MissingGradientError
 from graphkit.gradient import gradient_model
 from graphkit.losses import LOSSES, Loss
 from graphkit.ml_ops import linear_models_as_standard_ops
-from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import (
     META_LABEL,
     META_LOSS_FUNCTION,
@@ -39,10 +38,10 @@ from graphkit.rewrite import (
 from graphkit.static_shapes import Fold, specialize
 from graphkit.training.batches import epoch_batches, shuffled_pieces
 from graphkit.training.epoch import scan_over_batches
+from graphkit.training.problem import TrainingProblem
 from graphkit.training.step import (
     LOSS_SUM,
     TrainingStep,
-    build_training_step,
     build_update_step,
     grad_name,
 )
@@ -123,6 +122,8 @@ class Trainer(BaseTrainer):
         learning_rate_, optimizer_: the gradient transformation trained with (its
             learning rate filled in).
         weights_to_train_: the weights trained.
+        problem_: the :class:`~graphkit.training.problem.TrainingProblem` every graph
+            is built from.
         training_step_: the :class:`~graphkit.training.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).
     """
@@ -202,19 +203,18 @@ class Trainer(BaseTrainer):
         self._user_onnx = linear_models_as_standard_ops(
             make_compatible(self._training_graph())
         )
-        self.train_onnx_, self.weights_to_train_ = prepare_for_training(
-            self._user_onnx, self.weights_to_train, self._backend.name
-        )
         self.learning_rate_ = self._select_optimizer()
+        problem = self.problem_ = TrainingProblem.from_model(
+            self._user_onnx,
+            self.weights_to_train,
+            self.learning_rate_,
+            self.loss_output_name,
+            self.sample_weight_name,
+            self._backend.name,
+        )
+        self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
         try:
-            self.training_step_: TrainingStep = build_training_step(
-                self.train_onnx_,
-                self.weights_to_train_,
-                self.learning_rate_,
-                self.loss_output_name,
-                self.sample_weight_name,
-                backend=self._backend.name,
-            )
+            self.training_step_: TrainingStep = problem.step()
         except MissingGradientError as exc:
             raise MissingGradientError(
                 f"{exc} Forward/backward training (ForwardBackwardTrainer) takes its "

@@ -33,7 +33,6 @@ from graphkit.errors import IncompatibleModelError
 from graphkit.rewrite import prune
 from graphkit.step_trainer import META
 from graphkit.training.epoch import loop_over_batches
-from graphkit.training.step import build_training_step
 from graphkit.training_info import check_training_info
 
 
@@ -46,17 +45,8 @@ def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
             f"{type(trainer).__name__} has no fused training step to export; "
             "OrtGradientOptimizer has one."
         )
-    if step.packing is not None:
-        # other runtimes get the state named per weight, as get_state() names it
-        step = build_training_step(
-            trainer.train_onnx_,
-            step.weights,
-            trainer.learning_rate_,
-            trainer.loss_output_name,
-            trainer.sample_weight_name,
-            pack=False,
-            backend=trainer._backend.name,
-        )
+    # other runtimes get the state named per weight, as get_state() names it
+    step = trainer.problem_.step(pack=False)
     # nodes no output needs (a ZipMap after the probabilities) are dropped first
     model = trainer._backend.to_standard(prune(step.model))
     values = trainer.get_state() if trainer._fitted else {}

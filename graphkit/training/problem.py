@@ -1,0 +1,82 @@
+"""One description of a full-training problem, from which every training graph is built.
+
+A :class:`TrainingProblem` is what the fused step, the whole-epoch graph and the
+portable exports are built from: the prepared training graph (its weights chosen once,
+by :func:`graphkit.prepare.prepare_for_training`), the weights, the optimizer, the names
+of the loss and sample-weight tensors, and the backend that differentiates. Each step
+it describes is built on first use and kept::
+
+    problem = TrainingProblem.from_model(train_onx, None, optimizers.get("adam"))
+    problem.step()            # the fused step the trainer runs (weights packed)
+    problem.step(pack=False)  # the same step with its state named per weight (exports)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import onnx
+
+from graphkit.prepare import prepare_for_training
+from graphkit.training.step import LOSS, TrainingStep, build_training_step
+from graphkit.transforms import GradientTransformation
+
+
+@dataclass
+class TrainingProblem:
+    """What to train and how, for full training (see the module docstring).
+
+    ``model`` is the prepared training graph and ``weights`` the chosen weights: build
+    one with :meth:`from_model` from a user's graph.
+    """
+
+    model: onnx.ModelProto
+    weights: list[str]
+    optimizer: GradientTransformation
+    loss_output_name: str = LOSS
+    sample_weight_name: str | None = "weight"
+    backend: str | None = None
+    _steps: dict[bool, TrainingStep] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: onnx.ModelProto,
+        weights_to_train: Sequence[str] | str | None,
+        optimizer: GradientTransformation,
+        loss_output_name: str = LOSS,
+        sample_weight_name: str | None = "weight",
+        backend: str | None = None,
+    ) -> TrainingProblem:
+        """The problem of training ``model`` (a graph with a loss output): its weights
+        are chosen here, once (None: the model's parameters, never its constants)."""
+        prepared, weights = prepare_for_training(model, weights_to_train, backend)
+        return cls(prepared, weights, optimizer, loss_output_name, sample_weight_name, backend)
+
+    def step(self, pack: bool = True) -> TrainingStep:
+        """The fused training step (built once per ``pack``): with ``pack``, the
+        elementwise optimizer updates every weight in one run of kernels; without, its
+        state is named per weight, as other runtimes and ``get_state`` name it.
+
+        Raises:
+            MissingGradientError: an operator between the weights and the loss has no
+                gradient in the backend (the message names it).
+        """
+        packed = self._steps.get(True)
+        if not pack and packed is not None and packed.packing is None:
+            return packed  # nothing was packed: the same step
+        if pack not in self._steps:
+            self._steps[pack] = build_training_step(
+                self.model,
+                self.weights,
+                self.optimizer,
+                self.loss_output_name,
+                self.sample_weight_name,
+                pack=pack,
+                backend=self.backend,
+            )
+        return self._steps[pack]
+
+
+__all__ = ["TrainingProblem"]
