@@ -9,7 +9,9 @@ A user-written loss looks like the built-in ones::
         d = prediction - label
         return op.ReduceMean(op.Log(op.Cosh(d)), keepdims=0)
 
-Write constants with ``op.CastLike(value, x)`` so one body serves float32 and float64.
+Write constants with ``op.CastLike(value, x)`` so one body serves float32 and float64;
+a hyper-parameter captured from Python goes in as :func:`f64` (a float64 0-d array,
+which onnxscript keeps exact in eager mode, where a Python float becomes float32).
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import onnxscript
 from onnxscript import BOOL, DOUBLE, FLOAT, INT64
 from onnxscript import opset18 as op
 
-__all__ = ["BOOL", "DOUBLE", "FLOAT", "INT64", "op", "script"]
+__all__ = ["BOOL", "DOUBLE", "FLOAT", "INT64", "f64", "op", "script"]
 
 
 def script(**kwargs: Any) -> Callable[[Callable[..., Any]], onnxscript.OnnxFunction]:
@@ -32,3 +35,8 @@ def script(**kwargs: Any) -> Callable[[Callable[..., Any]], onnxscript.OnnxFunct
     """
     kwargs.setdefault("default_opset", op)
     return onnxscript.script(**kwargs)
+
+
+def f64(value: float) -> np.ndarray:
+    """``value`` as a float64 0-d array: a constant captured by a scripted function."""
+    return np.array(value, dtype=np.float64)

@@ -87,7 +87,9 @@ def absolute_error_derivative(d: FLOAT) -> FLOAT:
     return op.Sign(d)
 
 
-def _elastic(l1_weight: float, l2_weight: float) -> tuple[Any, Any]:
+def elastic_formula(l1_weight: float, l2_weight: float) -> tuple[Any, Any]:
+    """``(f, f')``: the elastic formula and its derivative, elementwise (the elastic loss
+    applies it to ``prediction - label``, the elastic penalty to each weight)."""
     a = np.array(l1_weight, dtype=np.float64)
     b = np.array(l2_weight, dtype=np.float64)
     two_b = np.array(2.0 * l2_weight, dtype=np.float64)  # a 0-d array: eager mode keeps float64
@@ -597,7 +599,7 @@ def absolute_error_loss(reduction: str = "mean") -> Loss:
 def elastic_loss(l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str = "mean") -> Loss:
     """l = sum_j l1_weight |d_j| + l2_weight d_j^2 with d = p - y."""
     _check_nonnegative(l1_weight=l1_weight, l2_weight=l2_weight)
-    kernels = _regression_kernels(*_elastic(l1_weight, l2_weight))
+    kernels = _regression_kernels(*elastic_formula(l1_weight, l2_weight))
     params = {"l1_weight": l1_weight, "l2_weight": l2_weight}
     return Loss("elastic", REGRESSION, kernels=kernels, reduction=reduction, params=params)
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit.dsl import FLOAT, INT64, op, script
+from graphkit.dsl import FLOAT, INT64, f64, op, script
 from graphkit.registry import Registry
 from graphkit.transforms import (
     OPEN,
@@ -49,9 +49,6 @@ Optimizer = GradientTransformation
 
 OPTIMIZERS: Registry[GradientTransformation] = Registry("optimizer")
 
-
-def _f64(value: float) -> np.ndarray:
-    return np.array(value, dtype=np.float64)
 
 
 def _named(name: str, parts: list[GradientTransformation | None], **params: Any) -> Chain:
@@ -109,7 +106,7 @@ def trace(
     _unit_interval(momentum=momentum)
     if convention not in ("torch", "sklearn"):
         raise ValueError(f"convention must be 'torch' or 'sklearn', got {convention!r}.")
-    mu, damp = _f64(momentum), _f64(1.0 - dampening)
+    mu, damp = f64(momentum), f64(1.0 - dampening)
     params = dict(momentum=momentum, nesterov=nesterov, dampening=dampening)
 
     if convention == "sklearn":
@@ -171,7 +168,7 @@ def scale_by_adam(
         raise ValueError(f"eps must be >= 0, got {eps}.")
     if eps_mode not in ("corrected", "uncorrected"):
         raise ValueError(f"eps_mode must be 'corrected' or 'uncorrected', got {eps_mode!r}.")
-    beta1, beta2, e, one = _f64(b1), _f64(b2), _f64(eps), _f64(1.0)
+    beta1, beta2, e, one = f64(b1), f64(b2), f64(eps), f64(1.0)
     params = dict(b1=b1, b2=b2, eps=eps, eps_mode=eps_mode)
 
     @script()
@@ -213,7 +210,7 @@ def scale_by_adagrad(
     """s <- s + u^2;  u' = u / (1 + step lr_decay) / (sqrt(s) + eps)  (torch's Adagrad)"""
     if eps < 0 or lr_decay < 0 or initial_accumulator_value < 0:
         raise ValueError("eps, lr_decay and initial_accumulator_value must be >= 0.")
-    e, decay, one = _f64(eps), _f64(lr_decay), _f64(1.0)
+    e, decay, one = f64(eps), f64(lr_decay), f64(1.0)
 
     @script()
     def adagrad(update: FLOAT, param: FLOAT, sum_sq: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
@@ -235,7 +232,7 @@ def scale_by_adagrad(
 def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8) -> Scripted:
     """v <- alpha v + (1 - alpha) u^2;  u' = u / (sqrt(v) + eps)  (torch's RMSprop)"""
     _unit_interval(alpha=alpha)
-    a, e, one = _f64(alpha), _f64(eps), _f64(1.0)
+    a, e, one = f64(alpha), f64(eps), f64(1.0)
 
     @script()
     def rms(update: FLOAT, param: FLOAT, square_avg: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
@@ -252,7 +249,7 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8) -> Scripted:
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> Scripted:
     """Lion (Chen et al. 2023): u' = sign(b1 m + (1 - b1) u);  m <- b2 m + (1 - b2) u"""
     _unit_interval(b1=b1, b2=b2)
-    beta1, beta2, one = _f64(b1), _f64(b2), _f64(1.0)
+    beta1, beta2, one = f64(b1), f64(b2), f64(1.0)
 
     @script()
     def lion(update: FLOAT, param: FLOAT, m: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
@@ -291,8 +288,8 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scr
     ((rho_inf - 4)(rho_inf - 2) rho_t)).
     """
     _unit_interval(b1=b1, b2=b2)
-    beta1, beta2, e, one = _f64(b1), _f64(b2), _f64(eps), _f64(1.0)
-    rho_inf = _f64(2.0 / (1.0 - b2) - 1.0)
+    beta1, beta2, e, one = f64(b1), f64(b2), f64(eps), f64(1.0)
+    rho_inf = f64(2.0 / (1.0 - b2) - 1.0)
 
     @script()
     def radam(
@@ -338,7 +335,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
     d <- rho d + (1 - rho) u'^2
     """
     _unit_interval(rho=rho)
-    r, e, one = _f64(rho), _f64(eps), _f64(1.0)
+    r, e, one = f64(rho), f64(eps), f64(1.0)
 
     @script()
     def adadelta(
@@ -385,8 +382,8 @@ def scale_by_adafactor(
         raise ValueError("eps1, eps2 and weight_decay must be >= 0.")
     if not d >= 1:
         raise ValueError(f"d (the update clipping threshold) must be >= 1, got {d}.")
-    decay, e2, clip_d, wd = _f64(beta2_decay), _f64(eps2), _f64(d), _f64(weight_decay)
-    one, half = _f64(1.0), _f64(-0.5)
+    decay, e2, clip_d, wd = f64(beta2_decay), f64(eps2), f64(d), f64(weight_decay)
+    one, half = f64(1.0), f64(-0.5)
 
     @script()
     def adafactor_scale(update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT) -> tuple[FLOAT, FLOAT]:
@@ -408,7 +405,7 @@ def scale_by_adafactor(
 
     def rules(dtype: type) -> dict[str, Scripted]:
         # eps1 defaults to the machine epsilon of the weight's dtype
-        e1 = _f64(eps1 if eps1 is not None else np.finfo(dtype).eps)
+        e1 = f64(eps1 if eps1 is not None else np.finfo(dtype).eps)
 
         @script()
         def adafactor_matrix(

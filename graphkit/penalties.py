@@ -24,25 +24,24 @@ from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, op, script
 from graphkit.errors import UnknownNameError
 from graphkit.gradient import gradient_model
+from graphkit.losses import elastic_formula
 from graphkit.registry import Registry
 
 
 def _elastic_functions(l1: float, l2: float) -> tuple[Any, Any]:
-    a = np.array(l1, dtype=np.float64)
-    b = np.array(l2, dtype=np.float64)
-    two_b = np.array(2.0 * l2, dtype=np.float64)  # a 0-d array: eager mode keeps float64
+    """``(P, dP/dw)``: the elastic loss's formula, ``l1 |w| + l2 w^2`` (whose derivative
+    is ``l1 sign(w) + 2 l2 w``, 0 at w = 0 for the l1 part), summed over the weight."""
+    elementwise, derivative = elastic_formula(l1, l2)
 
     @script()
     def elastic_penalty(weight: FLOAT) -> FLOAT:
-        """P(w) = l1 sum|w| + l2 sum w^2"""
-        return op.CastLike(a, weight) * op.ReduceSum(op.Abs(weight), keepdims=0) + op.CastLike(
-            b, weight
-        ) * op.ReduceSum(weight * weight, keepdims=0)
+        """P(w) = sum_i l1 |w_i| + l2 w_i^2"""
+        return op.ReduceSum(elementwise(weight), keepdims=0)
 
     @script()
     def elastic_penalty_grad(weight: FLOAT) -> FLOAT:
-        """dP/dw = l1 sign(w) + 2 l2 w  (0 at w = 0 for the l1 part)"""
-        return op.CastLike(a, weight) * op.Sign(weight) + op.CastLike(two_b, weight) * weight
+        """dP/dw_i = l1 sign(w_i) + 2 l2 w_i"""
+        return derivative(weight)
 
     return elastic_penalty, elastic_penalty_grad
 

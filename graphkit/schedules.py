@@ -24,12 +24,8 @@ import onnxscript
 
 from graphkit._graph import compile_function
 from graphkit.backends.ort_engine import Runner
-from graphkit.dsl import DOUBLE, INT64, op, script
+from graphkit.dsl import DOUBLE, INT64, f64, op, script
 from graphkit.registry import Registry
-
-
-def _f64(value: float) -> np.ndarray:
-    return np.array(value, dtype=np.float64)
 
 
 class Schedule:
@@ -92,8 +88,8 @@ def _rebuild(name: str, params: dict[str, Any]) -> Schedule:
     return SCHEDULES.get(name, **params)
 
 
-ONE = _f64(1.0)
-HALF = _f64(0.5)
+ONE = f64(1.0)
+HALF = f64(0.5)
 # a float64 tensor to CastLike constants against where no float64 tensor exists yet
 lr_type = np.array(0.0, dtype=np.float64)
 ZERO_STEP = np.array(0, dtype=np.int64)
@@ -109,7 +105,7 @@ def _positive(**values: float) -> None:
 def constant(eta0: float = 0.01) -> Schedule:
     """eta(t) = eta0"""
     _positive(eta0=eta0)
-    value = _f64(eta0)
+    value = f64(eta0)
 
     @script()
     def constant_schedule(step: INT64) -> DOUBLE:
@@ -124,7 +120,7 @@ def invscaling(eta0: float = 0.01, power_t: float = 0.25) -> Schedule:
     _positive(eta0=eta0)
     if power_t < 0:
         raise ValueError(f"power_t must be >= 0, got {power_t}.")
-    e, p = _f64(eta0), _f64(power_t)
+    e, p = f64(eta0), f64(power_t)
 
     @script()
     def invscaling_schedule(step: INT64) -> DOUBLE:
@@ -144,7 +140,7 @@ def optimal(alpha: float = 1e-4) -> Schedule:
     _positive(alpha=alpha)
     typw = math.sqrt(1.0 / math.sqrt(alpha))
     t0 = 1.0 / (alpha * typw)
-    a, t0_ = _f64(alpha), _f64(t0)
+    a, t0_ = f64(alpha), f64(t0)
 
     @script()
     def optimal_schedule(step: INT64) -> DOUBLE:
@@ -158,7 +154,7 @@ def optimal(alpha: float = 1e-4) -> Schedule:
 def step_decay(eta0: float = 0.01, step_size: int = 100, gamma: float = 0.1) -> Schedule:
     """eta(t) = eta0 gamma^floor(t / step_size)  (torch's StepLR)"""
     _positive(eta0=eta0, step_size=step_size, gamma=gamma)
-    e, g = _f64(eta0), _f64(gamma)
+    e, g = f64(eta0), f64(gamma)
     size = np.array(int(step_size), dtype=np.int64)
 
     @script()
@@ -173,7 +169,7 @@ def step_decay(eta0: float = 0.01, step_size: int = 100, gamma: float = 0.1) -> 
 def exponential(eta0: float = 0.01, gamma: float = 0.99) -> Schedule:
     """eta(t) = eta0 gamma^t  (torch's ExponentialLR)"""
     _positive(eta0=eta0, gamma=gamma)
-    e, g = _f64(eta0), _f64(gamma)
+    e, g = f64(eta0), f64(gamma)
 
     @script()
     def exponential_schedule(step: INT64) -> DOUBLE:
@@ -193,10 +189,10 @@ def cosine(eta0: float = 0.01, decay_steps: int = 1000, alpha: float = 0.0) -> S
     _positive(eta0=eta0, decay_steps=decay_steps)
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}.")
-    e, a = _f64(eta0), _f64(alpha)
-    T = _f64(decay_steps)
-    pi_over_T = _f64(math.pi / decay_steps)
-    half_span = _f64((1.0 - alpha) / 2.0)
+    e, a = f64(eta0), f64(alpha)
+    T = f64(decay_steps)
+    pi_over_T = f64(math.pi / decay_steps)
+    half_span = f64((1.0 - alpha) / 2.0)
 
     @script()
     def cosine_schedule(step: INT64) -> DOUBLE:
@@ -227,7 +223,7 @@ def warmup(
     base = get(schedule, **kwargs)
     inner = base.function
     W = np.array(int(warmup_steps), dtype=np.int64)
-    init, w_f = _f64(init_value), _f64(warmup_steps)
+    init, w_f = f64(init_value), f64(warmup_steps)
 
     @script()
     def warmup_schedule(step: INT64) -> DOUBLE:
@@ -333,10 +329,10 @@ def one_cycle(
             f"pct_start * total_steps - 1 = {first_end} must lie in (0, total_steps - 1): "
             "raise total_steps or change pct_start."
         )
-    start, peak = _f64(max_lr / div_factor), _f64(max_lr)
-    end = _f64(max_lr / div_factor / final_div_factor)
-    e1, last = _f64(first_end), _f64(total_steps - 1)
-    pi = _f64(math.pi)
+    start, peak = f64(max_lr / div_factor), f64(max_lr)
+    end = f64(max_lr / div_factor / final_div_factor)
+    e1, last = f64(first_end), f64(total_steps - 1)
+    pi = f64(math.pi)
     cosine = anneal == "cos"
 
     @script()
@@ -386,8 +382,8 @@ def sgdr(eta0: float = 0.01, t_0: int = 100, t_mult: int = 1, eta_min: float = 0
         raise ValueError(f"t_mult must be an integer >= 1, got {t_mult}.")
     if not 0 <= eta_min < eta0:
         raise ValueError(f"eta_min must lie in [0, eta0), got {eta_min}.")
-    e, lo, T0, M = _f64(eta0), _f64(eta_min), _f64(int(t_0)), _f64(int(t_mult))
-    pi, half = _f64(math.pi), _f64(0.5)
+    e, lo, T0, M = f64(eta0), f64(eta_min), f64(int(t_0)), f64(int(t_mult))
+    pi, half = f64(math.pi), f64(0.5)
     geometric = int(t_mult) > 1
 
     @script()

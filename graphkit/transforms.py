@@ -52,7 +52,7 @@ from graphkit._graph import (
 )
 from graphkit.backends.ort_engine import Runner
 from graphkit.compat import DSL_OPSET, finalize
-from graphkit.dsl import FLOAT, INT64, op, script
+from graphkit.dsl import FLOAT, INT64, f64, op, script
 from graphkit.errors import ShapeError, UnknownNameError
 
 Tensors = dict[str, str]
@@ -1051,9 +1051,6 @@ def lookahead(inner: GradientTransformation, sync_period: int = 6, alpha: float 
 # -- elementary transformations -------------------------------------------------------------
 
 
-def _f64(value: float) -> np.ndarray:
-    return np.array(value, dtype=np.float64)
-
 
 def check_learning_rate(learning_rate: Any) -> Any:
     """``OPEN``, or a schedule resolved from a schedule, a name or a number."""
@@ -1083,7 +1080,7 @@ def scale_by_learning_rate(learning_rate: Any = None) -> Scripted:
 @factory
 def scale(factor: float) -> Scripted:
     """u -> factor u"""
-    f = _f64(factor)
+    f = f64(factor)
 
     @script()
     def scale_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
@@ -1102,7 +1099,7 @@ def add_decayed_weights(weight_decay: float) -> Scripted:
     """
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
-    wd = _f64(weight_decay)
+    wd = f64(weight_decay)
 
     @script()
     def add_decayed_weights(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
@@ -1121,7 +1118,7 @@ def clip(max_delta: float) -> Scripted:
     """u -> min(max(u, -max_delta), max_delta), element by element"""
     if not max_delta > 0:
         raise ValueError(f"max_delta must be > 0, got {max_delta}.")
-    d = _f64(max_delta)
+    d = f64(max_delta)
 
     @script()
     def clip_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
@@ -1142,7 +1139,7 @@ def clip_by_global_norm(max_norm: float) -> Scripted:
     together (optax's clip_by_global_norm)."""
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}.")
-    m = _f64(max_norm)
+    m = f64(max_norm)
 
     @script()
     def clip_by_global_norm(update: FLOAT, param: FLOAT, step: INT64, total: FLOAT) -> FLOAT:
@@ -1174,7 +1171,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3) -> Partition:
         raise ValueError(f"clipping must be > 0, got {clipping}.")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}.")
-    c, e, tiny = _f64(clipping), _f64(eps), _f64(1e-6)
+    c, e, tiny = f64(clipping), f64(eps), f64(1e-6)
 
     @script()
     def whole_norm(x: FLOAT) -> FLOAT:
@@ -1219,7 +1216,7 @@ def ema(decay: float = 0.999) -> Scripted:
     """
     if not 0 <= decay < 1:
         raise ValueError(f"decay must lie in [0, 1), got {decay}.")
-    d = _f64(decay)
+    d = f64(decay)
 
     @script()
     def ema_update(update: FLOAT, param: FLOAT, average: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
