@@ -19,9 +19,12 @@
 from graphkit.training.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 from graphkit_train import checkpoint, distributed
 from graphkit_train.checkpoint import CheckpointError
-from graphkit_train.forward_backward import OrtGradientForwardBackward
-from graphkit_train.full import OrtGradientOptimizer, Trainer
-from graphkit_train.partial import ForwardBackwardTrainer, OrtGradientForwardBackwardOptimizer
+from graphkit_train.engine.forward_backward import OrtGradientForwardBackward
+from graphkit_train.trainers.full import OrtGradientOptimizer, Trainer
+from graphkit_train.trainers.partial import (
+    ForwardBackwardTrainer,
+    OrtGradientForwardBackwardOptimizer,
+)
 
 __all__ = [
     "CheckpointError",

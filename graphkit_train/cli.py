@@ -30,7 +30,7 @@ import graphkit as gk
 from graphkit import losses, optimizers, schedules
 from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, metadata
-from graphkit_train.full import Trainer
+from graphkit_train.trainers.full import Trainer
 
 
 class CliError(Exception):

@@ -28,7 +28,7 @@ from graphkit._graph import shape_matches, static_shape
 from graphkit.backends import ort_engine as engine
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
-from graphkit_train.forward_backward import OrtGradientForwardBackward
+from graphkit_train.engine.forward_backward import OrtGradientForwardBackward
 
 _TORCH_TO_NUMPY = {
     torch.float32: np.float32,

@@ -100,6 +100,18 @@ def test_the_dsl_never_imports_the_runtime():
     assert not offenders, "\n".join(offenders)
 
 
+def test_the_runtime_engine_never_imports_the_trainers():
+    engine = ROOT / "graphkit_train" / "engine"
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in SOURCES
+        if engine in path.parents
+        for name in _imports(path)
+        if name.startswith("graphkit_train.trainers")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_the_registry():
     assert backends.names() == ["ort_training"]
     info = {i.name: i for i in backends.available()}

@@ -21,7 +21,7 @@ from graphkit_train import (
     OrtGradientForwardBackwardOptimizer,
     OrtGradientOptimizer,
 )
-from graphkit_train.partial import BindingCache
+from graphkit_train.trainers.partial import BindingCache
 
 torch = pytest.importorskip("torch")
 

@@ -30,7 +30,7 @@ from graphkit_train import (
     OrtGradientOptimizer,
     Trainer,
 )
-from graphkit_train._base import select_learning_rate, select_optimizer
+from graphkit_train.trainers.params import select_learning_rate, select_optimizer
 
 
 def _description(loss: losses.Loss) -> tuple:

@@ -2,9 +2,9 @@
 
 :class:`BaseTrainer` is three parts: the loop (here: epochs, the per-epoch loss
 read-back, the rollback on NaN, early stopping, checkpoints, callbacks, exports and
-pickling), the engine side (:class:`graphkit_train.resident.ResidentState`: the weights
+pickling), the engine side (:class:`graphkit_train.engine.resident.ResidentState`: the weights
 and optimizer state in two alternating buffer sets of a resident session) and the
-estimator protocol (:class:`graphkit_train.estimator.EstimatorMixin`). A subclass says
+estimator protocol (:class:`graphkit_train.trainers.estimator.EstimatorMixin`). A subclass says
 how one batch runs (:meth:`BaseTrainer._run_batch`).
 """
 
@@ -28,7 +28,11 @@ from graphkit.rewrite import set_weights
 from graphkit.training.batches import epoch_batches
 from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
 from graphkit.transforms import ema_weights
-from graphkit_train._base import (
+from graphkit_train.distributed import ProcessGroup, digest, shard
+from graphkit_train.engine.resident import ResidentState
+from graphkit_train.progress import EpochProgress
+from graphkit_train.trainers.estimator import EstimatorMixin
+from graphkit_train.trainers.params import (
     ParamsMixin,
     as_state,
     check_class_labels,
@@ -38,10 +42,6 @@ from graphkit_train._base import (
     check_sample_weight,
     validation_period,
 )
-from graphkit_train.distributed import ProcessGroup, digest, shard
-from graphkit_train.estimator import EstimatorMixin
-from graphkit_train.progress import EpochProgress
-from graphkit_train.resident import ResidentState
 
 
 class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):

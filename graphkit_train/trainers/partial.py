@@ -37,15 +37,15 @@ from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
 from graphkit.training.step import build_update_step, grad_name
 from graphkit.transforms import GradientTransformation
-from graphkit_train._base import (
+from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
+from graphkit_train.engine.resident import BindingCache
+from graphkit_train.trainers.base import BaseTrainer
+from graphkit_train.trainers.params import (
     input_value,
     providers_for,
     select_learning_rate,
     select_optimizer,
 )
-from graphkit_train._trainer import BaseTrainer
-from graphkit_train.forward_backward import OrtGradientForwardBackward, binding_outputs
-from graphkit_train.resident import BindingCache
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""

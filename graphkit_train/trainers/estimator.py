@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from graphkit.errors import ShapeError, not_fitted
-from graphkit_train._base import check_features, check_sample_weight
+from graphkit_train.trainers.params import check_features, check_sample_weight
 
 
 class EstimatorMixin:

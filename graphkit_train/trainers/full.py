@@ -4,7 +4,7 @@
 builds the training step once
 (:func:`graphkit.training.step.build_training_step`) and runs it once per mini-batch: the
 weights, the optimizer state, the step counter and the epoch's loss sum stay resident
-in onnxruntime (see :mod:`graphkit_train._trainer`); only the batch's features and
+in onnxruntime (see :mod:`graphkit_train.trainers.base`); only the batch's features and
 labels are bound per step, and the loss is read back once per epoch.
 """
 
@@ -46,14 +46,14 @@ from graphkit.training.step import (
     grad_name,
 )
 from graphkit.transforms import GradientTransformation
-from graphkit_train._base import (
+from graphkit_train.engine.forward_backward import binding_outputs
+from graphkit_train.trainers.base import BaseTrainer
+from graphkit_train.trainers.params import (
     input_value,
     providers_for,
     select_learning_rate,
     select_optimizer,
 )
-from graphkit_train._trainer import BaseTrainer
-from graphkit_train.forward_backward import binding_outputs
 
 
 class Trainer(BaseTrainer):
