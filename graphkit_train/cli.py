@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -291,6 +292,22 @@ def cli_schedule(name: str, lr: float, total_steps: int) -> Any:
     return factory(**{k: v for k, v in known.items() if k in parameters})
 
 
+@dataclass
+class _Job:
+    """The data, loss and model of one run, checked."""
+
+    X: np.ndarray
+    y: np.ndarray
+    names: list[str]
+    dataset: str
+    default: bool  # the embedded default job (scikit-learn's diabetes data, an MLP)
+    loss: losses.Loss
+    train_rows: np.ndarray
+    test_rows: np.ndarray
+    model: onnx.ModelProto  # the training graph
+    weights: list[str] | None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say; return the report (also written to the output folder)."""
     rank, world_size = 0, 1
@@ -300,6 +317,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rank, world_size = distributed.init().place
     quiet = args.quiet or rank != 0
     say = (lambda *a: None) if quiet else print
+    job = _job(args)
+    say(
+        f"graphkit-train: {job.dataset}, {len(job.train_rows)} training rows, "
+        f"{len(job.test_rows)} held out; loss {job.loss.name}, optimizer {args.optimizer}, "
+        f"schedule {args.schedule}, lr {args.lr}"
+    )
+    trainer, seconds, epoch_ends = _train(job, args, quiet)
+    report = _report(job, args, trainer, seconds, epoch_ends, world_size, say)
+    if rank != 0:  # rank 0 compares and writes
+        return report
+    if job.default and len(job.test_rows):
+        report["sklearn"] = _sklearn_reference(job.X, job.y, job.train_rows, job.test_rows, args)
+        say(
+            f"held-out R^2 (scikit-learn {report['sklearn']['estimator']}): "
+            f"{report['sklearn']['held_out_r2']:.4f}"
+        )
+    report["files"] = _write(trainer, args.output, report)
+    say(f"wrote {', '.join(sorted(report['files'].values()))}")
+    return report
+
+
+def _job(args: argparse.Namespace) -> _Job:
+    """The data (labels cast for the loss), the held-out split and the training graph."""
     default_job = args.model is None and args.data is None
     if default_job:
         from sklearn.datasets import load_diabetes
@@ -331,16 +371,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         weights = args.weights.split(",") if args.weights else None
     outputs = [o.name for o in model.graph.output]
     already = metadata(model).get(META_LOSS) or ("loss" if "loss" in outputs else None)
-    train_onx = (
-        model if already else gk.add_loss_output(model, loss, output_index=args.output_index)
-    )
-    total_steps = args.epochs * -(-len(train_rows) // args.batch_size)
-    schedule = cli_schedule(args.schedule, args.lr, total_steps)
+    if not already:
+        model = gk.add_loss_output(model, loss, output_index=args.output_index)
+    return _Job(X, y, names, dataset, default_job, loss, train_rows, test_rows, model, weights)
+
+
+def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, float, list[float]]:
+    """The fitted trainer, the training time and the time at the end of each epoch."""
+    total_steps = args.epochs * -(-len(job.train_rows) // args.batch_size)
     trainer = Trainer(
-        train_onx,
-        weights,
+        job.model,
+        job.weights,
         optimizer=args.optimizer,  # graphkit.optimizers.get(args.optimizer), as everywhere
-        schedule=schedule,
+        schedule=cli_schedule(args.schedule, args.lr, total_steps),
         max_iter=args.epochs,
         batch_size=args.batch_size,
         validation_every=1,
@@ -348,26 +391,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verbose=0 if quiet else 1,
         distributed=args.distributed,
     )
-    say(
-        f"graphkit-train: {dataset}, {len(train_rows)} training rows, {len(test_rows)} held out; "
-        f"loss {loss.name}, optimizer {args.optimizer}, schedule {args.schedule}, lr {args.lr}"
-    )
-    held_out = (X[test_rows], y[test_rows]) if len(test_rows) else (None, None)
+    test = job.test_rows
+    held_out = (job.X[test], job.y[test]) if len(test) else (None, None)
     epoch_ends: list[float] = []
     start = time.perf_counter()
     trainer.fit(
-        X[train_rows],
-        y[train_rows],
+        job.X[job.train_rows],
+        job.y[job.train_rows],
         X_val=held_out[0],
         y_val=held_out[1],
         callback=lambda epoch, losses, _: epoch_ends.append(time.perf_counter() - start),
     )
-    seconds = time.perf_counter() - start
+    return trainer, time.perf_counter() - start, epoch_ends
 
+
+def _report(
+    job: _Job,
+    args: argparse.Namespace,
+    trainer: Trainer,
+    seconds: float,
+    epoch_ends: list[float],
+    world_size: int,
+    say: Any,
+) -> dict[str, Any]:
+    """What ``report.json`` holds, the held-out score included."""
     report: dict[str, Any] = {
-        "dataset": dataset,
-        "features": names,
-        "rows": {"train": int(len(train_rows)), "held_out": int(len(test_rows))},
+        "dataset": job.dataset,
+        "features": job.names,
+        "rows": {"train": int(len(job.train_rows)), "held_out": int(len(job.test_rows))},
         "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
         "weights_trained": trainer.weights_to_train_,
         "optimizer": {"name": trainer.optimizer_.name, "params": trainer.optimizer_.params},
@@ -378,24 +429,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "epoch_end_seconds": epoch_ends,
         "export": getattr(args, "export", False),
     }
-    if len(test_rows):
-        prediction = trainer.predict(X[test_rows])
-        if loss.task == "regression":
-            report["held_out_r2"] = r2(y[test_rows], prediction)
+    if len(job.test_rows):
+        prediction = trainer.predict(job.X[job.test_rows])
+        if job.loss.task == "regression":
+            report["held_out_r2"] = r2(job.y[job.test_rows], prediction)
             say(f"held-out R^2 (graphkit): {report['held_out_r2']:.4f}")
         else:
-            report["held_out_accuracy"] = float((prediction == y[test_rows]).mean())
-            say(f"held-out accuracy (graphkit): {report['held_out_accuracy']:.4f}")
-    if rank != 0:  # rank 0 compares and writes
-        return report
-    if default_job and len(test_rows):
-        report["sklearn"] = _sklearn_reference(X, y, train_rows, test_rows, args)
-        say(
-            f"held-out R^2 (scikit-learn {report['sklearn']['estimator']}): "
-            f"{report['sklearn']['held_out_r2']:.4f}"
-        )
-    report["files"] = _write(trainer, args.output, report)
-    say(f"wrote {', '.join(sorted(report['files'].values()))}")
+            accuracy = float((prediction == job.y[job.test_rows]).mean())
+            report["held_out_accuracy"] = accuracy
+            say(f"held-out accuracy (graphkit): {accuracy:.4f}")
     return report
 
 
