@@ -1,10 +1,12 @@
-"""The IR-version and opset policy: one place decides what onnxruntime-training loads.
+"""The IR-version and opset policy: one place decides what the backends load.
 
-onnxruntime-training 1.19.2 (the last training release) loads ONNX IR version <= 10 and
-``ai.onnx`` opset <= 21, while onnx >= 1.18 writes newer IR versions by default. Every
-model graphkit produces goes through :func:`finalize`; every model a user hands in goes
-through :func:`make_compatible`, which converts what can be converted and refuses the
-rest with a message saying what to do.
+Each registered backend declares the newest IR version and ``ai.onnx`` opset its
+runtime loads (:func:`graphkit.backends.format_limits`); graphkit writes models every one
+of them loads. With onnxruntime-training 1.19.2 (the ``ort_training`` backend) that is
+IR version <= 10 and opset <= 21, while onnx >= 1.18 writes newer IR versions by default.
+Every model graphkit produces goes through :func:`finalize`; every model a user hands in
+goes through :func:`make_compatible`, which converts what can be converted and refuses
+the rest with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -14,13 +16,11 @@ import os
 import onnx
 from onnx import TensorProto
 
+from graphkit.backends import format_limits
 from graphkit.errors import IncompatibleModelError
 
-MAX_IR_VERSION = 10
-"""Highest ONNX IR version onnxruntime-training 1.19.2 loads."""
-
-MAX_OPSET = 21
-"""Highest ``ai.onnx`` opset onnxruntime-training 1.19.2 implements."""
+MAX_IR_VERSION, MAX_OPSET = format_limits()
+"""Highest ONNX IR version and ``ai.onnx`` opset every registered backend loads."""
 
 DSL_OPSET = 18
 """The ``ai.onnx`` opset graphkit's onnxscript functions are written against."""
@@ -90,7 +90,7 @@ def set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
 
 
 def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onnx.ModelProto:
-    """Return a copy of ``model`` that onnxruntime-training 1.19.2 can load.
+    """Return a copy of ``model`` that every backend can load.
 
     Args:
         model: any ONNX model.
@@ -126,9 +126,10 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
 def finalize(
     model: onnx.ModelProto, check: bool = True, full_check: bool = False
 ) -> onnx.ModelProto:
-    """Stamp a model graphkit built so that onnxruntime-training 1.19.2 loads it.
+    """Stamp a model graphkit built so that every backend loads it.
 
-    Sets the IR version to at most 10, checks the ``ai.onnx`` opset is <= 21 and runs
+    Sets the IR version to at most :data:`MAX_IR_VERSION`, checks the ``ai.onnx`` opset is
+    at most :data:`MAX_OPSET` and runs
     ``onnx.checker`` (with type and shape inference when ``full_check``).
     Modifies ``model`` in place and returns it.
     """
@@ -193,7 +194,7 @@ def _lower_ir_version(model: onnx.ModelProto) -> None:
         raise IncompatibleModelError(
             f"The model has IR version {model.ir_version} and uses element types "
             f"{', '.join(too_new)} that IR version {MAX_IR_VERSION} (the newest "
-            "onnxruntime-training 1.19.2 loads) does not have. Convert those tensors to "
+            "every backend loads) does not have. Convert those tensors to "
             "float32 or float16 before training."
         )
     model.ir_version = MAX_IR_VERSION
@@ -242,8 +243,8 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
         direction = "down" if target < source else "up"
         raise IncompatibleModelError(
             f"The model uses ai.onnx opset {source}; graphkit needs opset {target} "
-            f"(onnxruntime-training 1.19.2 supports {DSL_OPSET} to {MAX_OPSET} for "
-            f"training) and onnx.version_converter could not convert it {direction}: "
+            f"(graphkit's backends train opsets {DSL_OPSET} to {MAX_OPSET}) and "
+            f"onnx.version_converter could not convert it {direction}: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. " + _REEXPORT_HINT
         ) from exc
     converted.ir_version = min(converted.ir_version, MAX_IR_VERSION)

@@ -276,6 +276,29 @@ def _value_and_grad_function(
     return loss_and_grad
 
 
+def check_class_labels(y: np.ndarray, n_classes: int, binary: bool, what: str = "y") -> None:
+    """Refuse class labels outside ``[0, n_classes - 1]`` (``{0, 1}`` for a binary loss).
+
+    An out-of-range label would otherwise give a zero or undefined loss for its rows
+    (a one-hot row of zeros) and a perfect-looking score.
+    """
+    if not y.size:
+        return
+    low, high = int(y.min()), int(y.max())
+    if low >= 0 and high < n_classes:
+        return
+    if binary:
+        raise ValueError(
+            f"{what} holds labels from {low} to {high}; a binary loss takes 0 and 1. Encode "
+            "the classes with sklearn.preprocessing.LabelEncoder (or y == positive_class)."
+        )
+    raise ValueError(
+        f"{what} holds class labels from {low} to {high}; the model predicts {n_classes} "
+        f"classes, so labels must be integers in [0, {n_classes - 1}]. Encode them with "
+        "sklearn.preprocessing.LabelEncoder (labels 1..K become 0..K-1)."
+    )
+
+
 class Loss:
     """A loss and its gradient with respect to the prediction, as ONNX graphs.
 
@@ -545,11 +568,11 @@ class Loss:
                     f"Loss {self.name!r} needs a (N, K) prediction with K >= 2 classes, "
                     f"got shape {prediction.shape}."
                 )
-            if label.size and (label.min() < 0 or (self.multiclass and label.max() >= columns)):
-                raise ValueError(
-                    f"Class labels must lie in [0, {columns - 1}], got values from "
-                    f"{label.min()} to {label.max()}."
-                )
+            if not self.is_custom:  # a custom loss says nothing of its classes
+                n_classes = columns if self.multiclass else 2
+                check_class_labels(label, n_classes, not self.multiclass, "the label")
+            elif label.size and label.min() < 0:
+                raise ValueError(f"Class labels must be >= 0, got {label.min()}.")
             label = label.astype(np.int64, copy=False).reshape(n)
         feeds = {"prediction": prediction, "label": label}
         if weight is not None:

@@ -231,3 +231,12 @@ def test_the_backend_chosen_by_name_trains_like_the_default():
     for state in (named, default):
         np.testing.assert_allclose(state["coef"], W, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["intercept"], b, rtol=1e-5, atol=1e-6)
+
+
+def test_what_graphkit_writes_loads_on_every_registered_backend(monkeypatch):
+    from graphkit import compat
+
+    assert backends.format_limits() == (compat.MAX_IR_VERSION, compat.MAX_OPSET) == (10, 21)
+    older = backends._Entry("x", lambda: False, "", "", max_ir_version=9, max_opset=19)
+    monkeypatch.setitem(backends._BACKENDS, "older", older)
+    assert backends.format_limits() == (9, 19)

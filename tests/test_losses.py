@@ -406,8 +406,11 @@ def test_label_and_prediction_shapes_that_cannot_match():
 
 
 def test_class_label_out_of_range():
-    with pytest.raises(ValueError, match=r"lie in \[0, 2\]"):
+    """The loss called eagerly refuses the labels the trainers refuse, with their words."""
+    with pytest.raises(ValueError, match=r"must be integers in \[0, 2\]"):
         losses.get("cross_entropy")(np.zeros((2, 3)), np.array([0, 3]))
+    with pytest.raises(ValueError, match="a binary loss takes 0 and 1"):
+        losses.get("sigmoid_log_loss")(np.zeros((2, 1)), np.array([0, 2]))
 
 
 def test_bad_hyper_parameters():

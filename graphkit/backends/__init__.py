@@ -31,19 +31,38 @@ class _Entry:
     installed: Callable[[], bool]
     install: str
     description: str
+    max_ir_version: int = 10  # the newest ONNX IR version its runtime loads
+    max_opset: int = 21  # the newest ai.onnx opset its runtime implements
 
 
 _BACKENDS: dict[str, _Entry] = {}
 
 
 def register(
-    name: str, module: str, installed: Callable[[], bool], install: str, description: str
+    name: str,
+    module: str,
+    installed: Callable[[], bool],
+    install: str,
+    description: str,
+    max_ir_version: int,
+    max_opset: int,
 ) -> None:
     """Register the backend ``name``, implemented by the package ``module`` (which
-    defines ``BACKEND``); ``installed()`` says whether its runtime is importable."""
+    defines ``BACKEND``); ``installed()`` says whether its runtime is importable, and
+    ``max_ir_version`` / ``max_opset`` are the newest ONNX IR version and ``ai.onnx``
+    opset its runtime loads."""
     if name in _BACKENDS:
         raise ValueError(f"backend {name!r} is already registered")
-    _BACKENDS[name] = _Entry(module, installed, install, description)
+    _BACKENDS[name] = _Entry(module, installed, install, description, max_ir_version, max_opset)
+
+
+def format_limits() -> tuple[int, int]:
+    """``(IR version, ai.onnx opset)``: the newest every registered backend loads, which
+    is what graphkit writes (:mod:`graphkit.compat`)."""
+    return (
+        min(e.max_ir_version for e in _BACKENDS.values()),
+        min(e.max_opset for e in _BACKENDS.values()),
+    )
 
 
 def names() -> list[str]:
@@ -106,6 +125,8 @@ register(
     _ort_training_installed,
     install="pip install onnxruntime-training-cpu==1.19.2 (Python 3.10-3.12)",
     description="gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent",
+    max_ir_version=10,
+    max_opset=21,
 )
 
-__all__ = ["BackendInfo", "available", "canonical", "get", "names", "register"]
+__all__ = ["BackendInfo", "available", "canonical", "format_limits", "get", "names", "register"]

@@ -22,7 +22,7 @@ import onnx
 
 from graphkit.compat import load_model
 from graphkit.errors import ConvergenceError
-from graphkit.losses import Loss
+from graphkit.losses import Loss, check_class_labels
 from graphkit.parameters import untie_constants
 from graphkit.rewrite import set_weights
 from graphkit.training.batches import epoch_batches
@@ -35,7 +35,6 @@ from graphkit_train.trainers.estimator import EstimatorMixin
 from graphkit_train.trainers.params import (
     ParamsMixin,
     as_state,
-    check_class_labels,
     check_features,
     check_labels,
     check_loop_param,

@@ -267,29 +267,6 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
     return np.ascontiguousarray(y, dtype=dtype)
 
 
-def check_class_labels(y: np.ndarray, n_classes: int, binary: bool, what: str = "y") -> None:
-    """Refuse class labels outside ``[0, n_classes - 1]`` (``{0, 1}`` for a binary loss).
-
-    An out-of-range label would otherwise give a zero or undefined loss for its rows
-    (a one-hot row of zeros) and a perfect-looking score.
-    """
-    if not y.size:
-        return
-    low, high = int(y.min()), int(y.max())
-    if low >= 0 and high < n_classes:
-        return
-    if binary:
-        raise ValueError(
-            f"{what} holds labels from {low} to {high}; a binary loss takes 0 and 1. Encode "
-            "the classes with sklearn.preprocessing.LabelEncoder (or y == positive_class)."
-        )
-    raise ValueError(
-        f"{what} holds class labels from {low} to {high}; the model predicts {n_classes} "
-        f"classes, so labels must be integers in [0, {n_classes - 1}]. Encode them with "
-        "sklearn.preprocessing.LabelEncoder (labels 1..K become 0..K-1)."
-    )
-
-
 def check_loop_param(name: str, value: Any, minimum: int = 1) -> int:
     """An integer parameter (a numpy integer too, as grids built with numpy.arange give)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
