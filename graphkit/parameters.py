@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from graphkit._graph import fresh_name, graph_names
+from graphkit._graph import _subgraphs, all_graphs, fresh_name, graph_names
 
 FLOAT_ELEM_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
 
@@ -69,19 +69,30 @@ LAYOUT_OPS: dict[str, tuple[int, ...]] = {
 
 
 class _Uses:
-    """Where each tensor is read and what produces it (main graph only)."""
+    """Where each tensor is read and what produces it, in the main graph and in its
+    subgraphs (If branches, Loop and Scan bodies read the weights of the graph around
+    them by name)."""
 
     def __init__(self, graph: onnx.GraphProto) -> None:
         self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         self.producer: dict[str, onnx.NodeProto] = {}
-        self.index: dict[int, int] = {}  # id of a node object held here -> its position
+        self.index: dict[int, int] = {}  # id of a main-graph node object -> its position
         for i, node in enumerate(graph.node):
+            # one pass: protobuf hands out a new wrapper object at every access, so the
+            # node kept in ``readers`` must be the one whose id is indexed
             self.index[id(node)] = i
-            for position, name in enumerate(node.input):
-                if name:
-                    self.readers[name].append((node, position))
-            for name in node.output:
-                self.producer[name] = node
+            self._add(node)
+            for sub in _subgraphs(node):
+                for inner in all_graphs(sub):
+                    for nested in inner.node:
+                        self._add(nested)
+
+    def _add(self, node: onnx.NodeProto) -> None:
+        for position, name in enumerate(node.input):
+            if name:
+                self.readers[name].append((node, position))
+        for name in node.output:
+            self.producer[name] = node
 
     def source_op(self, name: str) -> str | None:
         """The operator that really produced ``name``, looking through layout operators."""
@@ -164,6 +175,8 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
     for name in sorted(trained & set(values)):
         direct_constant_readers = []
         for node, position in uses.readers.get(name, []):
+            if id(node) not in uses.index:
+                continue  # read inside a subgraph: left tied
             roles = [role for role, _, _ in uses.edge_roles(node, position)]
             if roles and all(role == "constant" for role in roles):
                 direct_constant_readers.append((node, position))

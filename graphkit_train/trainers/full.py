@@ -22,7 +22,6 @@ from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit.backends import ort_engine as engine
 from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model, make_compatible
-from graphkit.errors import MissingGradientError
 from graphkit.gradient import gradient_model
 from graphkit.losses import LOSSES, Loss
 from graphkit.ml_ops import linear_models_as_standard_ops
@@ -213,15 +212,7 @@ class Trainer(BaseTrainer):
             self._backend.name,
         )
         self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
-        try:
-            self.training_step_: TrainingStep = problem.step()
-        except MissingGradientError as exc:
-            raise MissingGradientError(
-                f"{exc} Forward/backward training (ForwardBackwardTrainer) takes its "
-                "gradients from "
-                "onnxruntime-training's other builder, which covers more operators (GRU, "
-                "LSTM among them): try it on the prediction graph."
-            ) from exc
+        self.training_step_: TrainingStep = problem.step()
         step = self.update_step_ = self.training_step_
         if self.distributed:  # gradients and update apart, an all-reduce between them
             self._build_distributed()

@@ -9,23 +9,23 @@
 Both builders emit ``com.microsoft`` gradient operators (:mod:`.lowering` rewrites them
 into standard ONNX) and have quirks of their own, fixed here before they are called:
 a node reading a differentiated input twice, a float64 loss, the order of the trained
-initializers.
+initializers. What they abort the process on (control flow on the path to the loss) is
+refused before they are called, and what they write to stderr is left there: silencing
+it would hide the text of an abort nobody foresaw.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import onnx
 
-from graphkit._graph import copy_model, fresh_name, graph_names, rename_tensors
+from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names, rename_tensors
 from graphkit.backends.ort_engine import onnxruntime, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
 from graphkit.errors import MissingGradientError
@@ -42,8 +42,15 @@ def _capi() -> Any:
 # -- errors --------------------------------------------------------------------------------
 
 
-def explain_builder_failure(exc: BaseException) -> MissingGradientError:
-    """The error to raise when a gradient builder fails."""
+OTHER_BUILDER_HINT = (
+    " Forward/backward training (ForwardBackwardTrainer) takes its gradients from "
+    "onnxruntime-training's other builder, which covers more operators (GRU, LSTM among "
+    "them): try it on the prediction graph."
+)
+
+
+def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradientError:
+    """The error to raise when a gradient builder fails (``hint`` is added to it)."""
     found = _NO_BUILDER.search(str(exc))
     if found:
         op_type, node = found.groups()
@@ -51,31 +58,65 @@ def explain_builder_failure(exc: BaseException) -> MissingGradientError:
             f"{NAME} has no gradient for operator {op_type!r} "
             f"(node {node!r}). Rewrite that part with differentiable operators "
             "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
-            "keep it off the path between the weights and the loss."
+            "keep it off the path between the weights and the loss." + hint
         )
-    return MissingGradientError(f"Building the gradient graph failed: {short_message(exc)}")
+    return MissingGradientError(
+        f"Building the gradient graph failed: {short_message(exc)}" + hint
+    )
 
 
-@contextlib.contextmanager
-def quiet_native_stderr() -> Iterator[None]:
-    """Silence the builders' C++ logging, which ignores onnxruntime's logger severity.
+CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
+"""Operators both builders have no gradient for, and on which they abort the process
+(a C++ assertion, SIGABRT) instead of raising when one lies between the differentiated
+tensors and the outputs."""
 
-    Failures still surface: the builder raises a Python exception, which
-    :func:`explain_builder_failure` rewrites.
+
+def refuse_control_flow(
+    model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]
+) -> None:
+    """Raise :class:`MissingGradientError` naming the first control-flow node between
+    ``wrt`` and ``outputs`` (what its subgraphs read from the outer graph counts as its
+    input), before a builder sees it.
     """
-    fd = 2  # the C++ side writes to fd 2 even where sys.stderr is no file (notebooks)
-    try:
-        sys.stderr.flush()
-    except (AttributeError, OSError, ValueError):
-        pass
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), fd)
-            yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
+    nodes = list(model.graph.node)
+    reads = [outer_reads(node) for node in nodes]
+    reached = set(wrt)  # tensors that depend on a differentiated tensor
+    for node, names in zip(nodes, reads):
+        if names & reached:
+            reached.update(node.output)
+    needed = set(outputs)  # tensors the outputs depend on
+    for node, names in zip(reversed(nodes), reversed(reads)):
+        if needed.intersection(node.output):
+            needed |= names
+    for node, names in zip(nodes, reads):
+        on_path = names & reached and needed.intersection(node.output)
+        if node.op_type in CONTROL_FLOW and node.domain in ("", "ai.onnx") and on_path:
+            raise MissingGradientError(
+                f"{NAME} has no gradient for control flow: {node.op_type} node "
+                f"{node.name or node.output[0]!r} lies between the trained weights and the "
+                f"loss (through {sorted(names & reached)[:3]}), and its gradient builders "
+                "abort the process on it. Keep the weights off the branch or loop (export "
+                "the model with the branch taken, e.g. torch.jit.trace), or name other "
+                "weights_to_train."
+            )
+
+
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads: its inputs, and what its subgraphs (If branches,
+    Loop and Scan bodies, at any depth) read from the graphs around them."""
+    names = {n for n in node.input if n}
+    for sub in _subgraphs(node):
+        names |= _free_names(sub)
+    return names
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    free: set[str] = set()
+    for node in graph.node:
+        free |= outer_reads(node) - defined
+        defined.update(node.output)
+    return free
 
 
 # -- gradient graphs -------------------------------------------------------------------------
@@ -89,6 +130,7 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
         MissingGradientError: an operator on the path has no gradient.
     """
     wrt = list(wrt)
+    refuse_control_flow(model, wrt, [output])
     model, target = _float32_target(_isolate(model, wrt), output)
     grad = _build_gradient(model, target, wrt)
     if target != output:
@@ -101,14 +143,14 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
 def _build_gradient(model: onnx.ModelProto, target: str, wrt: list[str]) -> onnx.ModelProto:
     builder_cls = _capi().GradientGraphBuilder
     try:
-        with quiet_native_stderr(), tempfile.TemporaryDirectory() as folder:
+        with tempfile.TemporaryDirectory() as folder:
             builder = builder_cls(model.SerializeToString(), {target}, set(wrt), target)
             builder.build()
             path = os.path.join(folder, "gradient.onnx")
             builder.save(path)
             return onnx.load(path)
     except RuntimeError as exc:
-        raise explain_builder_failure(exc) from exc
+        raise explain_builder_failure(exc, OTHER_BUILDER_HINT) from exc
 
 
 def _isolate(model: onnx.ModelProto, wrt: list[str]) -> onnx.ModelProto:
@@ -177,6 +219,8 @@ def module_graphs(
     Raises:
         MissingGradientError: an operator on the path has no gradient.
     """
+    outputs = [o.name for o in model.graph.output]
+    refuse_control_flow(model, [*weights, *inputs_requiring_grad], outputs)
     model, internal = _alphabetical_weights(model, weights)
     original = {v: k for k, v in internal.items()}
     graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
@@ -217,9 +261,8 @@ def _build_module(
     config.build_gradient_graph = True
     builder = C.OrtModuleGraphBuilder()
     try:
-        with quiet_native_stderr():
-            builder.initialize(model.SerializeToString(), config)
-            builder.build(C.TrainingGraphTransformerConfiguration())
+        builder.initialize(model.SerializeToString(), config)
+        builder.build(C.TrainingGraphTransformerConfiguration())
     except RuntimeError as exc:
         raise explain_builder_failure(exc) from exc
     info = builder.get_graph_info()
