@@ -240,6 +240,33 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             yield from all_graphs(sub)
 
 
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads: its inputs, and what its subgraphs (If branches,
+    Loop and Scan bodies, at any depth) read from the graphs around them."""
+    names = {n for n in node.input if n}
+    for sub in _subgraphs(node):
+        names |= _free_names(sub)
+    return names
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    free: set[str] = set()
+    for node in graph.node:
+        free |= outer_reads(node) - defined
+        defined.update(node.output)
+    return free
+
+
+def ancestors(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
+    """Every tensor ``outputs`` depend on (themselves included), through subgraphs too."""
+    needed = set(outputs)
+    for node in reversed(graph.node):
+        if needed.intersection(node.output):
+            needed |= outer_reads(node)
+    return needed
+
+
 def fresh_name(base: str, taken: set[str]) -> str:
     """``base`` if free, else ``base_1``, ``base_2``...; the result is added to ``taken``."""
     name, i = base, 0

@@ -12,6 +12,7 @@ the rest with a message saying what to do.
 from __future__ import annotations
 
 import os
+import re
 
 import onnx
 from onnx import TensorProto
@@ -120,7 +121,36 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
         target = min_opset
     if target != opset:
         out = _convert_opset(out, opset, target)
+    else:
+        check_valid(out)
     return out
+
+
+_BAD_NODE = re.compile(r"Name: (\S*) OpType: (\S+)")
+
+
+def check_valid(model: onnx.ModelProto) -> None:
+    """Raise :class:`IncompatibleModelError` naming the node when a node of ``model`` is
+    not valid ONNX (``onnx.checker``), instead of the checker's own ``ValidationError``.
+
+    Exporters can write invalid nodes: one left in an older opset's form (an ``axes``
+    attribute where the opset takes an input), an attribute of the wrong type... What the
+    checker says of the graph around the nodes (an output declared without a shape) is
+    left to the runtime, which loads such models.
+    """
+    try:
+        onnx.checker.check_model(_checkable(model))
+    except onnx.checker.ValidationError as exc:
+        text = str(exc).strip()
+        found = _BAD_NODE.search(text)
+        if not found:
+            return
+        where = f" (node {found.group(1)!r}, {found.group(2)})"
+        raise IncompatibleModelError(
+            f"The model is not valid ONNX{where}: {text.splitlines()[0]}. An exporter can "
+            "leave a node in an older opset's form; re-export the model (another "
+            "opset_version, or the other torch.onnx.export exporter) or fix that node."
+        ) from exc
 
 
 def finalize(

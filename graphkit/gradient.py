@@ -12,8 +12,9 @@ from collections.abc import Iterable
 import onnx
 
 from graphkit import backends
+from graphkit._graph import ancestors
 from graphkit.compat import finalize
-from graphkit.errors import UnknownNameError
+from graphkit.errors import MissingGradientError, UnknownNameError
 
 
 def gradient_model(
@@ -31,6 +32,7 @@ def gradient_model(
     Raises:
         MissingGradientError: an operator on the path has no gradient in the backend;
             the message names the operator and the node.
+        MissingGradientError: ``output`` does not depend on a name of ``wrt``.
         BackendNotInstalledError: ``backend`` is not installed.
         UnknownNameError: ``output`` or a name of ``wrt`` is not in the graph.
     """
@@ -45,4 +47,42 @@ def gradient_model(
             f"Cannot differentiate with respect to {unknown}: not an input or initializer. "
             f"Candidates: {known}."
         )
+    check_reachable(model, wrt, [output])
     return finalize(backends.get(backend).gradient_graph(model, output, wrt))
+
+
+def reaching(model: onnx.ModelProto, weights: Iterable[str], outputs: Iterable[str]) -> list[str]:
+    """The names of ``weights`` that ``outputs`` depend on, in order (the default choice
+    of weights keeps those: a parameter of another output's head is not trained).
+
+    Raises:
+        ValueError: none of them does.
+    """
+    weights, outputs = list(weights), list(outputs)
+    if not set(outputs) <= {o.name for o in model.graph.output}:
+        return weights  # what builds the gradient says which output is missing
+    needed = ancestors(model.graph, outputs)
+    kept = [name for name in weights if name in needed]
+    if weights and not kept:
+        raise ValueError(
+            f"None of the model's parameters {weights} is read on the way to {outputs}: "
+            "there is nothing to train for this output. Choose another output, or name "
+            "the initializers to train with weights_to_train."
+        )
+    return kept
+
+
+def check_reachable(model: onnx.ModelProto, wrt: Iterable[str], outputs: Iterable[str]) -> None:
+    """Raise :class:`MissingGradientError` naming every name of ``wrt`` that ``outputs``
+    do not depend on: its gradient would be zero for any data (a weight of a branch the
+    loss never reads, a KNN's training set...), which is never what training wants."""
+    outputs = list(outputs)
+    needed = ancestors(model.graph, outputs)
+    unreachable = [name for name in wrt if name not in needed]
+    if unreachable:
+        reached = [name for name in wrt if name in needed]
+        raise MissingGradientError(
+            f"{', '.join(map(repr, outputs))} does not depend on {unreachable}: no path "
+            "leads from them to it, so they cannot be trained. Leave them out of "
+            f"weights_to_train (of those named, {reached or 'none'} can be trained)."
+        )

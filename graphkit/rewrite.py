@@ -222,6 +222,9 @@ def select_prediction(
     names = [o.name for o in outputs]
     if output_index is None:
         floats = [o for o in outputs if _float_tensor(_tensor_behind(model, o))]
+        tensors = [o for o in outputs if _tensor_behind(model, o).type.HasField("tensor_type")]
+        if not floats and len(tensors) == 1:
+            floats = tensors  # the only tensor: refused below for its element type
         if len(floats) != 1:
             raise ValueError(
                 f"The graph has {len(outputs)} outputs {names}: say which one the loss "
@@ -251,6 +254,14 @@ def select_prediction(
             "choose a float tensor output with output_index."
         )
     elem = tensor.type.tensor_type.elem_type
+    if elem == TensorProto.FLOAT16:
+        raise DTypeError(
+            f"Output {tensor.name!r} is float16: graphkit's losses, penalties and "
+            "optimizers are compiled for float32 and float64 (float16 optimizer state "
+            "loses small updates), so it trains float32 and float64 graphs. Convert the "
+            "model to float32 first (re-export it in float32, or "
+            "onnxconverter_common.float16.convert_float16_to_float32)."
+        )
     if elem not in FLOAT_TYPES.values():
         raise DTypeError(
             f"Output {tensor.name!r} is {TensorProto.DataType.Name(elem)}; a loss needs a "

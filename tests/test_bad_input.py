@@ -212,3 +212,108 @@ def test_empty_data(kind):
     trainer = _trainer(kind, "squared_error", onx)
     with pytest.raises(ValueError, match="X is empty"):
         trainer.fit(np.zeros((0, 3)), np.zeros(0))
+
+
+# -- models as exporters leave them ---------------------------------------------------------
+
+V = helper.make_tensor_value_info
+XY = np.ones((8, 3), np.float32), np.ones(8, np.float32)
+
+
+def _entry_points(model: onnx.ModelProto):
+    from graphkit_train import ForwardBackwardTrainer, Trainer
+
+    yield "add_loss_output", lambda: gk.add_loss_output(model)
+    yield "Trainer", lambda: Trainer(model, loss="mse", max_iter=1).fit(*XY)
+    yield "ForwardBackwardTrainer", lambda: ForwardBackwardTrainer(model, max_iter=1).fit(*XY)
+
+
+def _one_layer(nodes, elem=TensorProto.FLOAT, out="Y", init_dtype=np.float32, **outputs):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [V("X", elem, ["N", 3])],
+        [V(out, elem, ["N", 1]), *(V(n, elem, ["N", 1]) for n in outputs)],
+        [
+            numpy_helper.from_array(np.ones((3, 1), init_dtype), "W"),
+            numpy_helper.from_array(np.ones((3, 1), init_dtype), "W2"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+ENTRIES = ["add_loss_output", "Trainer", "ForwardBackwardTrainer"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_float16_model_is_refused_for_float16_first(entry):
+    """Before: "say which output with output_index" for a model with one output."""
+    model = _one_layer(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])], TensorProto.FLOAT16, "Y", np.float16
+    )
+    with pytest.raises(gk.DTypeError, match="'Y' is float16.*Convert the model to float32"):
+        dict(_entry_points(model))[entry]()
+
+
+@pytest.mark.parametrize("entry", [*ENTRIES, "run"])
+def test_an_invalid_node_from_an_exporter_is_named(entry):
+    """A node left in an older opset's form (ReduceMean's axes became an input at opset
+    18): before, onnx's raw ValidationError or onnxruntime-training's builder text."""
+    bad = helper.make_node("ReduceMean", ["Z"], ["Y"], axes=[1], keepdims=1, name="mean_old")
+    model = _one_layer([helper.make_node("MatMul", ["X", "W"], ["Z"]), bad])
+    entries = dict(_entry_points(model), run=lambda: gk.run(model, {"X": XY[0]}))
+    with pytest.raises(
+        gk.IncompatibleModelError, match=r"not valid ONNX \(node 'mean_old', ReduceMean\)"
+    ):
+        entries[entry]()
+
+
+def _two_heads() -> onnx.ModelProto:
+    """Y = X W (the head trained), Y2 = X W2 (another head)."""
+    heads = [
+        helper.make_node("MatMul", ["X", "W"], ["Y"]),
+        helper.make_node("MatMul", ["X", "W2"], ["Y2"]),
+    ]
+    return _one_layer(heads, Y2=None)
+
+
+@pytest.mark.parametrize("entry", ["gradient_model", "Trainer", "ForwardBackwardTrainer"])
+def test_weights_the_loss_cannot_reach_are_named(entry):
+    """Before: onnxruntime's "...cc:621 <lambda> [ONNXRuntimeError] ... unreachable" text."""
+    from graphkit_train import ForwardBackwardTrainer, Trainer
+
+    model = _two_heads()
+    loss = gk.add_loss_output(model, output_index="Y")
+    runs = {
+        "gradient_model": lambda: gk.gradient_model(loss, "loss", ["W", "W2"]),
+        "Trainer": lambda: Trainer(loss, ["W", "W2"], max_iter=1).fit(*XY),
+        "ForwardBackwardTrainer": lambda: ForwardBackwardTrainer(
+            model, ["W", "W2"], output_index="Y", max_iter=1
+        ).fit(*XY),
+    }
+    with pytest.raises(gk.MissingGradientError, match=r"does not depend on \['W2'\]"):
+        runs[entry]()
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+def test_by_default_another_heads_parameters_are_left_alone(kind):
+    """The default weights are the parameters the loss reads: W trains like numpy's SGD,
+    W2 (the other output's head) keeps its value."""
+    from graphkit_train import ForwardBackwardTrainer, Trainer
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(20, 3)).astype(np.float32)
+    y = (X @ np.array([1.0, 2.0, -1.0])).astype(np.float32)
+    settings = dict(max_iter=2, batch_size=5, shuffle=False, optimizer="sgd")
+    if kind == "full":
+        trainer = Trainer(gk.add_loss_output(_two_heads(), output_index="Y"), **settings)
+    else:
+        trainer = ForwardBackwardTrainer(_two_heads(), output_index="Y", **settings)
+    state = trainer.fit(X, y).get_state()
+    assert trainer.weights_to_train_ == ["W"] and "W2" not in state
+    W = np.ones((3, 1))
+    for _ in range(2):
+        for start in range(0, 20, 5):
+            xb, yb = X[start : start + 5].astype(np.float64), y[start : start + 5, None]
+            W -= 0.01 * 2 * xb.T @ (xb @ W - yb) / 5
+    np.testing.assert_allclose(state["W"], W, rtol=1e-5)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from graphkit.gradient import reaching
 from graphkit.prepare import prepare_for_training
 from graphkit.training.step import LOSS, TrainingStep, build_training_step
 from graphkit.transforms import GradientTransformation
@@ -50,8 +51,11 @@ class TrainingProblem:
         backend: str | None = None,
     ) -> TrainingProblem:
         """The problem of training ``model`` (a graph with a loss output): its weights
-        are chosen here, once (None: the model's parameters, never its constants)."""
+        are chosen here, once (None: the model's parameters that the loss depends on,
+        never its constants)."""
         prepared, weights = prepare_for_training(model, weights_to_train, backend)
+        if weights_to_train is None:  # the parameters of another output's head stay put
+            weights = reaching(prepared, weights, [loss_output_name])
         return cls(prepared, weights, optimizer, loss_output_name, sample_weight_name, backend)
 
     def step(self, pack: bool = True) -> TrainingStep:

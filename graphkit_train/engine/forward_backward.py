@@ -31,6 +31,7 @@ from graphkit.backends import ort_engine as engine
 from graphkit.backends.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
 from graphkit.static_shapes import specialize
@@ -128,6 +129,8 @@ class OrtGradientForwardBackward:
         self.inputs_requiring_grad = frozenset(inputs_requiring_grad)
         self._check_requiring(self.inputs_requiring_grad)
         self._model = self._prepare(model)
+        if weights_to_train is None:  # the parameters of another output's head stay put
+            self.weight_names = reaching(self._model, self.weight_names, self.output_names)
         self._input_values = {i.name: i for i in model.graph.input}
         self._variants: dict[tuple[frozenset[str], int | None], _Variant] = {}
         self._pending: list[PendingForward] = []
@@ -169,6 +172,7 @@ class OrtGradientForwardBackward:
                 gradient, base.forward_model, None, base.grad_of, base.n_outputs
             )
         inputs = [n for n in self.input_names if n in requiring]
+        check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
         graphs = self.backend.forward_backward_graphs(self._model, self.weight_names, inputs)
         gradient, forward = self.backend.prepare_gradient(graphs.gradient), graphs.forward
         grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}

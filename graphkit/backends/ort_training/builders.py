@@ -25,7 +25,7 @@ from typing import Any
 
 import onnx
 
-from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names, rename_tensors
+from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads, rename_tensors
 from graphkit.backends.ort_engine import onnxruntime, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
 from graphkit.errors import MissingGradientError
@@ -99,24 +99,6 @@ def refuse_control_flow(
                 "the model with the branch taken, e.g. torch.jit.trace), or name other "
                 "weights_to_train."
             )
-
-
-def outer_reads(node: onnx.NodeProto) -> set[str]:
-    """The tensors ``node`` reads: its inputs, and what its subgraphs (If branches,
-    Loop and Scan bodies, at any depth) read from the graphs around them."""
-    names = {n for n in node.input if n}
-    for sub in _subgraphs(node):
-        names |= _free_names(sub)
-    return names
-
-
-def _free_names(graph: onnx.GraphProto) -> set[str]:
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    free: set[str] = set()
-    for node in graph.node:
-        free |= outer_reads(node) - defined
-        defined.update(node.output)
-    return free
 
 
 # -- gradient graphs -------------------------------------------------------------------------
