@@ -317,3 +317,50 @@ def test_by_default_another_heads_parameters_are_left_alone(kind):
             xb, yb = X[start : start + 5].astype(np.float64), y[start : start + 5, None]
             W -= 0.01 * 2 * xb.T @ (xb @ W - yb) / 5
     np.testing.assert_allclose(state["W"], W, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["full", "forward_backward"])
+def test_a_conv_transpose_trains_on_the_cpu_like_torch(kind):
+    """onnxruntime-training 1.19.2 has no CPU kernel for ConvTransposeGrad (before: an
+    error telling a float32 model to "train in float32"); CPU sessions run its standard
+    lowering, and the weights follow torch's SGD on the same layer."""
+    torch = pytest.importorskip("torch")
+    from graphkit_train import ForwardBackwardTrainer, Trainer
+
+    rng = np.random.default_rng(0)
+    W = rng.normal(size=(2, 1, 2, 2)).astype(np.float32)
+    X = rng.normal(size=(16, 2, 3, 3)).astype(np.float32)
+    y = rng.normal(size=(16, 16)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("ConvTranspose", ["X", "W", "B"], ["Z"], name="up"),
+            helper.make_node("Flatten", ["Z"], ["Y"], axis=1),
+        ],
+        "decoder",
+        [V("X", TensorProto.FLOAT, ["N", 2, 3, 3])],
+        [V("Y", TensorProto.FLOAT, ["N", 16])],
+        [numpy_helper.from_array(W, "W"), numpy_helper.from_array(np.zeros(1, np.float32), "B")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    settings = dict(max_iter=2, batch_size=8, shuffle=False, optimizer="sgd")
+    if kind == "full":
+        trainer = Trainer(model, loss="mse", **settings)
+    else:
+        trainer = ForwardBackwardTrainer(model, **settings)
+    state = trainer.fit(X, y).get_state()
+
+    layer = torch.nn.ConvTranspose2d(2, 1, 2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(W))
+        layer.bias.zero_()
+    sgd = torch.optim.SGD(layer.parameters(), lr=0.01)
+    for _ in range(2):
+        for start in range(0, 16, 8):
+            sgd.zero_grad()
+            out = layer(torch.from_numpy(X[start : start + 8])).flatten(1)
+            # graphkit's squared error: the mean over rows of the sum over columns
+            loss = ((out - torch.from_numpy(y[start : start + 8])) ** 2).sum(1).mean()
+            loss.backward()
+            sgd.step()
+    np.testing.assert_allclose(state["W"], layer.weight.detach().numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(state["B"], layer.bias.detach().numpy(), rtol=1e-4, atol=1e-6)

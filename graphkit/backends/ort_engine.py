@@ -138,15 +138,24 @@ def inference_session(
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))
         if missing:
-            raise IncompatibleModelError(
+            raise MissingKernelError(
                 f"onnxruntime {version()} has no kernel for operator {missing.group(1)!r} "
-                f"(node {missing.group(2)!r}) with these element types. Several gradient "
-                "operators (LogSoftmaxGrad, SoftmaxGrad...) exist for float32 only: train in "
-                "float32, or avoid this operator."
+                f"(node {missing.group(2)!r}) with these element types on "
+                f"{providers[0]}.",
+                missing.group(1),
             ) from exc
         raise IncompatibleModelError(
             f"onnxruntime {version()} cannot load this model: {short_message(exc)}"
         ) from exc
+
+
+class MissingKernelError(IncompatibleModelError):
+    """The runtime has no kernel for an operator of the model (``op_type``), in its
+    element types on that device."""
+
+    def __init__(self, message: str, op_type: str) -> None:
+        super().__init__(message)
+        self.op_type = op_type
 
 
 class Runner:

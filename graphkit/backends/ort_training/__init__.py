@@ -91,7 +91,16 @@ class OrtTrainingBackend:
         whose CPU kernels are slow lowered (:func:`.lowering.lower_slow_cpu_ops`)."""
         if isinstance(model, onnx.ModelProto) and tuple(providers) == ort_engine.CPU:
             model = lowering.lower_slow_cpu_ops(model)
-        return ort_engine.inference_session(model, providers, threads)
+        try:
+            return ort_engine.inference_session(model, providers, threads)
+        except ort_engine.MissingKernelError as exc:
+            if exc.op_type not in lowering.FLOAT32_ONLY:
+                raise
+            raise ort_engine.MissingKernelError(
+                f"{exc} onnxruntime-training implements {exc.op_type} for float32 only: "
+                "train in float32, or avoid the operator it is the gradient of.",
+                exc.op_type,
+            ) from exc
 
     # -- the TrainingAgent ----------------------------------------------------------------
 

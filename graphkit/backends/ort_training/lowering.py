@@ -808,6 +808,10 @@ LeakyReluGrad 163 -> 45, GeluGrad 238 -> 139, FastGeluGrad 1171 -> 151,
 LogSoftmaxGrad_13 163 -> 34 (SigmoidGrad, TanhGrad and SoftmaxGrad_13 kernels are the
 faster). The lowerings of the last three differ from the kernels by an ulp or so."""
 
+NO_CPU_KERNEL = frozenset({"ConvTransposeGrad"})
+"""Gradient operators onnxruntime-training 1.19.2 emits but has no CPU kernel for, in
+any element type: CPU sessions always run their lowering."""
+
 SLOW_FROM = 4096
 """Elements from which a SLOW_ON_CPU kernel is slower than its lowering: below, the one
 kernel call beats three (ReluGrad on 1000 elements: 3.1 us against 4.7; on 10,000: 11.6
@@ -867,26 +871,72 @@ def _is_slow_on_cpu(node: onnx.NodeProto) -> bool:
     return node.domain == RUNTIME_DOMAIN and node.op_type in SLOW_ON_CPU
 
 
-def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with the operators of :data:`SLOW_ON_CPU` lowered, in every subgraph
-    (a copy; ``model`` itself when there is nothing to lower). For a session on the CPU.
+def _has_no_cpu_kernel(node: onnx.NodeProto) -> bool:
+    return node.domain == RUNTIME_DOMAIN and node.op_type in NO_CPU_KERNEL
 
-    Float64 graphs are left as they are (their float32-only operators are lowered when
-    they are built, and FastGeluGrad's float64 kernel is the faster), and so are graphs
-    below opset 15 (the lowering casts its constants with CastLike).
+
+def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` for a session on the CPU: the operators of :data:`NO_CPU_KERNEL` lowered
+    always, those of :data:`SLOW_ON_CPU` where they are slow, in every subgraph (a copy;
+    ``model`` itself when there is nothing to lower).
+
+    Slow kernels of float64 graphs are kept (their float32-only operators are lowered
+    when they are built, and FastGeluGrad's float64 kernel is the faster), and so are
+    those of graphs below opset 15 (the lowering casts its constants with CastLike).
     """
-    if (opset_of(model) or 0) < 15:
-        return model
-    if reads_float64(model):
-        return model
-    if not any(_is_slow_on_cpu(n) for g in all_graphs(model.graph) for n in g.node):
+    nodes = [n for g in all_graphs(model.graph) for n in g.node]
+    missing = any(_has_no_cpu_kernel(n) for n in nodes)
+    slow = (
+        (opset_of(model) or 0) >= 15
+        and not reads_float64(model)
+        and any(_is_slow_on_cpu(n) for n in nodes)
+    )
+    if not (missing or slow):
         return model
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
+    ranks = _ranks(_inferred(lowered)) if missing else {}
     # innermost first: rewriting a graph copies its nodes, subgraphs included
     for graph in reversed(list(all_graphs(lowered.graph))):
-        _rewrite_graph(graph, _slow_here(graph))
+        _state_spatial_rank(graph, ranks)
+        slow_here = _slow_here(graph) if slow else (lambda node: False)
+        _rewrite_graph(graph, lambda node, s=slow_here: _has_no_cpu_kernel(node) or s(node))
     return lowered
+
+
+def _inferred(model: onnx.ModelProto) -> onnx.GraphProto:
+    """``model``'s graph with the shapes onnx infers (operators it does not know, such as
+    the gradient operators, are skipped); ``model``'s own graph if inference fails."""
+    try:
+        return onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # inference is a help here, never a requirement
+        return model.graph
+
+
+def _ranks(graph: onnx.GraphProto) -> dict[str, int]:
+    """The rank of every tensor whose rank ``graph`` or one of its subgraphs states (a
+    Scan body reads the weights of the graph around it)."""
+    ranks = {}
+    for sub in all_graphs(graph):
+        ranks.update({t.name: len(t.dims) for t in sub.initializer})
+        for value in (*sub.input, *sub.value_info, *sub.output):
+            dims = static_shape(value)
+            if dims is not None:
+                ranks[value.name] = len(dims)
+    return ranks
+
+
+def _state_spatial_rank(graph: onnx.GraphProto, ranks: dict[str, int]) -> None:
+    """Give each :data:`NO_CPU_KERNEL` node written with default attributes its
+    ``strides`` (ones), read from its weight's rank, so that its lowering knows how many
+    spatial axes it has."""
+    for node in graph.node:
+        if not _has_no_cpu_kernel(node) or len(node.input) < 3:
+            continue
+        given = {a.name for a in node.attribute}
+        rank = ranks.get(node.input[2])
+        if rank and rank > 2 and not given & {"strides", "pads", "dilations", "kernel_shape"}:
+            node.attribute.append(helper.make_attribute("strides", [1] * (rank - 2)))
 
 
 def _slow_here(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
