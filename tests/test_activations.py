@@ -124,11 +124,15 @@ def test_the_table_is_the_issue():
 @pytest.mark.parametrize("op_type", OPS)
 def test_builders_refuse_the_originals_and_differentiate_the_rewrites(op_type):
     """Both builders: GradientGraphBuilder (gradient_model) and OrtModuleGraphBuilder
-    (forward/backward training, which applies the rewrites itself)."""
+    (forward/backward training); the backend applies the rewrites itself, the raw
+    builder refuses the original operator."""
+    from graphkit.backends.ort_training import builders
+
     w = np.eye(3, dtype=np.float32)
     model = make_model(op_type, np.float32, {}, ["N", 3], np.float32(0.25), matmul=w)
     with pytest.raises(gk.MissingGradientError, match=f"'{op_type}'"):
-        gk.gradient_model(model, "Y_sum", ["W"])
+        builders.gradient_graph(model, "Y_sum", ["W"])
+    assert "W_grad" in [o.name for o in gk.gradient_model(model, "Y_sum", ["W"]).graph.output]
     grad = gk.gradient_model(rewritten(model), "Y_sum", ["W"])
     assert "W_grad" in [o.name for o in grad.graph.output]
     prediction = make_model(op_type, np.float32, {}, ["N", 3], 0.25, matmul=w, summed=False)

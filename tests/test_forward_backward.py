@@ -500,7 +500,7 @@ def test_op_without_gradient_in_forward_backward(rng):
     from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Softplus", ["h"], ["Y"])],
+        [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Cosh", ["h"], ["Y"])],
         "g",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
@@ -508,7 +508,7 @@ def test_op_without_gradient_in_forward_backward(rng):
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     fb = OrtGradientForwardBackward(model)
-    with pytest.raises(gk.MissingGradientError, match="'Softplus'"):
+    with pytest.raises(gk.MissingGradientError, match="'Cosh'"):
         fb.forward([np.zeros((3, 2), np.float32)])
 
 

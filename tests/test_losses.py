@@ -358,10 +358,24 @@ def softplus_loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
     return op.ReduceSum(op.Softplus(prediction - label), keepdims=0)
 
 
+@script()
+def cosh_loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
+    return op.ReduceSum(op.Cosh(prediction - label), keepdims=0)
+
+
 def test_op_without_gradient_is_named(rng):
-    loss = losses.custom_loss(softplus_loss)
-    with pytest.raises(MissingGradientError, match="'Softplus'"):
+    loss = losses.custom_loss(cosh_loss)
+    with pytest.raises(MissingGradientError, match="'Cosh'"):
         loss.value_and_grad(rng.normal(size=(3, 1)), rng.normal(size=(3, 1)))
+
+
+def test_a_custom_loss_with_softplus_gets_its_gradient(rng):
+    """The builder has no Softplus gradient; the backend's rewrite gives it one:
+    d/dp sum softplus(p - y) = sigmoid(p - y)."""
+    p, y = rng.normal(size=(5, 1)), rng.normal(size=(5, 1))
+    value, grad = losses.custom_loss(softplus_loss).value_and_grad(p, y)
+    np.testing.assert_allclose(value, np.logaddexp(0, p - y).sum(), rtol=1e-12)
+    np.testing.assert_allclose(grad, 1 / (1 + np.exp(-(p - y))), rtol=1e-12)
 
 
 def test_custom_loss_must_be_onnxscript():

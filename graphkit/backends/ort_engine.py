@@ -138,10 +138,20 @@ def inference_session(
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))
         if missing:
+            float64 = isinstance(model, onnx.ModelProto) and any(
+                i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in model.graph.input
+            )
+            advice = (
+                " The model is float64, and several of onnxruntime's kernels exist for "
+                "float32 only (Erf, Cos, some gradients): train in float32, or avoid this "
+                "operator."
+                if float64
+                else ""
+            )
             raise MissingKernelError(
                 f"onnxruntime {version()} has no kernel for operator {missing.group(1)!r} "
                 f"(node {missing.group(2)!r}) with these element types on "
-                f"{providers[0]}.",
+                f"{providers[0]}.{advice}",
                 missing.group(1),
             ) from exc
         raise IncompatibleModelError(

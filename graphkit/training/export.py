@@ -221,7 +221,7 @@ def export_training_epoch(
 
 def _finish(model: onnx.ModelProto, path: str | os.PathLike[str] | None) -> onnx.ModelProto:
     """Check ``model``, save it to ``path`` when given, and return it."""
-    finalize(model)
+    finalize(model, full_check=True)
     if path is not None:
         onnx.save(model, os.fspath(path))
     return model

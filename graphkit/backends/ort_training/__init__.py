@@ -10,7 +10,8 @@ Everything graphkit knows about onnxruntime-training lives in this package:
 * :mod:`.agent_step`: the loss and the update spliced around the agent's ``YieldOp``
   (a forward/backward batch in two calls);
 * :mod:`.rewrites`: forward operators its builders cannot differentiate as they are
-  (LayerNorm's optional outputs, inference BatchNorm, AveragePool), rewritten;
+  (LayerNorm's optional outputs, inference BatchNorm, AveragePool, and the activations
+  Elu, Selu, PRelu, HardSigmoid, HardSwish, Softplus, Mish), rewritten;
 * :mod:`.folding`: its ``BroadcastGradientArgs`` folded once shapes are static;
 * :mod:`.lowering`: its ``com.microsoft`` gradient operators in standard ONNX, for the
   exports (all of them) and for CPU sessions (those whose kernels are slow).
@@ -59,7 +60,9 @@ class OrtTrainingBackend:
     def gradient_graph(
         self, model: onnx.ModelProto, output: str, wrt: Sequence[str]
     ) -> onnx.ModelProto:
-        return builders.gradient_graph(model, output, wrt)
+        # the rewrites first, so that a custom loss using Softplus has its gradient too
+        # (on a prepared model they find nothing left to rewrite)
+        return builders.gradient_graph(rewrites.prepare(model), output, wrt)
 
     def forward_backward_graphs(
         self, model: onnx.ModelProto, weights: Sequence[str], inputs: Sequence[str]
@@ -91,16 +94,7 @@ class OrtTrainingBackend:
         whose CPU kernels are slow lowered (:func:`.lowering.lower_slow_cpu_ops`)."""
         if isinstance(model, onnx.ModelProto) and tuple(providers) == ort_engine.CPU:
             model = lowering.lower_slow_cpu_ops(model)
-        try:
-            return ort_engine.inference_session(model, providers, threads)
-        except ort_engine.MissingKernelError as exc:
-            if exc.op_type not in lowering.FLOAT32_ONLY:
-                raise
-            raise ort_engine.MissingKernelError(
-                f"{exc} onnxruntime-training implements {exc.op_type} for float32 only: "
-                "train in float32, or avoid the operator it is the gradient of.",
-                exc.op_type,
-            ) from exc
+        return ort_engine.inference_session(model, providers, threads)
 
     # -- the TrainingAgent ----------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradie
         return MissingGradientError(
             f"{NAME} has no gradient for operator {op_type!r} "
             f"(node {node!r}). Rewrite that part with differentiable operators "
-            "(e.g. Softplus(x) as Log(1 + Exp(x)), Atan with a series or a lookup) or "
+            "(e.g. Cosh(x) as (Exp(x) + Exp(-x)) / 2, Atan with a series or a lookup) or "
             "keep it off the path between the weights and the loss." + hint
         )
     return MissingGradientError(

@@ -59,16 +59,28 @@ def _int(name: str, value: int) -> onnx.NodeProto:
 
 
 def fused_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
-    """FusedMatMul(A, B) = alpha op(A) @ op(B), op a transpose of the last two axes"""
+    """FusedMatMul(A, B) = alpha op(A) @ op(B), op a transpose of the last two axes
+
+    A MatMul (which broadcasts the batch axes as FusedMatMul does) of the operands, each
+    transposed by a one-operand Einsum ``...ij->...ji`` when asked (their rank is not
+    known here). One two-operand Einsum would do it all, but onnx's shape inference
+    wants the ellipses of its operands to stand for as many axes, which a rank-3
+    activation times a 2-D weight breaks: the export would fail ``onnx.checker``.
+    """
     attrs = _attrs(node)
     if attrs.get("transBatchA") or attrs.get("transBatchB"):
         return None
-    a = "...ji" if attrs.get("transA") else "...ij"
-    b = "...kj" if attrs.get("transB") else "...jk"
     alpha = float(attrs.get("alpha", 1.0))  # type: ignore[arg-type]
     out, base = node.output[0], _base(node)
     product = out if alpha == 1.0 else f"{base}/product"
-    nodes = [make("Einsum", list(node.input), [product], equation=f"{a},{b}->...ik")]
+    operands, nodes = [], []
+    for name, flag, role in ((node.input[0], "transA", "a"), (node.input[1], "transB", "b")):
+        if attrs.get(flag):
+            transposed = f"{base}/{role}_t"
+            nodes.append(make("Einsum", [name], [transposed], equation="...ij->...ji"))
+            name = transposed
+        operands.append(name)
+    nodes.append(make("MatMul", operands, [product]))
     if alpha != 1.0:
         nodes += _constant_like(f"{base}/alpha", alpha, product)
         nodes.append(make("Mul", [product, f"{base}/alpha"], [out]))
