@@ -37,8 +37,7 @@ from run import (
     workloads,
 )
 
-import graphkit as gk
-from graphkit.backends.ort_engine import inference_session
+from graphkit.backends.ort_engine import inference_session, onnxruntime
 from graphkit.optimizers import update_model
 from graphkit_train import OrtGradientForwardBackwardOptimizer
 
@@ -63,7 +62,7 @@ class SeedDesign:
 
     def epoch(self, X: np.ndarray, y: np.ndarray) -> float:
         """One epoch; the mean batch loss."""
-        ort = gk._ort.onnxruntime()
+        ort = onnxruntime()
         losses = []
         for start in range(0, len(X), self.batch_size):
             stop = start + self.batch_size
