@@ -192,4 +192,52 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
     return model
 
 
-__all__ = ["PARAMETER_SLOTS", "explain", "parameter_names", "untie_constants"]
+def untie_shared_parameters(
+    onx: onnx.ModelProto, trained: Iterable[str]
+) -> tuple[onnx.ModelProto, list[str]]:
+    """``(copy, trained weights)`` where a trained initializer read by several parameter
+    slots gives each reader after the first a copy of its own, ``<name>.1``,
+    ``<name>.2``... (listed right after it).
+
+    torch's TorchScript exporter merges initializers of equal value: a fresh network's
+    two LayerNorm weights (ones) or several zero biases become one tensor, which
+    training would then keep tied where torch trains them apart. Untying is what the
+    trainers do by default; weights tied on purpose (an embedding shared with the output
+    layer) keep training together with ``untie_shared_weights=False``.
+    """
+    uses = _Uses(onx.graph)
+    model = onnx.ModelProto()
+    model.CopyFrom(onx)
+    taken = graph_names(model.graph)
+    values = {i.name: i for i in model.graph.initializer}
+    weights: list[str] = []
+    for name in trained:
+        weights.append(name)
+        slots = [
+            (node, position)
+            for node, position in uses.readers.get(name, [])
+            if id(node) in uses.index  # the main graph's readers
+            and any(role == "parameter" for role, _, _ in uses.edge_roles(node, position))
+        ]
+        if name not in values or len(slots) < 2:
+            continue
+        # the name stays with a slot that reads it directly; readers through an alias
+        # (TorchScript writes the merged tensor as "4.weight = Identity(1.weight)") copy
+        slots.sort(key=lambda slot: slot[0].op_type in LAYOUT_OPS)
+        for k, (node, position) in enumerate(slots[1:], start=1):
+            copy = fresh_name(f"{name}.{k}", taken)
+            model.graph.initializer.append(
+                numpy_helper.from_array(numpy_helper.to_array(values[name]), copy)
+            )
+            model.graph.node[uses.index[id(node)]].input[position] = copy
+            weights.append(copy)
+    return model, weights
+
+
+__all__ = [
+    "PARAMETER_SLOTS",
+    "explain",
+    "parameter_names",
+    "untie_constants",
+    "untie_shared_parameters",
+]

@@ -22,7 +22,7 @@ from graphkit import backends
 from graphkit.compat import make_compatible
 from graphkit.errors import MissingGradientError
 from graphkit.ml_ops import linear_models_as_standard_ops
-from graphkit.parameters import explain, untie_constants
+from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
 
 
@@ -30,15 +30,21 @@ def prepare_for_training(
     model: onnx.ModelProto,
     weights_to_train: Sequence[str] | str | None,
     backend: str | None = None,
+    untie_shared_weights: bool = True,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(rewritten model, weights to train)`` for a user's prediction or training graph.
 
     The weights are decided on the model as given (see :mod:`graphkit.parameters`), then
     the rewrites above are applied, the last ones by ``backend`` (None: the default).
+    With ``untie_shared_weights``, a weight read by several parameter slots (an
+    exporter's merge of equal initializers) becomes one weight per slot
+    (:func:`graphkit.parameters.untie_shared_parameters`).
     """
     model = linear_models_as_standard_ops(make_compatible(model))
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)
+    if untie_shared_weights:
+        model, weights = untie_shared_parameters(model, weights)
     return backends.get(backend).prepare(model), weights
 
 

@@ -60,6 +60,8 @@ class OnnxModule(torch.nn.Module):
         device: ``"cpu"`` or ``"cuda[:N]"`` (a CUDA build of onnxruntime).
         output_names: the outputs returned (None: the float outputs).
         backend: the gradient source (:func:`graphkit.backends.get`; None: the default).
+        untie_shared_weights: one parameter per slot reading a shared initializer (see
+            :func:`graphkit.parameters.untie_shared_parameters`).
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
@@ -73,10 +75,16 @@ class OnnxModule(torch.nn.Module):
         device: str = "cpu",
         output_names: Sequence[str] | None = None,
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         super().__init__()
         self.forward_backward = OrtGradientForwardBackward(
-            onnx_model, weights_to_train, output_names=output_names, device=device, backend=backend
+            onnx_model,
+            weights_to_train,
+            output_names=output_names,
+            device=device,
+            backend=backend,
+            untie_shared_weights=untie_shared_weights,
         )
         fb = self.forward_backward
         self._torch_device = torch.device(device)

@@ -113,7 +113,11 @@ def export_training_info(
             prediction graph, or the lowering does not know an operator.
     """
     step, algorithm, resident = _portable_step(trainer)
-    inference = trainer.get_trained_onnx() if trainer._fitted else trainer._prediction_model()
+    inference = (
+        trainer.get_trained_onnx()
+        if trainer._fitted
+        else trainer._untied(trainer._prediction_model())
+    )
     main = inference.graph
     weights = {t.name for t in main.initializer}
     missing = [w for w in step.weights if w in resident and w not in weights]

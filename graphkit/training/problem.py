@@ -49,11 +49,14 @@ class TrainingProblem:
         loss_output_name: str = LOSS,
         sample_weight_name: str | None = "weight",
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> TrainingProblem:
         """The problem of training ``model`` (a graph with a loss output): its weights
         are chosen here, once (None: the model's parameters that the loss depends on,
         never its constants)."""
-        prepared, weights = prepare_for_training(model, weights_to_train, backend)
+        prepared, weights = prepare_for_training(
+            model, weights_to_train, backend, untie_shared_weights
+        )
         if weights_to_train is None:  # the parameters of another output's head stay put
             weights = reaching(prepared, weights, [loss_output_name])
         return cls(prepared, weights, optimizer, loss_output_name, sample_weight_name, backend)

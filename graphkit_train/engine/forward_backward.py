@@ -80,6 +80,8 @@ class OrtGradientForwardBackward:
         threads: the sessions' thread settings (:class:`graphkit.backends.ort_engine.Threads`).
         backend: the gradient source and its runner (:func:`graphkit.backends.get`;
             None: the default).
+        untie_shared_weights: give each parameter slot reading a shared initializer a
+            weight of its own (see :func:`graphkit.parameters.untie_shared_parameters`).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
@@ -99,10 +101,11 @@ class OrtGradientForwardBackward:
         inputs_requiring_grad: Iterable[str] = (),
         threads: Threads | None = None,
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         self.backend = backends.get(backend)
         model, self.weight_names = prepare_for_training(
-            load_model(onnx_model), weights_to_train, self.backend.name
+            load_model(onnx_model), weights_to_train, self.backend.name, untie_shared_weights
         )
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]

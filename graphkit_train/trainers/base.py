@@ -23,7 +23,7 @@ import onnx
 from graphkit.compat import load_model
 from graphkit.errors import ConvergenceError
 from graphkit.losses import Loss, check_class_labels
-from graphkit.parameters import untie_constants
+from graphkit.parameters import untie_constants, untie_shared_parameters
 from graphkit.rewrite import set_weights
 from graphkit.training.batches import epoch_batches
 from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
@@ -411,9 +411,19 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             weights = ema_weights(state)
         else:
             weights = {n: v for n, v in state.items() if n in self.update_step_.weights}
-        target = self._prediction_model() if model is None else load_model(model)
+        target = self._untied(self._prediction_model() if model is None else load_model(model))
         # a constant the exporter merged with a weight must keep its value
         return set_weights(untie_constants(target, weights), weights)
+
+    def _untied(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """``model`` with the copies of shared weights that training made (see
+        ``untie_shared_weights``), so that every trained weight is one of its
+        initializers."""
+        if not getattr(self, "untie_shared_weights", False):
+            return model
+        present = {i.name for i in model.graph.initializer}
+        trained = [w for w in self.update_step_.weights if w in present]
+        return untie_shared_parameters(model, trained)[0]
 
     def save_onnx_graph(self, export: str | os.PathLike[str] | type[bytes]) -> dict[str, Any]:
         """Export every graph the trainer uses.

@@ -114,6 +114,10 @@ class Trainer(BaseTrainer):
         backend: where gradients come from and what runs them, a name registered in
             :mod:`graphkit.backends` (None: the first installed, ``"ort_training"``
             today).
+        untie_shared_weights: an initializer read by several parameter slots becomes
+            one weight per slot, ``<name>``, ``<name>.1``... (torch's TorchScript
+            exporter merges equal initializers, such as two fresh LayerNorms' weights,
+            which torch trains apart). False keeps them tied (weights tied on purpose).
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -155,6 +159,7 @@ class Trainer(BaseTrainer):
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -210,6 +215,7 @@ class Trainer(BaseTrainer):
             self.loss_output_name,
             self.sample_weight_name,
             self._backend.name,
+            self.untie_shared_weights,
         )
         self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
         self.training_step_: TrainingStep = problem.step()
@@ -602,6 +608,7 @@ class OrtGradientOptimizer(Trainer):
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -96,6 +96,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             backward, loss, update).
         backend: as in :class:`~graphkit_train.Trainer`: the gradient source and the
             forward/backward runner.
+        untie_shared_weights: as in :class:`~graphkit_train.Trainer`.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``loss_`` (the loss resolved for the prediction's shape; ``learning_loss_`` as
@@ -132,6 +133,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -178,6 +180,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             device=self.device,
             threads=self._threads,
             backend=self._backend.name,
+            untie_shared_weights=self.untie_shared_weights,
         )
         if len(fb.input_names) != 1:
             raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
@@ -492,6 +495,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         intra_op_num_threads: int | None = None,
         execution_mode: str = "sequential",
         backend: str | None = None,
+        untie_shared_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

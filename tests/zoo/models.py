@@ -398,7 +398,7 @@ CASES: list[Case] = [
         "TransformerEncoderLayer",
         "transformer",
         "cross_entropy",
-        threshold=0.6,
+        threshold=0.5,
         optimizer="momentum",
         lr=0.1,
     ),
