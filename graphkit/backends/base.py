@@ -5,9 +5,10 @@ A **gradient source** turns a prediction graph with a loss into gradient graphs:
 * :meth:`GradientSource.prepare`: the rewrites it needs before differentiating;
 * :meth:`GradientSource.gradient_graph`: the gradient of one output with respect to
   weights and inputs, as one graph (full training, :func:`graphkit.gradient_model`);
-* :meth:`GradientSource.forward_backward`: a forward graph and a backward graph (the
-  ONNX graph as one layer of a larger model), with how the backward is run
-  (:class:`ForwardBackward`);
+* :meth:`GradientSource.forward_backward_graphs`: a forward graph and a gradient graph
+  (the ONNX graph as one layer of a larger model, :class:`ForwardBackwardGraphs`); the
+  ``ort_training`` backend runs them with onnxruntime-training's TrainingAgent
+  (``training_agent``, ``run_forward``, ``run_backward``, ``train_batch``);
 * :meth:`GradientSource.to_standard`: its graphs in standard ONNX (``ai.onnx`` only),
   for the exports that run anywhere.
 
@@ -31,30 +32,20 @@ import onnx
 
 @dataclass
 class ForwardBackwardGraphs:
-    """A forward graph and the gradient graph that continues it.
+    """A forward graph and the gradient graph that continues it, in the model's names.
 
-    ``grad_of`` maps each gradient output of ``gradient`` to the weight (by its name in
-    the user's model) or graph input it is the gradient of.
+    The gradient graph's outputs are the gradients named in
+    ``user_input_grad_names`` (graph input -> its gradient) and
+    ``initializer_grad_names_to_train`` (in the order of
+    ``initializer_names_to_train``, the weights).
     """
 
     forward: onnx.ModelProto
     gradient: onnx.ModelProto
-    output_names: list[str]
-    grad_of: dict[str, str]
-
-
-@runtime_checkable
-class ForwardBackward(Protocol):
-    """A forward and its backward, run as two calls sharing the forward's saved values.
-
-    ``forward`` returns the outputs and an opaque context holding what the backward
-    needs; ``backward`` takes the context and the gradients of the outputs and returns
-    the gradients of the weights and of the inputs that require them.
-    """
-
-    def forward(self, feeds: Sequence[Any]) -> tuple[list[Any], Any]: ...
-
-    def backward(self, grad_outputs: Sequence[Any], context: Any) -> list[Any]: ...
+    user_output_names: list[str]
+    user_input_grad_names: dict[str, str]
+    initializer_names_to_train: list[str]
+    initializer_grad_names_to_train: list[str]
 
 
 @runtime_checkable

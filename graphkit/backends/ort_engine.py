@@ -293,9 +293,3 @@ def input_binder(binding: Any) -> Any:
     elements' ``_ortvalue``) to an input of an ``IOBinding``, without the Python
     wrapper's checks (the hot loops bind every batch)."""
     return binding._iobinding.bind_ortvalue_input
-
-
-def bind_output_values(binding: Any, names: Any, values: Any) -> None:
-    """Bind preallocated Python OrtValues as the outputs ``names`` of ``binding``."""
-    for name, value in zip(names, values):
-        binding.bind_ortvalue_output(name, value)

@@ -20,12 +20,12 @@ import os
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import onnx
 
 from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads, rename_tensors
+from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.ort_engine import onnxruntime, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
 from graphkit.errors import MissingGradientError
@@ -179,17 +179,8 @@ def _float32_target(model: onnx.ModelProto, output: str) -> tuple[onnx.ModelProt
     return copy, target
 
 
-@dataclass
-class ModuleGraphs:
-    """What ``OrtModuleGraphBuilder`` returns for one set of inputs needing gradients."""
-
-    forward: onnx.ModelProto
-    gradient: onnx.ModelProto
-    user_output_names: list[str]
-    user_input_grad_names: dict[str, str]
-    """input name -> the name of its gradient"""
-    initializer_names_to_train: list[str]
-    initializer_grad_names_to_train: list[str]
+ModuleGraphs = ForwardBackwardGraphs
+"""What ``OrtModuleGraphBuilder`` returns for one set of inputs needing gradients."""
 
 
 def module_graphs(
