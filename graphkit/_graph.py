@@ -258,6 +258,15 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
     return free
 
 
+def descendants(graph: onnx.GraphProto, names: Iterable[str]) -> set[str]:
+    """Every tensor that depends on ``names`` (themselves included), through subgraphs."""
+    reached = set(names)
+    for node in graph.node:
+        if outer_reads(node) & reached:
+            reached.update(node.output)
+    return reached
+
+
 def ancestors(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
     """Every tensor ``outputs`` depend on (themselves included), through subgraphs too."""
     needed = set(outputs)

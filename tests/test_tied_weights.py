@@ -8,12 +8,10 @@ torch; ``untie_shared_weights=False`` keeps weights tied on purpose.
 
 from __future__ import annotations
 
-import io
-import warnings
-
 import numpy as np
 import onnx
 import pytest
+from zoo.models import torch_export
 
 import graphkit as gk
 
@@ -33,20 +31,7 @@ def _network():
 
 
 def _torchscript_export(net) -> onnx.ModelProto:
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            net.eval(),
-            (torch.randn(2, 4),),
-            buffer,
-            input_names=["X"],
-            output_names=["Y"],
-            dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
-            opset_version=18,
-            dynamo=False,
-        )
-    return onnx.load_from_string(buffer.getvalue())
+    return torch_export(net, np.zeros((2, 4), np.float32), dynamo=False)
 
 
 def _torch_sgd(net, X, y, epochs, batch_size, lr):

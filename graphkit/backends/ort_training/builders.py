@@ -24,7 +24,15 @@ from typing import Any
 
 import onnx
 
-from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads, rename_tensors
+from graphkit._graph import (
+    ancestors,
+    copy_model,
+    descendants,
+    fresh_name,
+    graph_names,
+    outer_reads,
+    rename_tensors,
+)
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.ort_engine import onnxruntime, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
@@ -78,19 +86,18 @@ def refuse_control_flow(
     ``wrt`` and ``outputs`` (what its subgraphs read from the outer graph counts as its
     input), before a builder sees it.
     """
-    nodes = list(model.graph.node)
-    reads = [outer_reads(node) for node in nodes]
-    reached = set(wrt)  # tensors that depend on a differentiated tensor
-    for node, names in zip(nodes, reads):
-        if names & reached:
-            reached.update(node.output)
-    needed = set(outputs)  # tensors the outputs depend on
-    for node, names in zip(reversed(nodes), reversed(reads)):
-        if needed.intersection(node.output):
-            needed |= names
-    for node, names in zip(nodes, reads):
-        on_path = names & reached and needed.intersection(node.output)
-        if node.op_type in CONTROL_FLOW and node.domain in ("", "ai.onnx") and on_path:
+    flow = [
+        node
+        for node in model.graph.node
+        if node.op_type in CONTROL_FLOW and node.domain in ("", "ai.onnx")
+    ]
+    if not flow:
+        return
+    reached = descendants(model.graph, wrt)
+    needed = ancestors(model.graph, outputs)
+    for node in flow:
+        names = outer_reads(node)
+        if names & reached and needed.intersection(node.output):
             raise MissingGradientError(
                 f"{NAME} has no gradient for control flow: {node.op_type} node "
                 f"{node.name or node.output[0]!r} lies between the trained weights and the "

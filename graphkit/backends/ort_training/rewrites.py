@@ -28,9 +28,17 @@ from onnx import helper, numpy_helper
 from graphkit._graph import GraphInfo, copy_model, fresh_name, graph_names, int_constant, namer
 from graphkit.errors import MissingGradientError
 
+REWRITTEN = frozenset({"LayerNormalization", "BatchNormalization", "AveragePool"})
+"""The operators :func:`prepare` rewrites besides :data:`ACTIVATIONS`."""
+
 
 def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with the rewrites above applied."""
+    """``model`` with the rewrites above applied (``model`` itself when none applies: the
+    backend runs this on every graph it differentiates, prepared ones included)."""
+    if not any(
+        n.op_type in REWRITTEN or n.op_type in ACTIVATIONS for n in model.graph.node
+    ):
+        return model
     model = average_pool_as_conv(unfold_batch_norm(declare_layer_norm_outputs(model)))
     return activations_as_standard_ops(model)
 
