@@ -1,7 +1,7 @@
 """skl2onnx's linear models as standard ONNX operators, so that they can be trained.
 
 scikit-learn's linear models convert to ``ai.onnx.ml`` operators (``LinearRegressor``,
-``LinearClassifier``, ``Normalizer``, ``ArrayFeatureExtractor``) that hold their
+``LinearClassifier``, ``Normalizer``, ``Scaler``, ``ArrayFeatureExtractor``) that hold their
 coefficients in attributes or have no gradient in onnxruntime-training.
 :func:`linear_models_as_standard_ops` writes the same functions with ``Gemm``,
 ``Sigmoid``, ``Softmax``, ``ArgMax``, ``Gather`` and reductions, and the coefficients
@@ -29,6 +29,7 @@ def linear_models_as_standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     * ``LinearClassifier``: ``scores = X W^T + b`` then its ``post_transform`` (NONE,
       LOGISTIC or SOFTMAX), labels ``classlabels[argmax(scores)]``;
     * ``Normalizer``: each row divided by its L1 norm, L2 norm or maximum;
+    * ``Scaler``: ``(X - offset) * scale``, its vectors as constants (never trained);
     * ``ArrayFeatureExtractor`` on a float (N, C) tensor: ``Gather`` of its columns.
 
     The coefficients become the initializers ``<node>/coefficients`` and
@@ -159,8 +160,28 @@ def _array_feature_extractor(
     ]
 
 
+def _scaler(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, model: onnx.ModelProto
+) -> list[onnx.NodeProto]:
+    """``Y = (X - offset) * scale`` (a StandardScaler's mean and 1/std). The two vectors
+    are Constant nodes, not initializers: a pipeline's preprocessing is not a parameter
+    to train."""
+    name = namer(node.name or node.output[0], info.taken)
+    x, nodes = _float_input(node.input[0], info, name)
+    offset, scale, centred = name("offset"), name("scale"), name("centred")
+    for tensor, key in ((offset, "offset"), (scale, "scale")):
+        values = np.asarray(attrs.get(key, [0.0 if key == "offset" else 1.0]), np.float32)
+        nodes.append(
+            helper.make_node("Constant", [], [tensor], value=numpy_helper.from_array(values))
+        )
+    nodes.append(helper.make_node("Sub", [x, offset], [centred]))
+    nodes.append(helper.make_node("Mul", [centred, scale], [node.output[0]]))
+    return nodes
+
+
 _ML_REWRITES = {
     "ArrayFeatureExtractor": _array_feature_extractor,
+    "Scaler": _scaler,
     "LinearRegressor": _linear_regressor,
     "LinearClassifier": _linear_classifier,
     "Normalizer": _normalizer,

@@ -129,4 +129,22 @@ register(
     max_opset=21,
 )
 
+
+
+def _native_installed() -> bool:
+    return importlib.import_module("graphkit.backends.native").installed()
+
+
+register(
+    "native",
+    "graphkit.backends.native",
+    _native_installed,
+    install="pip install onnx-ad==0.3.0 onnxruntime",
+    description="standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime",
+    # what graphkit writes stays loadable by onnxruntime-training 1.19.2 where that
+    # backend is installed beside this one (format_limits takes the minimum)
+    max_ir_version=10,
+    max_opset=21,
+)
+
 __all__ = ["BackendInfo", "available", "canonical", "format_limits", "get", "names", "register"]

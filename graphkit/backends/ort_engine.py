@@ -124,17 +124,24 @@ def session_options(threads: Threads | None = None) -> Any:
 
 
 def inference_session(
-    model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU, threads: Threads | None = None
+    model: onnx.ModelProto | bytes,
+    providers: Sequence[str] = CPU,
+    threads: Threads | None = None,
+    disabled_optimizers: Sequence[str] = (),
 ) -> Any:
     """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``.
 
     The model runs as it is: a gradient source that wants its graphs rewritten for a
-    device does so in its own ``session`` (see :class:`graphkit.backends.Backend`).
+    device does so in its own ``session`` (see :class:`graphkit.backends.Backend`), and
+    names there the graph optimizers of onnxruntime its graphs must not meet.
     """
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
+    extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
     try:
-        return ort.InferenceSession(data, session_options(threads), providers=list(providers))
+        return ort.InferenceSession(
+            data, session_options(threads), providers=list(providers), **extra
+        )
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))
         if missing:

@@ -1,0 +1,100 @@
+"""The ``native`` backend: standard-ONNX gradients, run by any onnxruntime.
+
+Its gradient graphs hold ``ai.onnx`` operators only, so they run on the plain
+onnxruntime wheels (every Python onnxruntime supports, CPU and CUDA), on
+``onnx.reference`` and on any other ONNX runtime; onnxruntime-training is not needed.
+
+* the gradients come from onnx-ad's reverse-mode rules, behind one adapter
+  (:mod:`.adapter`);
+* forward/backward training splits the gradient graph in two (:mod:`.split`): a forward
+  graph that also outputs what the backward reads, and a backward graph that takes them,
+  run by :mod:`.agent` with two plain sessions;
+* sessions, values and bindings are onnxruntime's shared engine
+  (:mod:`graphkit.backends.ort_engine`).
+
+Choose it with ``backend="native"`` or :func:`graphkit.backends.get`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import onnx
+
+from graphkit.backends import ort_engine
+from graphkit.backends.base import ForwardBackwardGraphs
+from graphkit.backends.native import adapter
+
+DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
+"""onnxruntime graph optimizers the native gradient graphs must not meet: in onnxruntime
+1.19.2, GatherSliceToSplitFusion gives two nodes one name in a recurrent net's gradient
+(the session then refuses the graph it made itself: 'two nodes with same node name')."""
+
+
+class NativeBackend:
+    """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
+
+    Implements :class:`graphkit.backends.base.GradientSource` and, through
+    :mod:`graphkit.backends.ort_engine`, :class:`graphkit.backends.base.Engine`.
+    """
+
+    name = "native"
+    description = "standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime"
+    engine = ort_engine
+
+    # -- gradient source --------------------------------------------------------------
+
+    def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        return model  # every rule works on the operators as exported
+
+    def gradient_graph(
+        self, model: onnx.ModelProto, output: str, wrt: Sequence[str]
+    ) -> onnx.ModelProto:
+        return adapter.gradient_graph(model, output, wrt)
+
+    def forward_backward_graphs(
+        self, model: onnx.ModelProto, weights: Sequence[str], inputs: Sequence[str]
+    ) -> ForwardBackwardGraphs:
+        from graphkit.backends.native import split
+
+        return split.forward_backward_graphs(model, weights, inputs)
+
+    constant_folds = ()  # its graphs hold standard operators, which onnx folds
+
+    def to_standard(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        return model  # already standard
+
+    def prepare_gradient(self, gradient: onnx.ModelProto) -> onnx.ModelProto:
+        return gradient
+
+    # -- engine -------------------------------------------------------------------------
+
+    def inference_session(
+        self,
+        model: onnx.ModelProto | bytes,
+        providers: Sequence[str] = ort_engine.CPU,
+        threads: ort_engine.Threads | None = None,
+    ) -> Any:
+        return ort_engine.inference_session(model, providers, threads, DISABLED_OPTIMIZERS)
+
+    def __repr__(self) -> str:
+        return f"<graphkit backend {self.name!r}: {self.description}>"
+
+
+def installed() -> bool:
+    """Whether onnx-ad and an onnxruntime build can be imported."""
+    if not adapter.installed():
+        return False
+    try:
+        ort_engine.onnxruntime()
+    except ImportError:
+        return False
+    return True
+
+
+INSTALL = f"pip install {adapter.PACKAGE}=={adapter.VERSION} onnxruntime"
+
+BACKEND = NativeBackend()
+
+__all__ = ["BACKEND", "INSTALL", "NativeBackend", "installed"]

@@ -1,0 +1,190 @@
+"""The one adapter over onnx-ad, the reverse-mode rule library the native backend uses.
+
+`onnx-ad <https://pypi.org/project/onnx-ad/>`_ (MIT, onnx + numpy only, pinned in
+``pyproject.toml``) differentiates an ONNX graph by source transformation: it keeps the
+primal graph and appends, for every node between the differentiated inputs and the seeded
+outputs, the nodes of its vector-Jacobian product, in standard ``ai.onnx`` operators
+(``If``/``Loop``/``Scan`` and ``RNN``/``GRU``/``LSTM`` included). Nothing else in graphkit
+imports it; this module turns its conventions into graphkit's:
+
+* onnx-ad differentiates graph *inputs*: the initializers to differentiate become inputs
+  for the call and initializers again after it;
+* it takes the seed (the incoming gradient of the output) as an input with a trailing
+  axis of seed directions, ``shape(output) + [nadj]``: graphkit always seeds one direction
+  of ones (d output / d output), built in the graph, and squeezes the axis off each
+  gradient, which is then called ``<name>_grad`` as onnxruntime-training's builders call
+  it;
+* a name it has no path to gets a gradient of zeros: graphkit refuses it instead
+  (:class:`~graphkit.errors.MissingGradientError`), since a weight reached only through
+  ``Shape``, ``ArgMax``, comparisons or integer tensors cannot be trained;
+* graphkit's own rules (:mod:`.rules`) are consulted before onnx-ad's;
+* its ``UnsupportedOperator`` becomes a :class:`~graphkit.errors.MissingGradientError`
+  that keeps its text (which names the operator and the node).
+
+The emitted shape arithmetic (the batch dimension is symbolic) disappears once
+:func:`graphkit.static_shapes.specialize` fixes the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphkit._graph import ancestors, copy_model, fresh_name, graph_names
+from graphkit.backends.native import rules
+from graphkit.errors import MissingGradientError
+
+PACKAGE = "onnx-ad"
+VERSION = "0.3.0"
+"""The release this adapter was written and tested against (``pyproject.toml`` pins it)."""
+
+_SEED_AXIS = "gk_nadj"
+
+
+def installed() -> bool:
+    """Whether onnx-ad can be imported."""
+    try:
+        import onnx_ad  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> onnx.ModelProto:
+    """``model`` extended with ``<name>_grad`` = d ``sum(output)`` / d ``name`` for each
+    name of ``wrt`` (graph inputs or initializers); its outputs stay first.
+
+    Raises:
+        MissingGradientError: an operator on the path has no rule (the message names the
+            operator and the node), or a name of ``wrt`` reaches ``output`` only through
+            operators with no derivative.
+    """
+    from onnx_ad import UnsupportedOperator, reverse
+
+    wrt = list(wrt)
+    initializers = {i.name: i for i in model.graph.initializer if i.name in set(wrt)}
+    opened = _initializers_as_inputs(model, initializers)
+    n_outputs = len(opened.graph.output)
+    try:
+        opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
+        with rules.consulted_first():
+            derived = reverse(
+                opened, inputs=wrt, outputs=[output], layout="onnx", dim=_SEED_AXIS
+            )
+    except UnsupportedOperator as exc:
+        raise MissingGradientError(
+            f"The native gradient source (onnx-ad {VERSION}) cannot differentiate this graph: "
+            f"{exc}. Keep that operator off the path between the weights and the loss, or "
+            "rewrite it with differentiable operators."
+        ) from exc
+    inputs = {i.name for i in opened.graph.input}
+    seed = next(i for i in derived.graph.input if i.name not in inputs)
+    gradients = [o.name for o in derived.graph.output[n_outputs:]]
+    _refuse_zero_gradients(derived, dict(zip(wrt, gradients)), seed.name, output)
+    _seed_with_ones(derived, seed, output)
+    _squeeze_seed_axis(derived, n_outputs, wrt)
+    _inputs_as_initializers(derived, initializers)
+    return derived
+
+
+def _initializers_as_inputs(
+    model: onnx.ModelProto, initializers: dict[str, onnx.TensorProto]
+) -> onnx.ModelProto:
+    opened = copy_model(model)
+    kept = [i for i in opened.graph.initializer if i.name not in initializers]
+    del opened.graph.initializer[:]
+    opened.graph.initializer.extend(kept)
+    opened.graph.input.extend(
+        helper.make_tensor_value_info(name, t.data_type, list(t.dims))
+        for name, t in initializers.items()
+    )
+    return opened
+
+
+def _inputs_as_initializers(
+    model: onnx.ModelProto, initializers: dict[str, onnx.TensorProto]
+) -> None:
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    model.graph.initializer.extend(initializers.values())
+
+
+def _refuse_zero_gradients(
+    model: onnx.ModelProto, gradients: dict[str, str], seed: str, output: str
+) -> None:
+    """A gradient that does not read the seed is zeros for any data: onnx-ad found no
+    differentiable path from its name to ``output``."""
+    zeros = [n for n, g in gradients.items() if seed not in ancestors(model.graph, [g])]
+    if zeros:
+        raise MissingGradientError(
+            f"{output!r} depends on {zeros} only through operators with no derivative "
+            "(Shape, Size, ArgMax, comparisons, integer casts, indices...): their gradient "
+            "is zero for any data, so they cannot be trained. Leave them out of "
+            "weights_to_train."
+        )
+
+
+def _seed_with_ones(model: onnx.ModelProto, seed: onnx.ValueInfoProto, output: str) -> None:
+    """Replace the seed input by ones of shape ``shape(output) + [1]``, computed right
+    after ``output``."""
+    graph = model.graph
+    taken = graph_names(graph)
+    elem = seed.type.tensor_type.elem_type
+    shape, dims = fresh_name("seed/shape", taken), fresh_name("seed/dims", taken)
+    one = fresh_name("seed/one_axis", taken)
+    nodes = [
+        helper.make_node("Shape", [output], [shape]),
+        helper.make_node(
+            "Constant", [], [one], value=numpy_helper.from_array(np.array([1], np.int64))
+        ),
+        helper.make_node("Concat", [shape, one], [dims], axis=0),
+        helper.make_node(
+            "ConstantOfShape",
+            [dims],
+            [seed.name],
+            value=helper.make_tensor("one", elem, [1], [1]),
+        ),
+    ]
+    position = 1 + max(
+        (i for i, node in enumerate(graph.node) if output in node.output), default=-1
+    )
+    for offset, node in enumerate(nodes):
+        graph.node.insert(position + offset, node)
+    graph.input.remove(seed)
+
+
+def _squeeze_seed_axis(model: onnx.ModelProto, n_outputs: int, wrt: list[str]) -> None:
+    """Each gradient output ``[..., 1]`` squeezed to its name's shape, as ``<name>_grad``."""
+    graph = model.graph
+    taken = graph_names(graph)
+    axis = fresh_name("seed/last_axis", taken)
+    graph.node.append(
+        helper.make_node(
+            "Constant", [], [axis], value=numpy_helper.from_array(np.array([-1], np.int64))
+        )
+    )
+    derived = list(graph.output[n_outputs:])
+    del graph.output[n_outputs:]
+    for name, value in zip(wrt, derived):
+        grad = f"{name}_grad"
+        if grad in taken:
+            raise MissingGradientError(
+                f"The graph already has a tensor named {grad!r}, the name of the gradient of "
+                f"{name!r}: rename it."
+            )
+        graph.node.append(helper.make_node("Squeeze", [value.name, axis], [grad]))
+        dims = value.type.tensor_type.shape.dim[:-1]
+        graph.output.append(
+            helper.make_tensor_value_info(
+                grad,
+                value.type.tensor_type.elem_type,
+                [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims],
+            )
+        )
+
+
+__all__ = ["PACKAGE", "VERSION", "gradient_graph", "installed"]

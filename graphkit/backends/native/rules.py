@@ -1,0 +1,149 @@
+"""graphkit's own reverse rules, consulted before onnx-ad's.
+
+onnx-ad 0.3.0 differentiates a few operators only when the *whole* shape of their input
+is declared, batch dimension included, although their adjoint needs only the other
+dimensions. graphkit's training graphs keep a symbolic batch dimension (the exported step
+takes any batch size), so these rules replace onnx-ad's for:
+
+* ``Conv``, with respect to its input: ``ConvTranspose`` of the incoming gradient with
+  the weight, whose ``output_shape`` needs the input's *spatial* size only;
+* ``AveragePool``: the gradient divided by each window's count and spread back over the
+  window (a grouped ``ConvTranspose`` with a kernel of ones), which needs the channel
+  count and the spatial size only;
+* ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
+  the *sliced* axes only.
+
+Each falls back to onnx-ad's rule (and its explanation) when even those sizes are
+unknown. Rules follow onnx-ad's conventions (a derivative carries a trailing axis of seed
+directions) and use its helpers, which is why ``pyproject.toml`` pins its version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+from onnx import helper
+
+Rule = Callable[[Any, Any, list], list]
+
+
+def _known(shape: tuple | None, axes: list[int]) -> bool:
+    return shape is not None and all(shape[a] is not None for a in axes)
+
+
+def conv_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx of ``y = Conv(x, w, b)`` is ``ConvTranspose(dy, w)`` cropped to x's spatial
+    size; d/dw and d/db are onnx-ad's."""
+    from onnx_ad import rules as ad
+
+    x, y = node.input[0], node.output[0]
+    shape = ctx.shapes.shape(x)
+    if not ctx.asked_for(x) or not _known(shape, list(range(1, len(shape or ())))):
+        return ad._conv_reverse(ctx, node, grads)
+    attrs, spatial = ad._conv_attributes(ctx, node)
+    seeded = ctx.full(grads[0], y)
+    transposed = dict(attrs, output_shape=list(shape[2:]))
+    transposed.pop("kernel_shape", None)
+    folded = ad._fold_seed_into_batch(ctx, seeded, y)
+    spread = ctx.b.op("ConvTranspose", [folded, node.input[1]], stem="a_conv", **transposed)
+    contributions = [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
+    contributions.append(ad._conv_weight_adjoint(ctx, node, attrs, spatial, seeded))
+    if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
+        outside = [a for a in range(ctx.rank(y)) if a != 1]
+        contributions.append(
+            ctx.reshape_like(ctx.reduce_sum(seeded, outside, keepdims=0), node.input[2])
+        )
+    return contributions
+
+
+def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx of ``y = AveragePool(x)``: ``dy / count`` spread over each window."""
+    from onnx_ad import rules as ad
+
+    x, y = node.input[0], node.output[0]
+    shape = ctx.shapes.shape(x)
+    if not _known(shape, list(range(1, len(shape or ())))):
+        return ad._average_pool_reverse(ctx, node, grads)
+    attrs, _ = ad._pool_attributes(ctx, node, reverse=True)
+    dtype = ctx.dtype(x)
+    channels = shape[1]
+    kernel = [channels, 1, *attrs["kernel_shape"]]
+    ones = ctx.b.constant(np.ones(kernel), dtype, kernel)
+    if ad.attribute(node, "count_include_pad", 0) or not any(attrs["pads"]):
+        count = ctx.constant(float(np.prod(attrs["kernel_shape"])), dtype)
+    else:  # padding excluded: the window sum of ones counts the real elements
+        filled = ctx.b.op(
+            "ConstantOfShape",
+            [ctx.shape_of(x)],
+            value=helper.make_tensor("one", dtype, [1], [1]),
+            stem="ones",
+        )
+        summed = ctx.b.op("Conv", [filled, ones], group=channels, stem="count", **attrs)
+        count = ctx.lift(summed)
+    divided = ctx.b.op("Div", [ctx.full(grads[0], y), count])
+    transposed = dict(attrs, output_shape=list(shape[2:]))
+    transposed.pop("kernel_shape")
+    folded = ad._fold_seed_into_batch(ctx, divided, y)
+    spread = ctx.b.op(
+        "ConvTranspose", [folded, ones], group=channels, stem="window_spread", **transposed
+    )
+    return [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
+
+
+def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx of ``y = Slice(x, starts, ends, axes)`` (steps of 1): ``dy`` zero-padded by
+    what the slice cut off each sliced axis."""
+    from onnx_ad import rules as ad
+
+    x = node.input[0]
+    starts, ends, axes, steps = ad._slice_bounds(ctx, node)
+    shape = ctx.shapes.shape(x)
+    if starts is None or ends is None or shape is None or steps is not None and any(
+        s != 1 for s in steps
+    ):
+        return ad._slice_reverse(ctx, node, grads)
+    rank = len(shape)
+    axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
+    if not _known(shape, axes):
+        return ad._slice_reverse(ctx, node, grads)
+    before, after = [0] * rank, [0] * rank
+    for axis, start, end in zip(axes, starts, ends):
+        extent = shape[axis]
+        start = min(max(start + extent if start < 0 else start, 0), extent)
+        end = min(max(end + extent if end < 0 else end, 0), extent)
+        before[axis], after[axis] = start, max(extent - end, 0)
+    seeded = ctx.full(grads[0], node.output[0])
+    padded = ad._pad(ctx, seeded, [*before, 0], [*after, 0])
+    return [padded] + [None] * (len(node.input) - 1)
+
+
+REVERSE: dict[str, Rule] = {
+    "Conv": conv_reverse,
+    "AveragePool": average_pool_reverse,
+    "Slice": slice_reverse,
+}
+"""graphkit's reverse rules by operator, consulted before onnx-ad's."""
+
+
+@contextmanager
+def consulted_first() -> Iterator[None]:
+    """graphkit's rules in onnx-ad's table for the duration of one differentiation
+    (onnx-ad reads its module-level table; the originals are put back afterwards)."""
+    from onnx_ad import rules as ad
+
+    saved = {op: ad.REVERSE.get(op) for op in REVERSE}
+    ad.REVERSE.update(REVERSE)
+    try:
+        yield
+    finally:
+        for op, rule in saved.items():
+            if rule is None:
+                ad.REVERSE.pop(op, None)
+            else:
+                ad.REVERSE[op] = rule
+
+
+__all__ = ["REVERSE", "consulted_first"]
