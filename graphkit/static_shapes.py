@@ -289,7 +289,7 @@ def specialize(
                 symbols[dims[0].dim_param] = int(size)
             dims[0].Clear()
             dims[0].dim_value = int(size)
-    for value in fixed.graph.value_info:
+    for value in [*fixed.graph.value_info, *fixed.graph.input]:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in symbols:
                 size = symbols[dim.dim_param]

@@ -17,6 +17,7 @@ here. Adding a backend is one sub-package and one :func:`register` call below.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ class _Entry:
 
 
 _BACKENDS: dict[str, _Entry] = {}
+
+ENVIRONMENT_VARIABLE = "GRAPHKIT_BACKEND"
+"""Names the default backend (``backend=None`` everywhere) when set."""
 
 
 def register(
@@ -80,7 +84,10 @@ def available() -> list[BackendInfo]:
 
 def canonical(name: str | None) -> str:
     """The registered name ``name`` means (case and ``-``/``_`` ignored); None is the
-    default backend: the first registered one that is installed."""
+    default backend: the one the environment variable ``GRAPHKIT_BACKEND`` names, else
+    the first registered one that is installed."""
+    if name is None and os.environ.get(ENVIRONMENT_VARIABLE):
+        name = os.environ[ENVIRONMENT_VARIABLE]
     if name is None:
         for candidate, entry in _BACKENDS.items():
             if entry.installed():

@@ -23,7 +23,7 @@ these protocols only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -34,7 +34,8 @@ import onnx
 class ForwardBackwardGraphs:
     """A forward graph and the gradient graph that continues it, in the model's names.
 
-    The gradient graph's outputs are the gradients named in
+    The gradient graph's inputs are the forward's feeds (and the inputs named in
+    ``output_grad_inputs``); its outputs are the gradients named in
     ``user_input_grad_names`` (graph input -> its gradient) and
     ``initializer_grad_names_to_train`` (in the order of
     ``initializer_names_to_train``, the weights).
@@ -46,6 +47,10 @@ class ForwardBackwardGraphs:
     user_input_grad_names: dict[str, str]
     initializer_names_to_train: list[str]
     initializer_grad_names_to_train: list[str]
+    output_grad_inputs: dict[str, str] = field(default_factory=dict)
+    """output -> the gradient graph's input that takes d loss / d output (the native
+    backend's); empty where the runner takes them otherwise (onnxruntime-training's
+    TrainingAgent, at its YieldOp)."""
 
 
 @runtime_checkable

@@ -47,13 +47,14 @@ class _Variant:
     gradient_model: onnx.ModelProto
     forward_model: onnx.ModelProto
     agent: Any
-    session: Any
+    session: Any  # what the agent runs, kept alive with it (None for the native agent)
     forward_session: Any  # inference only: the forward graph with weights as inputs (None
     # in a variant specialized to a number of rows)
     feed_names: list[str]
     fetch_names: list[str]
     grad_of: dict[str, str]  # fetch name -> original input or weight name
     n_outputs: int  # the forward's outputs
+    seeds: dict[str, str]  # output -> the gradient graph's input for d loss / d output
 
 
 @dataclass
@@ -172,7 +173,7 @@ class OrtGradientForwardBackward:
             rows_of = dict.fromkeys(self.input_names, rows)
             gradient = specialize(base.gradient_model, rows_of, self.backend.constant_folds)
             return self._with_agent(
-                gradient, base.forward_model, None, base.grad_of, base.n_outputs
+                gradient, base.forward_model, None, base.grad_of, base.seeds
             )
         inputs = [n for n in self.input_names if n in requiring]
         check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
@@ -183,9 +184,8 @@ class OrtGradientForwardBackward:
             zip(graphs.initializer_grad_names_to_train, graphs.initializer_names_to_train)
         )
         forward_session = self.backend.inference_session(forward, self.providers, self.threads)
-        return self._with_agent(
-            gradient, forward, forward_session, grad_of, len(graphs.user_output_names)
-        )
+        seeds = {o: graphs.output_grad_inputs[o] for o in graphs.output_grad_inputs}
+        return self._with_agent(gradient, forward, forward_session, grad_of, seeds)
 
     def _with_agent(
         self,
@@ -193,14 +193,26 @@ class OrtGradientForwardBackward:
         forward: onnx.ModelProto,
         forward_session: Any,
         grad_of: dict[str, str],
-        n_outputs: int,
+        seeds: dict[str, str],
     ) -> _Variant:
-        """A variant whose TrainingAgent runs ``gradient``."""
-        session = self.backend.inference_session(gradient, self.providers, self.threads)
-        feed_names = [i.name for i in gradient.graph.input]
-        fetch_names = [o.name for o in gradient.graph.output]
+        """A variant whose TrainingAgent (the backend's runner) runs ``gradient``."""
+        seed_inputs = set(seeds.values())
+        feed_names = [i.name for i in gradient.graph.input if i.name not in seed_inputs]
+        # the gradients (a native gradient graph also outputs the layer's outputs)
+        outputs = set(self.output_names)
+        fetch_names = [o.name for o in gradient.graph.output if o.name not in outputs]
         device = engine.ort_device(self._ort_device, self._device_id)
-        agent = self.backend.training_agent(session, feed_names, fetch_names, n_outputs, device)
+        agent, session = self.backend.training_agent(
+            gradient,
+            self.providers,
+            self.threads,
+            feed_names,
+            fetch_names,
+            self.output_names,
+            [seeds[o] for o in self.output_names] if seeds else [],
+            device,
+        )
+        n_outputs = len(self.output_names)
         return _Variant(
             gradient,
             forward,
@@ -211,6 +223,7 @@ class OrtGradientForwardBackward:
             fetch_names,
             grad_of,
             n_outputs,
+            seeds,
         )
 
     # -- values ------------------------------------------------------------------------

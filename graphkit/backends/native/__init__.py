@@ -24,7 +24,7 @@ import onnx
 
 from graphkit.backends import ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.native import adapter
+from graphkit.backends.native import adapter, agent, split
 
 DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
 """onnxruntime graph optimizers the native gradient graphs must not meet: in onnxruntime
@@ -56,8 +56,6 @@ class NativeBackend:
     def forward_backward_graphs(
         self, model: onnx.ModelProto, weights: Sequence[str], inputs: Sequence[str]
     ) -> ForwardBackwardGraphs:
-        from graphkit.backends.native import split
-
         return split.forward_backward_graphs(model, weights, inputs)
 
     constant_folds = ()  # its graphs hold standard operators, which onnx folds
@@ -77,6 +75,32 @@ class NativeBackend:
         threads: ort_engine.Threads | None = None,
     ) -> Any:
         return ort_engine.inference_session(model, providers, threads, DISABLED_OPTIMIZERS)
+
+    # -- forward/backward: two sessions (see :mod:`.agent`) -------------------------------
+
+    def training_agent(
+        self,
+        gradient: onnx.ModelProto,
+        providers: Sequence[str],
+        threads: ort_engine.Threads | None,
+        feed_names: Sequence[str],
+        fetch_names: Sequence[str],
+        output_names: Sequence[str],
+        seeds: Sequence[str],
+        device: Any,
+    ) -> tuple[Any, Any]:
+        """``(agent, None)``: the vector-Jacobian graph ``gradient`` cut into a forward
+        and a backward session."""
+        def session(model: onnx.ModelProto) -> Any:
+            return self.inference_session(model, providers, threads)
+
+        made = agent.SplitAgent(gradient, session, feed_names, fetch_names, output_names, seeds)
+        return made, None
+
+    run_forward = staticmethod(agent.run_forward)
+    run_backward = staticmethod(agent.run_backward)
+    values_vector = staticmethod(agent.values_vector)
+    fusable = staticmethod(agent.fusable)
 
     def __repr__(self) -> str:
         return f"<graphkit backend {self.name!r}: {self.description}>"

@@ -62,6 +62,47 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
             operator and the node), or a name of ``wrt`` reaches ``output`` only through
             operators with no derivative.
     """
+    derived, seeds, n_outputs = _reverse(model, [output], wrt)
+    _seed_with_ones(derived, seeds[output], output)
+    _squeeze_seed_axis(derived, n_outputs, list(wrt))
+    return derived
+
+
+def vector_jacobian_graph(
+    model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str]
+) -> tuple[onnx.ModelProto, dict[str, str]]:
+    """``model`` extended with ``<name>_grad`` = sum over ``outputs`` of ``seed(o) . d o /
+    d name`` for each name of ``wrt``, the seeds being new inputs shaped like their
+    outputs (the gradient of a larger model's loss with respect to each output); and
+    ``{output: its seed input}``.
+
+    Raises:
+        MissingGradientError: as :func:`gradient_graph`.
+    """
+    derived, seeds, n_outputs = _reverse(model, outputs, wrt)
+    graph = derived.graph
+    taken = graph_names(graph)
+    axis = fresh_name("seed/last_axis", taken)
+    graph.node.insert(0, _ints_constant(axis, [-1]))
+    names = {}
+    for output, seed in seeds.items():
+        name = names[output] = fresh_name(f"{output}_grad_output", taken)
+        graph.node.insert(1, helper.make_node("Unsqueeze", [name, axis], [seed.name]))
+        graph.input.remove(seed)
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(next(o for o in model.graph.output if o.name == output))
+        value.name = name
+        graph.input.append(value)
+    _squeeze_seed_axis(derived, n_outputs, list(wrt))
+    return derived, names
+
+
+def _reverse(
+    model: onnx.ModelProto, outputs: Sequence[str], wrt: Sequence[str]
+) -> tuple[onnx.ModelProto, dict[str, onnx.ValueInfoProto], int]:
+    """onnx-ad's adjoint model of ``outputs`` with respect to ``wrt``, the initializers
+    among them back as initializers; with the seed input of each output, and the number
+    of the model's own outputs (the gradients follow them)."""
     from onnx_ad import UnsupportedOperator, reverse
 
     wrt = list(wrt)
@@ -72,7 +113,7 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
         opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
         with rules.consulted_first():
             derived = reverse(
-                opened, inputs=wrt, outputs=[output], layout="onnx", dim=_SEED_AXIS
+                opened, inputs=wrt, outputs=list(outputs), layout="onnx", dim=_SEED_AXIS
             )
     except UnsupportedOperator as exc:
         raise MissingGradientError(
@@ -81,13 +122,18 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
             "rewrite it with differentiable operators."
         ) from exc
     inputs = {i.name for i in opened.graph.input}
-    seed = next(i for i in derived.graph.input if i.name not in inputs)
+    seed_inputs = [i for i in derived.graph.input if i.name not in inputs]
+    seeds = dict(zip(outputs, seed_inputs))
     gradients = [o.name for o in derived.graph.output[n_outputs:]]
-    _refuse_zero_gradients(derived, dict(zip(wrt, gradients)), seed.name, output)
-    _seed_with_ones(derived, seed, output)
-    _squeeze_seed_axis(derived, n_outputs, wrt)
+    _refuse_zero_gradients(derived, dict(zip(wrt, gradients)), [s.name for s in seed_inputs])
     _inputs_as_initializers(derived, initializers)
-    return derived
+    return derived, seeds, n_outputs
+
+
+def _ints_constant(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+    )
 
 
 def _initializers_as_inputs(
@@ -114,14 +160,14 @@ def _inputs_as_initializers(
 
 
 def _refuse_zero_gradients(
-    model: onnx.ModelProto, gradients: dict[str, str], seed: str, output: str
+    model: onnx.ModelProto, gradients: dict[str, str], seeds: list[str]
 ) -> None:
-    """A gradient that does not read the seed is zeros for any data: onnx-ad found no
-    differentiable path from its name to ``output``."""
-    zeros = [n for n, g in gradients.items() if seed not in ancestors(model.graph, [g])]
+    """A gradient that reads no seed is zeros for any data: onnx-ad found no
+    differentiable path from its name to the outputs."""
+    zeros = [n for n, g in gradients.items() if not ancestors(model.graph, [g]) & set(seeds)]
     if zeros:
         raise MissingGradientError(
-            f"{output!r} depends on {zeros} only through operators with no derivative "
+            f"The outputs depend on {zeros} only through operators with no derivative "
             "(Shape, Size, ArgMax, comparisons, integer casts, indices...): their gradient "
             "is zero for any data, so they cannot be trained. Leave them out of "
             "weights_to_train."
@@ -138,9 +184,7 @@ def _seed_with_ones(model: onnx.ModelProto, seed: onnx.ValueInfoProto, output: s
     one = fresh_name("seed/one_axis", taken)
     nodes = [
         helper.make_node("Shape", [output], [shape]),
-        helper.make_node(
-            "Constant", [], [one], value=numpy_helper.from_array(np.array([1], np.int64))
-        ),
+        _ints_constant(one, [1]),
         helper.make_node("Concat", [shape, one], [dims], axis=0),
         helper.make_node(
             "ConstantOfShape",
@@ -161,12 +205,8 @@ def _squeeze_seed_axis(model: onnx.ModelProto, n_outputs: int, wrt: list[str]) -
     """Each gradient output ``[..., 1]`` squeezed to its name's shape, as ``<name>_grad``."""
     graph = model.graph
     taken = graph_names(graph)
-    axis = fresh_name("seed/last_axis", taken)
-    graph.node.append(
-        helper.make_node(
-            "Constant", [], [axis], value=numpy_helper.from_array(np.array([-1], np.int64))
-        )
-    )
+    axis = fresh_name("seed/squeezed_axis", taken)
+    graph.node.append(_ints_constant(axis, [-1]))
     derived = list(graph.output[n_outputs:])
     del graph.output[n_outputs:]
     for name, value in zip(wrt, derived):
@@ -187,4 +227,4 @@ def _squeeze_seed_axis(model: onnx.ModelProto, n_outputs: int, wrt: list[str]) -
         )
 
 
-__all__ = ["PACKAGE", "VERSION", "gradient_graph", "installed"]
+__all__ = ["PACKAGE", "VERSION", "gradient_graph", "installed", "vector_jacobian_graph"]

@@ -98,7 +98,24 @@ class OrtTrainingBackend:
 
     # -- the TrainingAgent ----------------------------------------------------------------
 
-    training_agent = staticmethod(agent.training_agent)
+    def training_agent(
+        self,
+        gradient: onnx.ModelProto,
+        providers: Sequence[str],
+        threads: ort_engine.Threads | None,
+        feed_names: Sequence[str],
+        fetch_names: Sequence[str],
+        output_names: Sequence[str],
+        seeds: Sequence[str],
+        device: Any,
+    ) -> tuple[Any, Any]:
+        """``(agent, session)``: a TrainingAgent over a session of a
+        :func:`.builders.module_graphs` gradient graph (the gradients of the outputs come
+        in at its YieldOp: ``seeds`` is empty); keep the session alive with the agent."""
+        session = self.inference_session(gradient, providers, threads)
+        made = agent.training_agent(session, feed_names, fetch_names, len(output_names), device)
+        return made, session
+
     run_forward = staticmethod(agent.run_forward)
     run_backward = staticmethod(agent.run_backward)
     train_batch = staticmethod(agent.train_batch)
