@@ -16,12 +16,22 @@ optionally with sample weights) into ONNX models::
 A user-written loss (:func:`custom_loss`) gets its gradient from the backend's gradient
 source instead (:func:`graphkit.gradient_model`).
 
-Labels: regression losses take float labels of the prediction's size (``(N,)`` and
-``(N, 1)`` are interchangeable); classification losses take int64 class indices ``(N,)``.
+Labels: regression losses take float labels shaped like the prediction, ``(N, k)`` for
+a model predicting k values per sample (for one value, ``(N,)`` and ``(N, 1)`` are
+interchangeable); classification losses take int64 class indices ``(N,)``.
+
+Reductions over several values per sample: a regression loss's per-sample value is the
+sum over the sample's k values, ``l_i = sum_j f(p_ij - y_ij)``. ``"sum"`` adds every
+``w_i l_i``, so it is the sum over all N k values, as ``torch.nn.MSELoss(reduction="sum")``;
+``"mean"`` divides that by k too, ``sum_i w_i l_i / (k sum_i w_i)``: the mean over all
+N k values, as ``torch.nn.MSELoss()`` and scikit-learn's ``mean_squared_error`` (for
+k = 1, nothing changes: the mean over the samples); ``"none"`` returns each ``w_i l_i``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +39,7 @@ import numpy as np
 import onnx
 import onnxscript
 
-from graphkit._graph import Dim, Shape, compile_function, float_dtype, symbolic_shape
+from graphkit._graph import Dim, Shape, compile_function, float_dtype
 from graphkit._reduce import REDUCTIONS, ones_like
 from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, INT64, op, script
@@ -125,6 +135,39 @@ def _huber(delta: float) -> tuple[Any, Any]:
         return op.Clip(d, op.Neg(delta_), delta_)
 
     return huber, huber_derivative
+
+
+# -- regression means over several values per sample -------------------------------------
+
+
+@script()
+def values_per_sample(prediction: FLOAT) -> FLOAT:
+    """k = size(prediction) / rows: the values each sample predicts, read at run time."""
+    rows = op.Squeeze(op.Shape(prediction, start=0, end=1))
+    return op.CastLike(op.Size(prediction), prediction) / op.CastLike(rows, prediction)
+
+
+@functools.cache
+def _constant_values_per_sample(k: int) -> onnxscript.OnnxFunction:
+    """k, known when the loss is built: the values each sample predicts."""
+    c = np.array(float(k), dtype=np.float64)  # a 0-d array: eager mode keeps float64
+
+    @script()
+    def constant_values_per_sample(prediction: FLOAT) -> FLOAT:
+        return op.CastLike(c, prediction)
+
+    return constant_values_per_sample
+
+
+def values_per_sample_of(prediction_shape: Sequence[Dim] | None) -> int | None:
+    """The values each sample predicts: the product of the prediction's dims after the
+    first (1 for a rank-1 prediction); None when one of them is not known."""
+    if prediction_shape is None:
+        return None
+    per_sample = tuple(prediction_shape)[1:]
+    if not all(isinstance(d, int) for d in per_sample):
+        return None
+    return math.prod(per_sample)  # type: ignore[arg-type]
 
 
 # -- classification kernels ---------------------------------------------------------------
@@ -232,7 +275,13 @@ def _binary_log_loss(eps: float) -> tuple[Any, Any]:
 # -- composing kernels into loss functions ------------------------------------------------
 
 
-def _value_function(kernel: Any, reduce: Any, weighted: bool) -> onnxscript.OnnxFunction:
+def _value_function(
+    kernel: Any, reduce: Any, weighted: bool, divisor: Any = None
+) -> onnxscript.OnnxFunction:
+    """``(prediction, label[, weight]) -> reduce(kernel(...))``, divided by
+    ``divisor(prediction)`` when given (a mean over every predicted value)."""
+    if divisor is not None:
+        return _divided_value_function(kernel, reduce, weighted, divisor)
     if weighted:
 
         @script()
@@ -251,9 +300,36 @@ def _value_function(kernel: Any, reduce: Any, weighted: bool) -> onnxscript.Onnx
     return loss
 
 
-def _value_and_grad_function(
-    kernel: Any, kernel_grad: Any, reduce: Any, scale: Any, weighted: bool
+def _divided_value_function(
+    kernel: Any, reduce: Any, weighted: bool, divisor: Any
 ) -> onnxscript.OnnxFunction:
+    if weighted:
+
+        @script()
+        def loss(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> FLOAT:
+            # loss = reduce(l, w) / k
+            w = op.Reshape(weight, op.Constant(value_ints=[-1]))
+            return reduce(kernel(prediction, label), w) / divisor(prediction)
+
+        return loss
+
+    @script()
+    def loss(prediction: FLOAT, label: FLOAT) -> FLOAT:  # noqa: F811 - one of two variants
+        per_sample = kernel(prediction, label)
+        return reduce(per_sample, ones_like(per_sample)) / divisor(prediction)
+
+    return loss
+
+
+def _value_and_grad_function(
+    kernel: Any, kernel_grad: Any, reduce: Any, scale: Any, weighted: bool, divisor: Any = None
+) -> onnxscript.OnnxFunction:
+    """``(prediction, label[, weight]) -> (loss, d loss / d prediction)``, both divided by
+    ``divisor(prediction)`` when given (a mean over every predicted value)."""
+    if divisor is not None:
+        return _divided_value_and_grad_function(
+            kernel, kernel_grad, reduce, scale, weighted, divisor
+        )
     if weighted:
 
         @script()
@@ -271,6 +347,34 @@ def _value_and_grad_function(
         w = ones_like(per_sample)
         loss = reduce(per_sample, w)
         prediction_grad = scale(kernel_grad(prediction, label), w)
+        return loss, prediction_grad
+
+    return loss_and_grad
+
+
+def _divided_value_and_grad_function(
+    kernel: Any, kernel_grad: Any, reduce: Any, scale: Any, weighted: bool, divisor: Any
+) -> onnxscript.OnnxFunction:
+    if weighted:
+
+        @script()
+        def loss_and_grad(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> tuple[FLOAT, FLOAT]:
+            # loss = reduce(l, w) / k, g = scale(dl/dp, w) / k
+            w = op.Reshape(weight, op.Constant(value_ints=[-1]))
+            k = divisor(prediction)
+            loss = reduce(kernel(prediction, label), w) / k
+            prediction_grad = scale(kernel_grad(prediction, label), w) / k
+            return loss, prediction_grad
+
+        return loss_and_grad
+
+    @script()
+    def loss_and_grad(prediction: FLOAT, label: FLOAT) -> tuple[FLOAT, FLOAT]:  # noqa: F811
+        per_sample = kernel(prediction, label)
+        w = ones_like(per_sample)
+        k = divisor(prediction)
+        loss = reduce(per_sample, w) / k
+        prediction_grad = scale(kernel_grad(prediction, label), w) / k
         return loss, prediction_grad
 
     return loss_and_grad
@@ -309,8 +413,10 @@ class Loss:
     Attributes:
         name: registered name (or the custom function's name).
         task: ``"regression"`` (float labels) or ``"classification"`` (int64 labels).
-        reduction: ``"mean"`` (weighted mean: sum w_i l_i / sum w_i), ``"sum"`` or
-            ``"none"`` (one value per sample; the gradient is then that of their sum);
+        reduction: ``"mean"`` (weighted mean: sum w_i l_i / sum w_i; for a regression
+            loss on k values per sample, divided by k too: the mean over every predicted
+            value, as ``torch.nn.MSELoss()``), ``"sum"`` or ``"none"`` (one value per
+            sample, the sum over its k values; the gradient is then that of their sum);
             None for a custom loss, which reduces the samples itself.
         params: the hyper-parameters the loss was built with.
         prediction: what a classification loss reads from the model: ``"probabilities"``,
@@ -402,8 +508,20 @@ class Loss:
 
     # -- onnxscript functions (callable eagerly on numpy arrays) --------------------------
 
-    def function(self, weighted: bool = False) -> onnxscript.OnnxFunction:
-        """The scripted loss ``(prediction, label[, weight]) -> loss``."""
+    def function(
+        self, weighted: bool = False, prediction_shape: Sequence[Dim] | None = None
+    ) -> onnxscript.OnnxFunction:
+        """The scripted loss ``(prediction, label[, weight]) -> loss``.
+
+        Args:
+            weighted: whether it takes sample weights.
+            prediction_shape: the prediction's shape, when known: a regression mean over
+                k values per sample then divides by the constant k (nothing for k = 1);
+                None (or unknown dims) reads k from the prediction at run time.
+
+        Raises:
+            ValueError: a custom loss asked for with the other ``weighted``.
+        """
         if self.custom is not None:
             if weighted != _takes_weight(self.custom):
                 raise ValueError(
@@ -414,13 +532,19 @@ class Loss:
                 )
             return self.custom
         reduce, _ = REDUCTIONS[self.reduction]
-        return _value_function(self.kernels[0], reduce, weighted)  # type: ignore[index]
+        divisor = self._divisor(prediction_shape)
+        return _value_function(self.kernels[0], reduce, weighted, divisor)  # type: ignore[index]
 
-    def value_and_grad_function(self, weighted: bool = False) -> onnxscript.OnnxFunction:
+    def value_and_grad_function(
+        self, weighted: bool = False, prediction_shape: Sequence[Dim] | None = None
+    ) -> onnxscript.OnnxFunction:
         """The scripted ``(prediction, label[, weight]) -> (loss, prediction_grad)``.
 
         Built-in losses only: a custom loss gets its gradient graph from
-        :meth:`gradient_model`.
+        :meth:`gradient_model`. ``prediction_shape`` as in :meth:`function`.
+
+        Raises:
+            TypeError: a custom loss.
         """
         if self.kernels is None:
             raise TypeError(
@@ -428,7 +552,19 @@ class Loss:
                 "backend's gradient source, use gradient_model()."
             )
         reduce, scale = REDUCTIONS[self.reduction]
-        return _value_and_grad_function(*self.kernels, reduce, scale, weighted)
+        divisor = self._divisor(prediction_shape)
+        return _value_and_grad_function(*self.kernels, reduce, scale, weighted, divisor)
+
+    def _divisor(self, prediction_shape: Sequence[Dim] | None) -> Any:
+        """What a mean divides by besides the weights: for a regression loss, the values
+        per sample k (a scripted function of the prediction; None when k = 1 or for other
+        reductions and losses, which are left as they are)."""
+        if self.task != REGRESSION or self.reduction != "mean":
+            return None
+        k = values_per_sample_of(prediction_shape)
+        if k is None:
+            return values_per_sample
+        return None if k == 1 else _constant_values_per_sample(k)
 
     # -- ONNX models -------------------------------------------------------------------
 
@@ -461,7 +597,7 @@ class Loss:
             return self.for_prediction(prediction_shape).value_model(
                 dtype, weighted, prediction_shape
             )
-        fn = self.function(weighted)
+        fn = self.function(weighted, prediction_shape)
         shapes = self.shapes(prediction_shape, weighted)
         model = compile_function(fn, dtype, shapes, self.int64_inputs, outputs=["loss"])
         _check_signature(model, weighted, self.name)
@@ -483,7 +619,7 @@ class Loss:
                 dtype, weighted, prediction_shape
             )
         if self.custom is None:
-            fn = self.value_and_grad_function(weighted)
+            fn = self.value_and_grad_function(weighted, prediction_shape)
             shapes = self.shapes(prediction_shape, weighted)
             return compile_function(
                 fn, dtype, shapes, self.int64_inputs, outputs=["loss", "prediction_grad"]
@@ -511,11 +647,12 @@ class Loss:
             return self.for_prediction(np.shape(prediction))._run(which, prediction, label, weight)
         feeds = self.check_inputs(prediction, label, weight)
         dtype = feeds["prediction"].dtype
-        rank = feeds["prediction"].ndim
-        key = (which, dtype, weight is not None, rank)
+        # compiled for the dims after the batch: a regression mean divides by their size
+        per_sample = feeds["prediction"].shape[1:]
+        key = (which, dtype, weight is not None, per_sample)
         if key not in self._runners:
             build = self.value_model if which == "value" else self.gradient_model
-            shape = symbolic_shape("prediction", rank)
+            shape = ("N", *per_sample)
             self._runners[key] = Runner(build(dtype, weight is not None, shape))
         return self._runners[key](feeds)
 
@@ -606,21 +743,33 @@ LOSSES: Registry[Loss] = Registry("loss")
 
 @LOSSES.register("squared_error", "square_error", "l2", "mse")
 def squared_error_loss(reduction: str = "mean") -> Loss:
-    """l = sum_j (p_j - y_j)^2 per sample."""
+    """l = sum_j (p_j - y_j)^2 per sample.
+
+    For k values per sample, ``"mean"`` is the mean of (p - y)^2 over all N k values
+    (``torch.nn.MSELoss()``, scikit-learn's ``mean_squared_error``), ``"sum"`` their sum.
+    """
     kernels = _regression_kernels(squared_error, squared_error_derivative)
     return Loss("squared_error", REGRESSION, kernels=kernels, reduction=reduction)
 
 
 @LOSSES.register("absolute_error", "l1", "mae")
 def absolute_error_loss(reduction: str = "mean") -> Loss:
-    """l = sum_j |p_j - y_j| per sample; gradient sign(p - y), 0 at p = y."""
+    """l = sum_j |p_j - y_j| per sample; gradient sign(p - y), 0 at p = y.
+
+    For k values per sample, ``"mean"`` is the mean over all N k values
+    (``torch.nn.L1Loss()``), ``"sum"`` their sum.
+    """
     kernels = _regression_kernels(absolute_error, absolute_error_derivative)
     return Loss("absolute_error", REGRESSION, kernels=kernels, reduction=reduction)
 
 
 @LOSSES.register("elastic", "elastic_error")
 def elastic_loss(l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str = "mean") -> Loss:
-    """l = sum_j l1_weight |d_j| + l2_weight d_j^2 with d = p - y."""
+    """l = sum_j l1_weight |d_j| + l2_weight d_j^2 with d = p - y.
+
+    For k values per sample, ``"mean"`` is the mean over all N k values, ``"sum"``
+    their sum.
+    """
     _check_nonnegative(l1_weight=l1_weight, l2_weight=l2_weight)
     kernels = _regression_kernels(*elastic_formula(l1_weight, l2_weight))
     params = {"l1_weight": l1_weight, "l2_weight": l2_weight}
@@ -631,7 +780,8 @@ def elastic_loss(l1_weight: float = 0.5, l2_weight: float = 0.5, reduction: str 
 def huber_loss(delta: float = 1.0, reduction: str = "mean") -> Loss:
     """l = sum_j huber(d_j): d^2/2 inside [-delta, delta], delta (|d| - delta/2) outside.
 
-    Same convention as ``torch.nn.HuberLoss``.
+    Same convention as ``torch.nn.HuberLoss``: for k values per sample, ``"mean"`` is
+    the mean over all N k values, ``"sum"`` their sum.
     """
     if not delta > 0:
         raise ValueError(f"delta must be > 0, got {delta}.")

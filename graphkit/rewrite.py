@@ -130,8 +130,9 @@ def add_loss_output(
             ``"sigmoid_log_loss"`` (binary, from a raw score), a :class:`~graphkit.losses.Loss`
             or a user onnxscript function of ``(prediction, label[, weight])``.
         loss_name: name of the loss output.
-        label_name: name of the label input (float like the prediction for regression,
-            int64 class indices of shape (N,) for classification).
+        label_name: name of the label input (for regression, float and shaped like the
+            prediction: ``(N, k)`` for a model predicting k values per sample; int64
+            class indices of shape (N,) for classification).
         weight_name: name of a sample-weight input (N,), or None for no weights.
         penalty: ``{"coef": {"l1": a, "l2": b}}`` or ``{"coef": b}`` (an l2
             coefficient), or a :class:`~graphkit.penalties.Penalty`; penalized names must be
@@ -139,7 +140,9 @@ def add_loss_output(
         output_index: the output the loss applies to, by position or name; required when
             the graph has several outputs.
         kwargs: hyper-parameters of the loss (``l1_weight``, ``delta``, ``eps``,
-            ``reduction``: ``"mean"`` by default, ``"sum"`` as in the seed library).
+            ``reduction``: ``"mean"`` by default, over every predicted value for a
+            regression on k values per sample, as ``torch.nn.MSELoss()``; ``"sum"`` as
+            in the seed library).
 
     Returns:
         The training graph, a new model.
@@ -209,7 +212,10 @@ def select_prediction(
 
     A skl2onnx ``ZipMap`` output (a sequence of maps, not a tensor) stands for the
     probability tensor it is made from: that tensor is added to the outputs of the
-    returned copy and chosen instead.
+    returned copy and chosen instead. A skl2onnx ``MLPRegressor`` of k > 1 targets
+    flattens its (N, k) prediction into (N k, 1) rows (skl2onnx 1.20 reshapes every MLP
+    regression to ``[-1, 1]``); the returned copy reshapes it to ``[-1, k]``, the
+    prediction scikit-learn's ``predict`` returns.
 
     Raises:
         UnknownNameError: ``output_index`` names no output.
@@ -248,6 +254,7 @@ def select_prediction(
     tensor = _tensor_behind(model, chosen)
     if tensor is not chosen:
         model.graph.output.append(tensor)
+    _unflatten_targets(model, tensor)
     if not tensor.type.HasField("tensor_type"):
         raise DTypeError(
             f"Output {chosen.name!r} is a {chosen.type.WhichOneof('value')}, not a tensor; "
@@ -293,6 +300,40 @@ def _tensor_behind(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> onnx.
     if found:
         return found[0]
     return value_info(source, TensorProto.FLOAT, ["N", None])
+
+
+def _unflatten_targets(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> None:
+    """Undo skl2onnx's ``Reshape(scores, [-1, 1])`` of an (N, k) regression, k > 1 (in
+    place, on the copy :func:`select_prediction` returns): it reshapes to ``[-1, k]``
+    instead, and the output is declared ``[N, k]``."""
+    if model.producer_name != "skl2onnx":
+        return
+    producer = next((n for n in model.graph.node if output.name in n.output), None)
+    if producer is None or producer.op_type != "Reshape" or len(producer.input) < 2:
+        return
+    shape = next((i for i in model.graph.initializer if i.name == producer.input[1]), None)
+    if shape is None or numpy_helper.to_array(shape).tolist() != [-1, 1]:
+        return
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # skl2onnx graphs infer; without it the output stays as it is
+        return
+    scores = next((v for v in typed.graph.value_info if v.name == producer.input[0]), None)
+    dims = static_shape(scores) if scores is not None else None
+    if not dims or len(dims) != 2 or not isinstance(dims[1], int) or dims[1] < 2:
+        return
+    target = np.array([-1, dims[1]], dtype=np.int64)
+    readers = sum(list(n.input).count(shape.name) for n in model.graph.node)
+    if readers == 1:  # its only reader: the initializer changes
+        shape.CopyFrom(numpy_helper.from_array(target, shape.name))
+    else:
+        columns = fresh_name(f"{shape.name}/targets", graph_names(model.graph))
+        model.graph.initializer.append(numpy_helper.from_array(target, columns))
+        producer.input[1] = columns
+    declared = output.type.tensor_type
+    batch = declared.shape.dim[0] if declared.HasField("shape") and declared.shape.dim else None
+    batch_dim = batch.dim_param or batch.dim_value or None if batch is not None else None
+    output.type.CopyFrom(helper.make_tensor_type_proto(declared.elem_type, [batch_dim, dims[1]]))
 
 
 def _make_loss(score: Any, kwargs: dict[str, Any]) -> _losses.Loss:

@@ -76,7 +76,9 @@ def reference(name, p, y, **params):
     raise KeyError(name)
 
 
-def reduce_reference(per_sample, grad, weight, reduction):
+def reduce_reference(per_sample, grad, weight, reduction, values=1):
+    """``values``: what a regression mean divides by besides the weights, the k values
+    per sample (the mean over all N k values, as torch.nn.MSELoss())."""
     w = np.ones(len(per_sample)) if weight is None else weight.astype(np.float64)
     rows = grad.reshape(len(per_sample), -1) * w[:, None]
     rows = rows.reshape(grad.shape)
@@ -84,7 +86,12 @@ def reduce_reference(per_sample, grad, weight, reduction):
         return w * per_sample, rows
     if reduction == "sum":
         return (w * per_sample).sum(), rows
-    return (w * per_sample).sum() / w.sum(), rows / w.sum()
+    return (w * per_sample).sum() / (values * w.sum()), rows / (values * w.sum())
+
+
+def regression_values(name, p):
+    """k for a regression loss (its mean is over every predicted value), 1 otherwise."""
+    return p[0].size if name in REGRESSION_REFS else 1
 
 
 @functools.cache
@@ -127,7 +134,7 @@ def test_loss_matches_numpy(name, params, dtype, reduction, weighted, rng):
     p, y = make_inputs(name, rng, 7, 3, dtype, dict(params))
     w = rng.uniform(0.5, 2.0, size=7).astype(dtype) if weighted else None
     expected_loss, expected_grad = reduce_reference(
-        *reference(name, p, y, **dict(params)), w, reduction
+        *reference(name, p, y, **dict(params)), w, reduction, regression_values(name, p)
     )
     rtol = 1e-5 if dtype == np.float32 else 1e-12
 
@@ -145,7 +152,7 @@ def test_loss_eager_mode_matches_numpy(name, params, rng):
     p, y = make_inputs(name, rng, 5, 2, np.float64, dict(params))
     feeds = loss.check_inputs(p, y)
     expected_loss, expected_grad = reduce_reference(
-        *reference(name, p, y, **dict(params)), None, "mean"
+        *reference(name, p, y, **dict(params)), None, "mean", regression_values(name, p)
     )
     np.testing.assert_allclose(
         loss.function()(feeds["prediction"], feeds["label"]), expected_loss, rtol=1e-12

@@ -22,7 +22,7 @@ import onnx
 
 from graphkit.compat import load_model
 from graphkit.errors import ConvergenceError
-from graphkit.losses import Loss, check_class_labels
+from graphkit.losses import REGRESSION, Loss, check_class_labels
 from graphkit.parameters import untie_constants, untie_shared_parameters
 from graphkit.rewrite import set_weights
 from graphkit.training.batches import epoch_batches
@@ -36,6 +36,7 @@ from graphkit_train.trainers.params import (
     ParamsMixin,
     as_state,
     check_features,
+    check_label_width,
     check_labels,
     check_loop_param,
     check_sample_weight,
@@ -247,7 +248,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                     f"{len(X)} training rows for {group.world_size} ranks: every rank needs "
                     "at least one row; use fewer processes."
                 )
-            self._check_probabilities(X[:batch_size])
+            self._check_outputs(X[:batch_size], y)
         except Exception as exc:
             if group is None:
                 raise
@@ -358,13 +359,25 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             )
         return ""
 
-    def _check_probabilities(self, X: np.ndarray) -> None:
-        """A log loss on probabilities refuses outputs that are not probabilities (logits
-        or scores would be clipped at eps silently); checked on one batch."""
+    def _check_outputs(self, X: Any, y: np.ndarray) -> None:
+        """What only the model's output tells, checked on one batch ``X`` (``y``: all the
+        labels): a log loss on
+        probabilities refuses outputs that are not probabilities (logits or scores would
+        be clipped at eps silently); a regression loss on an output whose declared shape
+        does not say its values per sample refuses labels of another width."""
         resolved = self.loss_
-        if resolved is None or resolved.prediction != "probabilities" or not len(X):
+        if resolved is None or not len(X):
+            return
+        per_sample = self._prediction_shape[1:]
+        unknown_width = resolved.task == REGRESSION and not all(
+            isinstance(d, int) for d in per_sample
+        )
+        if resolved.prediction != "probabilities" and not unknown_width:
             return
         output = self._probe(X)
+        if unknown_width:
+            check_label_width("y", y, output)
+            return
         low, high = float(output.min()), float(output.max())
         if low < -1e-6 or high > 1 + 1e-6:
             raise ValueError(

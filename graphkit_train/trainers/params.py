@@ -258,13 +258,47 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
     target = [n if i == 0 else d for i, d in enumerate(dims)]
     if all(isinstance(d, int) for d in target):
         if math.prod(target) != y.size:  # type: ignore[arg-type]
-            raise ShapeError(
-                f"{what} has shape {y.shape}; the label input {value.name!r} is {dims}."
-            )
+            raise ShapeError(_label_shape_message(what, y.shape, value.name, dims, target))
         y = y.reshape(target)
     elif len(dims) == 2 and y.ndim == 1:
         y = y.reshape(-1, 1)
     return np.ascontiguousarray(y, dtype=dtype)
+
+
+def _label_shape_message(
+    what: str, shape: tuple[int, ...], name: str, dims: list[Any], target: list[Any]
+) -> str:
+    """Why labels of ``shape`` do not fit the label input ``name`` declared ``dims``."""
+    if len(dims) == 1:
+        return (
+            f"{what} has shape {shape}, but the label input {name!r} is {dims}: one value per "
+            f"sample; pass {what} of shape {tuple(target)}."
+        )
+    per_sample = math.prod(target[1:])
+    values = f"{per_sample} value{'s' if per_sample != 1 else ''}"
+    either = f" or ({target[0]},)" if per_sample == 1 else ""
+    return (
+        f"{what} has shape {shape}, but the label input {name!r} is {dims}, shaped like the "
+        f"model's prediction: {values} per sample. Pass {what} of shape {tuple(target)}"
+        f"{either}, or train a model that predicts {shape[1] if len(shape) == 2 else 'as many'} "
+        "values per sample."
+    )
+
+
+def check_label_width(what: str, y: np.ndarray, prediction: np.ndarray) -> None:
+    """Refuse labels ``y`` whose values per sample differ from the prediction's
+    (``prediction`` computed on a few rows: for a model whose declared output does not
+    say its width).
+
+    Raises:
+        ShapeError: naming both shapes.
+    """
+    if math.prod(y.shape[1:]) != math.prod(prediction.shape[1:]):
+        raise ShapeError(
+            f"{what} has shape {y.shape}, but the model predicts shape "
+            f"{(len(y), *prediction.shape[1:])} for {len(y)} samples: a regression loss "
+            f"needs one label per predicted value; pass {what} shaped like the prediction."
+        )
 
 
 def check_loop_param(name: str, value: Any, minimum: int = 1) -> int:
