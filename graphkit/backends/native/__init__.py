@@ -31,6 +31,25 @@ DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
 1.19.2, GatherSliceToSplitFusion gives two nodes one name in a recurrent net's gradient
 (the session then refuses the graph it made itself: 'two nodes with same node name')."""
 
+FLOAT64_DISABLED_OPTIMIZERS = ("MatmulTransposeFusion",)
+"""Disabled too for float64 graphs on onnxruntime < 1.30: the fusion makes a
+``com.microsoft.FusedMatMul`` of every ``MatMul`` of a transposed operand (what a gradient
+is made of), and that kernel exists for float32 only before 1.30."""
+
+
+def _disabled_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
+    if isinstance(model, bytes) or _version(ort_engine.version()) >= (1, 30):
+        return DISABLED_OPTIMIZERS
+    graph = model.graph
+    values = [*graph.input, *graph.output]
+    if any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values):
+        return DISABLED_OPTIMIZERS + FLOAT64_DISABLED_OPTIMIZERS
+    return DISABLED_OPTIMIZERS
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
 
 class NativeBackend:
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
@@ -74,7 +93,8 @@ class NativeBackend:
         providers: Sequence[str] = ort_engine.CPU,
         threads: ort_engine.Threads | None = None,
     ) -> Any:
-        return ort_engine.inference_session(model, providers, threads, DISABLED_OPTIMIZERS)
+        disabled = _disabled_optimizers(model)
+        return ort_engine.inference_session(model, providers, threads, disabled)
 
     # -- forward/backward: two sessions (see :mod:`.agent`) -------------------------------
 
