@@ -22,7 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 try:
-    from graphkit.training.batches import epoch_batches
+    from graphkit.training.batches import NamedRows, epoch_batches
     from graphkit.training_info import session
 except ImportError:  # loaded from its file where graphkit is not installed: so are these
     import importlib.util
@@ -36,7 +36,8 @@ except ImportError:  # loaded from its file where graphkit is not installed: so 
         return module
 
     session = _load("training_info.py").session  # type: ignore[attr-defined]
-    epoch_batches = _load("training/batches.py").epoch_batches  # type: ignore[attr-defined]
+    _batches = _load("training/batches.py")
+    epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows  # type: ignore[attr-defined]
 
 META = "graphkit.training_step"
 """The metadata key of an exported step: JSON with features, label, sample_weight, loss,
@@ -79,6 +80,14 @@ class StepTrainer:
         self._resident = {n: initial[n] for n in self.roles["resident"]}
         inputs = {i.name: i for i in self.model.graph.input}
         self._label_rank = len(inputs[self.roles["label"]].type.tensor_type.shape.dim)
+        # every feature input (steps exported before graphkit took several name one)
+        self.inputs = list(self.roles.get("inputs") or [self.roles["features"]])
+        weight = self.roles.get("sample_weight")
+        self._weight_dtype = (
+            onnx.helper.tensor_dtype_to_np_dtype(inputs[weight].type.tensor_type.elem_type)
+            if weight
+            else None
+        )
         self._run = session(self.model, runtime)
         self._outputs = [o.name for o in self.model.graph.output]
         self.train_losses_: list[float] = []
@@ -88,10 +97,26 @@ class StepTrainer:
         return {n: np.array(v) for n, v in self._resident.items()}
 
     def fit(
-        self, X: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None, epochs: int = 1
+        self,
+        X: np.ndarray | dict[str, np.ndarray],
+        y: np.ndarray,
+        sample_weight: np.ndarray | None = None,
+        epochs: int = 1,
     ) -> StepTrainer:
-        """Train ``epochs`` more epochs; ``train_losses_`` gets each epoch's mean batch loss."""
-        X, y = np.asarray(X), np.asarray(y)
+        """Train ``epochs`` more epochs; ``train_losses_`` gets each epoch's mean batch loss.
+
+        Args:
+            X: the features: an array, or ``{input name: array}`` for a step with several
+                feature inputs (``self.inputs``).
+            y: the labels.
+            sample_weight: one weight per row, for a step exported with sample weights.
+            epochs: how many epochs.
+
+        Raises:
+            ValueError: sample weights for a step without, or ``X`` not naming every
+                feature input.
+        """
+        X, y = self._features(X), np.asarray(y)
         if y.ndim == 1 and self._label_rank == 2:
             y = y.reshape(-1, 1)
         weight = self.roles.get("sample_weight")
@@ -100,13 +125,16 @@ class StepTrainer:
         w = None
         if weight:
             w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight)
-            w = w.astype(X.dtype, copy=False)
+            w = w.astype(self._weight_dtype, copy=False)
         for _ in range(epochs):
             order = self._rng.permutation(len(X)) if self.shuffle else None
             self._resident["loss_sum"] = np.zeros_like(self._resident["loss_sum"])
             batches = 0
             for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, self.batch_size):
-                feeds = {self.roles["features"]: X_batch, self.roles["label"]: y_batch}
+                if isinstance(X_batch, NamedRows):
+                    feeds = {**X_batch.arrays, self.roles["label"]: y_batch}
+                else:
+                    feeds = {self.inputs[0]: X_batch, self.roles["label"]: y_batch}
                 if weight:
                     feeds[weight] = w_batch
                 out = dict(zip(self._outputs, self._run({**feeds, **self._resident})))
@@ -114,6 +142,23 @@ class StepTrainer:
                 batches += 1
             self.train_losses_.append(float(self._resident["loss_sum"]) / batches)
         return self
+
+    def _features(self, X: np.ndarray | dict[str, np.ndarray]) -> np.ndarray | NamedRows:
+        """One array for one feature input, :class:`NamedRows` of ``{name: array}`` for
+        several."""
+        if not isinstance(X, dict):
+            if len(self.inputs) != 1:
+                raise ValueError(
+                    f"This training step takes {len(self.inputs)} feature inputs "
+                    f"{self.inputs}: pass X as a dict {{input name: array}}."
+                )
+            return np.asarray(X)
+        if sorted(X) != sorted(self.inputs):
+            raise ValueError(
+                f"X names {sorted(X)}; this training step's feature inputs are {self.inputs}."
+            )
+        arrays = {name: np.asarray(X[name]) for name in self.inputs}
+        return arrays[self.inputs[0]] if len(arrays) == 1 else NamedRows(arrays)
 
     def to_model(self) -> onnx.ModelProto:
         """The step with its resident inputs defaulting to the current values."""

@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--features", default="X", help="NPZ: the feature array")
     parser.add_argument(
+        "--input",
+        action="append",
+        default=None,
+        metavar="NAME=COLUMNS",
+        help="for a model with several inputs, once per input: the CSV columns "
+        "(comma-separated) or the NPZ array it reads, e.g. --input X=age,bmi --input "
+        "ids=city (integer columns feed int64 inputs); by default every column but the "
+        "label goes to the model's only input",
+    )
+    parser.add_argument(
         "--loss",
         default="squared_error",
         help=f"loss name, one of {', '.join(losses.LOSSES.names())}",
@@ -205,6 +215,87 @@ def _read_csv(path: str, label: str | None) -> tuple[np.ndarray, np.ndarray, lis
     return X, table[:, index], [h for h in header if h != label]
 
 
+def parse_inputs(specs: Sequence[str]) -> dict[str, list[str]]:
+    """``{input name: [column or array names]}`` from ``--input NAME=COLUMNS`` options.
+
+    Raises:
+        CliError: a malformed option, or an input named twice.
+    """
+    inputs: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, columns = spec.partition("=")
+        names = [c.strip() for c in columns.split(",") if c.strip()]
+        if not name.strip() or not names:
+            raise CliError(f"--input {spec!r}: write NAME=COLUMNS, e.g. --input X=age,bmi")
+        if name.strip() in inputs:
+            raise CliError(f"--input names {name.strip()!r} twice; give each input once")
+        inputs[name.strip()] = names
+    return inputs
+
+
+def read_inputs(
+    path: str, label: str | None, inputs: dict[str, list[str]]
+) -> tuple[dict[str, np.ndarray], np.ndarray, list[str]]:
+    """``({input name: array}, y, column or array names)``: each input's CSV columns
+    (every column but the label must go to one input), or the NPZ array it names.
+
+    Raises:
+        CliError: what :func:`read_dataset` refuses, and an unknown column or array, a
+            column given to several inputs or to none.
+    """
+    if not path.endswith(".npz"):
+        X, y, names = read_dataset(path, label, "")
+        return _columns_to_inputs(path, X, names, inputs), y, names
+    if not os.path.isfile(path):
+        raise CliError(f"no data file {path!r}")
+    if any(len(arrays) != 1 for arrays in inputs.values()):
+        raise CliError("--input for an NPZ file names one array per input: NAME=ARRAY")
+    wanted = {name: arrays[0] for name, arrays in inputs.items()}
+    try:
+        data = np.load(path)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{path} is not a readable NPZ file: {exc}") from None
+    with data:
+        label = label or "y"
+        missing = [k for k in [*wanted.values(), label] if k not in data]
+        if missing:
+            raise CliError(f"{path} has no array {missing}; it holds {sorted(data)}")
+        X = {name: data[array] for name, array in wanted.items()}
+        y = data[label]
+    for name, array in [*X.items(), (label, y)]:
+        if array.dtype.kind not in "iufb":
+            raise CliError(f"{path}: array {name!r} is {array.dtype}, not numeric")
+        if len(array) != len(y):
+            raise CliError(f"{path}: array {name!r} has {len(array)} rows, {label!r} {len(y)}")
+    return X, y, list(wanted.values())
+
+
+def _columns_to_inputs(
+    path: str, X: np.ndarray, names: list[str], inputs: dict[str, list[str]]
+) -> dict[str, np.ndarray]:
+    given = [c for columns in inputs.values() for c in columns]
+    unknown = [c for c in given if c not in names]
+    if unknown:
+        raise CliError(f"--input: {path} has no column {unknown}; its columns are {names}")
+    twice = sorted({c for c in given if given.count(c) > 1})
+    if twice:
+        raise CliError(f"--input: columns {twice} go to several inputs; give each to one")
+    left = [c for c in names if c not in given]
+    if left:
+        raise CliError(
+            f"--input: columns {left} go to no input; map each column but the label to an "
+            "input (or drop it from the file)"
+        )
+    return {name: X[:, [names.index(c) for c in columns]] for name, columns in inputs.items()}
+
+
+def _rows(X: np.ndarray | dict[str, np.ndarray], rows: np.ndarray) -> Any:
+    """The rows ``rows`` of one array or of each input's array."""
+    if isinstance(X, dict):
+        return {name: array[rows] for name, array in X.items()}
+    return X[rows]
+
+
 def _number(cell: str, path: str, line: int, column: int, name: str) -> float:
     text = cell.strip()
     where = f"{path}, line {line}, column {column} ({name!r})"
@@ -296,7 +387,7 @@ def cli_schedule(name: str, lr: float, total_steps: int) -> Any:
 class _Job:
     """The data, loss and model of one run, checked."""
 
-    X: np.ndarray
+    X: np.ndarray | dict[str, np.ndarray]  # {input name: array} for several inputs
     y: np.ndarray
     names: list[str]
     dataset: str
@@ -341,9 +432,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _job(args: argparse.Namespace) -> _Job:
     """The data (labels cast for the loss), the held-out split and the training graph."""
     default_job = args.model is None and args.data is None
+    inputs = parse_inputs(args.input) if args.input else None
+    X: np.ndarray | dict[str, np.ndarray]
     if default_job:
         from sklearn.datasets import load_diabetes
 
+        if inputs is not None:
+            raise CliError("--input maps the columns of --data; the default job has one input")
         X, y = load_diabetes(return_X_y=True)
         names = list(load_diabetes().feature_names)
         dataset = "scikit-learn diabetes"
@@ -351,12 +446,16 @@ def _job(args: argparse.Namespace) -> _Job:
         raise CliError("--data needs a MODEL to train (an .onnx file)")
     elif args.data is None:
         raise CliError("a MODEL needs --data (a CSV or NPZ file)")
+    elif inputs is not None:
+        X, y, names = read_inputs(args.data, args.label, inputs)
+        dataset = args.data
     else:
         X, y, names = read_dataset(args.data, args.label, args.features)
         dataset = args.data
-    train_rows, test_rows = split(len(X), args.validation_split, args.seed)
+    train_rows, test_rows = split(len(y), args.validation_split, args.seed)
     loss = losses.get(args.loss)
-    X = X.astype(np.float32)
+    if not isinstance(X, dict):  # several inputs keep their numbers: the trainer casts
+        X = X.astype(np.float32)  # each to its input's type (ids to int64)
     if loss.task == "classification":
         if not np.array_equal(y, np.round(y)):
             raise CliError(f"the loss {loss.name!r} needs integer class labels; the labels are not")
@@ -373,7 +472,30 @@ def _job(args: argparse.Namespace) -> _Job:
     already = metadata(model).get(META_LOSS) or ("loss" if "loss" in outputs else None)
     if not already:
         model = gk.add_loss_output(model, loss, output_index=args.output_index)
+    _check_inputs(model, weights, inputs)
     return _Job(X, y, names, dataset, default_job, loss, train_rows, test_rows, model, weights)
+
+
+def _check_inputs(
+    model: onnx.ModelProto, weights: list[str] | None, inputs: dict[str, list[str]] | None
+) -> None:
+    """The ``--input`` options name the model's inputs (needed when it has several)."""
+    from graphkit.training.step import data_inputs
+
+    try:
+        features = data_inputs(model, weights or [], "weight")[0]
+    except (ValueError, KeyError):  # the trainer explains a graph without its label
+        return
+    if inputs is None:
+        if len(features) > 1:
+            raise CliError(
+                f"the model takes {len(features)} inputs {features}: say which columns each "
+                "reads with --input NAME=COLUMNS, once per input (e.g. --input "
+                f"{features[0]}=a,b --input {features[1]}=c)"
+            )
+        return
+    if sorted(inputs) != sorted(features):
+        raise CliError(f"--input names {sorted(inputs)}; the model's inputs are {features}")
 
 
 def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, float, list[float]]:
@@ -392,11 +514,11 @@ def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, f
         distributed=args.distributed,
     )
     test = job.test_rows
-    held_out = (job.X[test], job.y[test]) if len(test) else (None, None)
+    held_out = (_rows(job.X, test), job.y[test]) if len(test) else (None, None)
     epoch_ends: list[float] = []
     start = time.perf_counter()
     trainer.fit(
-        job.X[job.train_rows],
+        _rows(job.X, job.train_rows),
         job.y[job.train_rows],
         X_val=held_out[0],
         y_val=held_out[1],
@@ -430,7 +552,7 @@ def _report(
         "export": getattr(args, "export", False),
     }
     if len(job.test_rows):
-        prediction = trainer.predict(job.X[job.test_rows])
+        prediction = trainer.predict(_rows(job.X, job.test_rows))
         if job.loss.task == "regression":
             report["held_out_r2"] = r2(job.y[job.test_rows], prediction)
             say(f"held-out R^2 (graphkit): {report['held_out_r2']:.4f}")

@@ -31,6 +31,7 @@ def test_help_lists_every_option():
         "--seed",
         "--weights",
         "--output",
+        "--input",
     ):
         assert option in text
     assert "squared_error" in text and "adam" in text and "cosine" in text
@@ -297,3 +298,66 @@ def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_p
     assert main(["export", *argv, "--output", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "ConvGrad" in err, err
+
+
+def _features_and_ids_model() -> onnx.ModelProto:
+    """Y = a W + E[ids]: two float columns and an int64 category id (an embedding)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["a", "W"], ["linear"]),
+            helper.make_node("Gather", ["E", "ids"], ["embedded"]),  # (N, 1, 1)
+            helper.make_node("Squeeze", ["embedded", "axis"], ["offset"]),
+            helper.make_node("Add", ["linear", "offset"], ["Y"]),
+        ],
+        "features_and_ids",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
+        [
+            numpy_helper.from_array(np.zeros((2, 1), np.float32), "W"),
+            numpy_helper.from_array(np.zeros((5, 1), np.float32), "E"),
+            numpy_helper.from_array(np.array([1], np.int64), "axis"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_input_maps_columns_to_a_model_with_several_inputs(tmp_path, rng, capsys):
+    """--input NAME=COLUMNS, once per input: float columns to one, category ids (numbers
+    in the CSV) to an int64 input; omitting it, or leaving a column out, is refused."""
+    X = rng.normal(size=(300, 2))
+    category = rng.integers(0, 5, size=300)
+    offsets = np.array([0.5, -1.0, 0.0, 1.0, 2.0])
+    y = X @ np.array([2.0, -1.0]) + offsets[category]
+    data = tmp_path / "train.csv"
+    table = np.column_stack([X, category, y])
+    np.savetxt(data, table, delimiter=",", header="x1,x2,city,target", comments="")
+    model = tmp_path / "model.onnx"
+    onnx.save(_features_and_ids_model(), model)
+    argv = [str(model), "--data", str(data), "--lr", "0.05", "--epochs", "60", "--quiet"]
+    out = tmp_path / "out"
+    code = main([*argv, "--input", "a=x1,x2", "--input", "ids=city", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["held_out_r2"] > 0.99
+    trained = gk.get_train_initializer(onnx.load(str(out / "model.onnx")))
+    np.testing.assert_allclose(trained["W"][:, 0], [2.0, -1.0], atol=0.05)
+    np.testing.assert_allclose(trained["E"][:, 0], offsets, atol=0.1)
+    # the same data as NPZ arrays
+    np.savez(tmp_path / "train.npz", features=X, city=category[:, None], y=y)
+    npz = [str(model), "--data", str(tmp_path / "train.npz"), "--epochs", "2", "--quiet"]
+    assert main([*npz, "--input", "a=features", "--input", "ids=city", "--output", str(out)]) == 0
+    for extra, expected in [
+        ([], "the model takes 2 inputs ['a', 'ids']: say which columns each reads with --input"),
+        (["--input", "a=x1", "--input", "ids=city"], "columns ['x2'] go to no input"),
+        (["--input", "a=x1,x2", "--input", "idz=city"], "the model's inputs are ['a', 'ids']"),
+        (["--input", "a=x1,x2,x9", "--input", "ids=city"], "has no column ['x9']"),
+        (["--input", "a"], "write NAME=COLUMNS"),
+    ]:
+        assert main([*argv, *extra, "--output", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and expected in err, err

@@ -5,7 +5,7 @@
   (:meth:`graphkit.backends.base.GradientSource.to_standard`), so that plain
   onnxruntime, ``onnx.reference`` or any other runtime can keep training::
 
-      inputs : <features>, <label>[, <sample weight>]         (one mini-batch)
+      inputs : <features>..., <label>[, <sample weight>]      (one mini-batch)
                <weights>, <optimizer state>, step, loss_sum     (resident: initializers
                                                                  hold their current values)
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
@@ -75,7 +75,7 @@ def export_training_step(
     model.graph.initializer.extend(
         numpy_helper.from_array(value, name) for name, value in resident.items()
     )
-    data = [step.features, step.label] + ([step.sample_weight] if step.sample_weight else [])
+    data = step.data
     model.doc_string = (
         f"graphkit training step in standard ONNX. Feed one batch ({', '.join(data)}); the "
         f"resident inputs ({', '.join(resident)}) default to the exported values. "
@@ -84,7 +84,8 @@ def export_training_step(
     )
     inputs = {i.name for i in model.graph.input}
     roles = {
-        "features": step.features,
+        "features": step.features,  # the first feature input (graphkit < several inputs)
+        "inputs": list(step.feature_inputs),
         "label": step.label,
         "sample_weight": step.sample_weight if step.sample_weight in inputs else None,
         "loss": step.loss,
@@ -198,7 +199,8 @@ def export_training_epoch(
 
     ::
 
-        inputs : <features> (all rows), <label> (all rows)[, <sample weight>],
+        inputs : <features>... (all rows, every feature input), <label> (all rows)
+                 [, <sample weight>],
                  permutation (int64, the row order: numpy's permutation for shuffling,
                  arange(n) without), batch_size (int64 scalar),
                  <weights>, <optimizer state>, step, loss_sum   (default: current values)
@@ -209,7 +211,7 @@ def export_training_epoch(
     """
     step, body_model, resident = _portable_step(trainer)
     present = {i.name for i in body_model.graph.input}
-    data = [step.features, step.label] + ([step.sample_weight] if step.sample_weight else [])
+    data = step.data
     model = loop_over_batches(
         body_model, [d for d in data if d in present], list(resident), step.loss
     )

@@ -10,7 +10,8 @@
 * :func:`build_training_step`: full training. The gradient graph the backend's gradient
   source builds for the loss, followed by the update step, as one graph::
 
-      inputs : X, label[, weight], <weights>, <optimizer state>, step, loss_sum
+      inputs : X (every feature input), label[, weight], <weights>, <optimizer state>,
+               step, loss_sum
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
 ``step`` and ``loss_sum`` are resident like the weights: a loop binds every ``.next``
@@ -159,13 +160,26 @@ class UpdateStep:
 
 @dataclass
 class TrainingStep(UpdateStep):
-    """A fused full-training step; ``features``, ``label``, ``sample_weight`` name its
-    data inputs and ``loss`` its loss output."""
+    """A fused full-training step; ``feature_inputs`` (the model's inputs, in graph
+    order; ``features`` is the first), ``label`` and ``sample_weight`` name its data
+    inputs and ``loss`` its loss output."""
 
     features: str = ""
     label: str = ""
     sample_weight: str | None = None
     loss: str = LOSS
+    feature_inputs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.feature_inputs and self.features:
+            self.feature_inputs = [self.features]
+
+    @property
+    def data(self) -> list[str]:
+        """The inputs fed per batch: every feature input, the label[, sample weights]."""
+        return [*self.feature_inputs, self.label] + (
+            [self.sample_weight] if self.sample_weight else []
+        )
 
 
 def build_update_step(
@@ -345,11 +359,18 @@ def _emit_packed(
 
 def data_inputs(
     train_onx: onnx.ModelProto, weights: Sequence[str], sample_weight_name: str | None
-) -> tuple[str, str, str | None]:
-    """``(features, label, sample weight)`` input names of a training graph.
+) -> tuple[list[str], str, str | None]:
+    """``(feature inputs, label, sample weight)`` input names of a training graph: the
+    feature inputs are every other input, in graph order (a model may take several,
+    numeric features beside token ids, say).
 
-    Graphs made by :func:`graphkit.add_loss_output` record them in their metadata; other
-    graphs must have inputs ``(features, label[, sample_weight_name])``.
+    Graphs made by :func:`graphkit.add_loss_output` record the label and sample-weight
+    names in their metadata; other graphs must name them ``label`` (and
+    ``sample_weight_name``).
+
+    Raises:
+        UnknownNameError: no input holds the labels.
+        ValueError: no input is left for the features.
     """
     meta = metadata(train_onx)
     initializers = {i.name for i in train_onx.graph.initializer}
@@ -363,12 +384,12 @@ def data_inputs(
             f"Cannot tell which input holds the labels among {inputs}: build the training "
             "graph with graphkit.add_loss_output, or name the label input 'label'."
         )
-    if len(others) != 1:
+    if not others:
         raise ValueError(
-            f"The training graph must have one feature input besides the label"
-            f"{' and sample weights' if weight else ''}; it has {others}."
+            f"The training graph has no feature input besides the label"
+            f"{' and sample weights' if weight else ''}: its inputs are {inputs}."
         )
-    return others[0], label, weight
+    return others, label, weight
 
 
 def build_training_step(
@@ -438,10 +459,11 @@ def build_training_step(
         state=update.state,
         initial=update.initial,
         packing=update.packing,
-        features=features,
+        features=features[0],
         label=label,
         sample_weight=sample_weight,
         loss=loss_output_name,
+        feature_inputs=features,
     )
 
 

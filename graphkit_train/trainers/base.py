@@ -25,7 +25,7 @@ from graphkit.errors import ConvergenceError
 from graphkit.losses import REGRESSION, Loss, check_class_labels
 from graphkit.parameters import untie_constants, untie_shared_parameters
 from graphkit.rewrite import set_weights
-from graphkit.training.batches import epoch_batches
+from graphkit.training.batches import Rows, epoch_batches
 from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
 from graphkit.transforms import ema_weights
 from graphkit_train.distributed import ProcessGroup, digest, shard
@@ -35,7 +35,7 @@ from graphkit_train.trainers.estimator import EstimatorMixin
 from graphkit_train.trainers.params import (
     ParamsMixin,
     as_state,
-    check_features,
+    check_inputs,
     check_label_width,
     check_labels,
     check_loop_param,
@@ -48,8 +48,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     """Mini-batch training around a resident session; see the module docstring.
 
     Subclasses set in ``_build``: ``update_step_`` (an :class:`UpdateStep`),
-    ``_resident_session``, ``_features_value``, ``_label_value``,
-    ``_accepts_sample_weight``, ``_requires_sample_weight``,
+    ``_resident_session``, ``_input_values`` (the model's inputs, in graph order),
+    ``_label_value``, ``_weight_dtype``, ``_accepts_sample_weight``,
+    ``_requires_sample_weight``,
     ``_providers``, ``_ort_device``, ``_device_id``; and implement ``_run_batch``,
     ``_predict_outputs``, ``_loss``, ``_prediction_model`` and ``_graphs``.
     """
@@ -96,11 +97,17 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         """Train for ``max_iter`` epochs of shuffled mini-batches.
 
         Args:
-            X, y, sample_weight: the training data (sample weights when the loss takes
-                them).
-            X_val, y_val: held-out data, scored every ``validation_every`` epochs (and
-                every epoch for ``early_stopping``, which otherwise holds out
-                ``validation_fraction`` of X).
+            X: the features: an array for a model with one input, or a dict
+                ``{input name: array}`` (as onnxruntime's feeds) for a model with several
+                (every array with one row per sample; integer inputs such as token ids
+                are fed, never differentiated).
+            y: the labels, shaped like the prediction for a regression (``(N, k)`` for k
+                outputs; ``(N,)`` or ``(N, 1)`` for one), class indices ``(N,)`` for a
+                classification.
+            sample_weight: one weight per sample, when the loss takes them.
+            X_val, y_val: held-out data (``X_val`` in the form of ``X``), scored every
+                ``validation_every`` epochs (and every epoch for ``early_stopping``, which
+                otherwise holds out ``validation_fraction`` of the rows).
             callback: called after every epoch as ``callback(epoch, losses, trainer)``
                 with ``losses = {"train": ..., "validation": ... or None}``; returning
                 True stops training.
@@ -115,6 +122,10 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 loss that cannot be (probabilities outside [0, 1]); the weights and the
                 optimizer state are restored to the end of the last good epoch (with
                 ``exc=False``, a warning instead, and training stops).
+            ShapeError: one array given to a model with several inputs (it names them
+                and says to pass a dict), arrays with different numbers of rows, or labels
+                of another width than the prediction (it names both shapes).
+            UnknownNameError: a dict of inputs missing one or naming an unknown one.
             ValueError: class labels outside the model's classes, and other bad input.
         """
         self._build()
@@ -154,7 +165,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         max_iter = check_loop_param("max_iter", self.max_iter)
         batch_size = check_loop_param("batch_size", self.batch_size)
         X, y, w, validation = self._checked_data(train, held_out, group, seed, batch_size)
-        if X.ndim == 2:
+        if isinstance(X, np.ndarray) and X.ndim == 2:  # one input (scikit-learn's habit)
             self.n_features_in_ = int(X.shape[1])
         first_epoch = len(self.train_losses_) if resumed else 0
         if not ((self.warm_start or resumed) and self._fitted):
@@ -229,7 +240,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         group: ProcessGroup | None,
         seed: int | None,
         batch_size: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[Any, ...] | None]:
+    ) -> tuple[Rows, np.ndarray, np.ndarray | None, tuple[Any, ...] | None]:
         """``(X, y, w, validation)`` checked; in distributed training a failure on one
         rank stops every rank with that rank's message."""
         failure: BaseException | None = None
@@ -260,7 +271,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
 
     def _run_epoch(
         self,
-        X: np.ndarray,
+        X: Rows,
         y: np.ndarray,
         w: np.ndarray | None,
         batch_size: int,
@@ -274,14 +285,14 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         return self._run_steps(X, y, w, order, batch_size, group)
 
     def _prepare_epochs(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, batch_size: int
+        self, X: Rows, y: np.ndarray, w: np.ndarray | None, batch_size: int
     ) -> None:
         """Called once per ``fit`` before the first epoch, with the training data
         (subclasses that bind the whole data once do it here)."""
 
     def _run_rows(
         self,
-        X: np.ndarray,
+        X: Rows,
         y: np.ndarray,
         w: np.ndarray | None,
         order: np.ndarray | None,
@@ -293,7 +304,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
 
     def _run_steps(
         self,
-        X: np.ndarray,
+        X: Rows,
         y: np.ndarray,
         w: np.ndarray | None,
         order: np.ndarray | None,
@@ -313,8 +324,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         return float(self._resident[LOSS_SUM].numpy()) / batches
 
     def _hold_out(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, seed: int | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[Any, ...]]:
+        self, X: Rows, y: np.ndarray, w: np.ndarray | None, seed: int | None
+    ) -> tuple[Rows, np.ndarray, np.ndarray | None, tuple[Any, ...]]:
         """Split ``validation_fraction`` of the rows off for early stopping (seeded by
         ``random_state``, as scikit-learn's MLP does)."""
         n_val = int(round(self.validation_fraction * len(X)))
@@ -387,17 +398,19 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             )
 
     @abstractmethod
-    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+    def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         """``(loss, {weight: gradient})`` of one batch as OrtValues (weights unchanged)."""
 
     @abstractmethod
-    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+    def _run_batch(self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None) -> None:
         """One training step on a batch; ``binding`` reads the current resident set."""
 
     def _check(
         self, X: Any, y: Any, sample_weight: Any, x_name: str = "X", y_name: str = "y"
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        X = check_features(X, self._features_value, x_name, type(self).__name__)
+    ) -> tuple[Rows, np.ndarray, np.ndarray | None]:
+        """``(X, y, sample weights)`` checked: X one array for a one-input model,
+        :class:`NamedRows` for several (from ``{input name: array}``)."""
+        X = check_inputs(X, self._input_values, x_name, type(self).__name__)
         y = check_labels(y, self._label_value, len(X), y_name)
         if self._is_classifier() and self.loss_ is not None:
             check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
@@ -410,7 +423,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 "sample_weight given but the training graph has no sample-weight input; "
                 "build it with add_loss_output(..., weight_name='weight')."
             )
-        return X, y, check_sample_weight(sample_weight, len(X), X.dtype)
+        return X, y, check_sample_weight(sample_weight, len(X), self._weight_dtype)
 
     def get_trained_onnx(
         self, model: onnx.ModelProto | None = None, ema: bool = False
@@ -501,11 +514,11 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     _prediction_shape: tuple[int | str, ...]
 
     @abstractmethod
-    def _predict_outputs(self, X: np.ndarray) -> np.ndarray:
+    def _predict_outputs(self, X: Rows) -> np.ndarray:
         """The prediction output for checked features, with the current weights."""
 
     @abstractmethod
-    def _loss(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> float:
+    def _loss(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> float:
         """The loss on checked data, with the current weights."""
 
     @abstractmethod
@@ -521,7 +534,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
 class _FitRun:
     """What the epochs of one ``fit`` call share."""
 
-    data: tuple[np.ndarray, np.ndarray, np.ndarray | None]
+    data: tuple[Rows, np.ndarray, np.ndarray | None]
     validation: tuple[Any, ...] | None
     group: ProcessGroup | None
     batch_size: int

@@ -14,19 +14,21 @@ import numpy as np
 import onnx
 
 from graphkit.errors import ShapeError, not_fitted
-from graphkit_train.trainers.params import check_features, check_sample_weight
+from graphkit.training.batches import NamedRows, Rows
+from graphkit_train.trainers.params import check_inputs, check_sample_weight
 
 
 class EstimatorMixin:
     """``predict``, ``predict_proba``, ``classes_``, ``score``, ``compute_loss``.
 
     The trainer provides ``_build``, ``_fitted``, ``_allocate``, ``_predict_outputs``,
-    ``_loss``, ``_check``, ``_is_classifier``, ``loss_``, ``_features_value`` and
+    ``_loss``, ``_check``, ``_is_classifier``, ``loss_``, ``_input_values`` and
     ``_prediction_shape``.
     """
 
     def predict(self, X: Any) -> np.ndarray:
-        """Predictions with the trained weights.
+        """Predictions with the trained weights, for ``X`` as ``fit`` takes it (one
+        array, or ``{input name: array}`` for a model with several inputs).
 
         A regression graph returns the output the loss is computed on (1-D for one
         column); a classification graph returns class labels in ``classes_`` (argmax of
@@ -35,20 +37,24 @@ class EstimatorMixin:
         self._build()
         return self._predict_checked(self._features(X))
 
-    def _predict_checked(self, X: np.ndarray) -> np.ndarray:
+    def _predict_checked(self, X: Rows) -> np.ndarray:
         """``predict`` on features already checked by :meth:`_features`."""
         output = self._predict_outputs(X)
         if self._is_classifier() and self.loss_ is not None:
             return self.loss_.labels(output)
         return output[:, 0] if output.ndim == 2 and output.shape[1] == 1 else output
 
-    def _features(self, X: Any, what: str = "X") -> np.ndarray:
-        """Checked features for a fitted trainer (NotFittedError comes first)."""
+    def _features(self, X: Any, what: str = "X") -> Rows:
+        """Checked features for a fitted trainer (NotFittedError comes first): one array,
+        or :class:`~graphkit.training.batches.NamedRows` for a model with several inputs
+        (given as ``{input name: array}``)."""
         if not self._fitted:
             raise not_fitted(
                 f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
             )
-        X = check_features(X, self._features_value, what, type(self).__name__)
+        X = check_inputs(X, self._input_values, what, type(self).__name__)
+        if isinstance(X, NamedRows):
+            return X
         fitted_width = getattr(self, "n_features_in_", None)
         if X.ndim == 2 and fitted_width is not None and X.shape[1] != fitted_width:
             raise ShapeError(
@@ -92,11 +98,10 @@ class EstimatorMixin:
         if isinstance(columns, int):
             return columns
         if self._probed_classes is None:  # a dynamic class axis: one forward, once per build
-            probe = np.zeros((1, *self._features_shape()), dtype=self._features_dtype())
-            self._probed_classes = int(self._probe(probe).shape[1])
+            self._probed_classes = int(self._probe(self._zero_row()).shape[1])
         return self._probed_classes
 
-    def _probe(self, X: np.ndarray) -> np.ndarray:
+    def _probe(self, X: Rows) -> np.ndarray:
         """The prediction with the current weights, or the initial ones before ``fit``
         (allocated for this call only: a failed check leaves no state behind)."""
         if self._fitted:
@@ -107,13 +112,15 @@ class EstimatorMixin:
         finally:
             self._buffers = None
 
-    def _features_shape(self) -> tuple[int, ...]:
-        dims = [d.dim_value for d in self._features_value.type.tensor_type.shape.dim]
-        return tuple(dims[1:])
-
-    def _features_dtype(self) -> np.dtype:
-        elem = self._features_value.type.tensor_type.elem_type
-        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    def _zero_row(self) -> Rows:
+        """One row of zeros for every input (its declared dims; 0 where unknown)."""
+        rows = {}
+        for value in self._input_values:
+            dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            elem = value.type.tensor_type.elem_type
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+            rows[value.name] = np.zeros((1, *dims[1:]), dtype=dtype)
+        return next(iter(rows.values())) if len(rows) == 1 else NamedRows(rows)
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """scikit-learn's score: the coefficient of determination R^2 for a regression

@@ -35,7 +35,7 @@ from graphkit.rewrite import (
     strip_loss_output,
 )
 from graphkit.static_shapes import Fold, specialize
-from graphkit.training.batches import epoch_batches, shuffled_pieces
+from graphkit.training.batches import NamedRows, Rows, epoch_batches, shuffled_pieces
 from graphkit.training.epoch import scan_over_batches
 from graphkit.training.problem import TrainingProblem
 from graphkit.training.step import (
@@ -228,7 +228,7 @@ class Trainer(BaseTrainer):
                 step.model, self._providers, threads
             )
             self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
-        self._features_value = input_value(self.train_onnx_, step.features)
+        self._input_values = [input_value(self.train_onnx_, n) for n in step.feature_inputs]
         self.loss_ = _recorded_loss(self.train_onnx_)
         prediction = metadata(self.train_onnx_).get(META_PREDICTION)
         outputs = {o.name: o for o in self.train_onnx_.graph.output}
@@ -236,6 +236,11 @@ class Trainer(BaseTrainer):
         self._label_value = input_value(self.train_onnx_, step.label)
         self._classifier = self._has_class_labels(self.train_onnx_)
         self._accepts_sample_weight = self._requires_sample_weight = step.sample_weight is not None
+        self._weight_dtype = (  # read only where the graph takes sample weights
+            _elem_dtype(input_value(self.train_onnx_, step.sample_weight))
+            if step.sample_weight
+            else np.dtype(np.float32)
+        )
         # the training graph and the prediction graph, reading the weights as inputs
         self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
         self.prediction_onnx_ = strip_loss_output(self.evaluation_onnx_)
@@ -270,16 +275,18 @@ class Trainer(BaseTrainer):
             runner.bindings = None
 
     def _prepare_epochs(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, batch_size: int
+        self, X: Rows, y: np.ndarray, w: np.ndarray | None, batch_size: int
     ) -> None:
         runner = self._runner(batch_size)
         if runner.scan is not None:
             chunk = steps_per_run(self.steps_per_run)
-            runner.set_data([X, y] + ([] if w is None else [w]), self._c_device, chunk)
+            # the arrays in the order of runner.data: every feature input, label, weight
+            features = list(X.arrays.values()) if isinstance(X, NamedRows) else [X]
+            runner.set_data([*features, y] + ([] if w is None else [w]), self._c_device, chunk)
 
     def _run_rows(
         self,
-        X: np.ndarray,
+        X: Rows,
         y: np.ndarray,
         w: np.ndarray | None,
         order: np.ndarray | None,
@@ -351,13 +358,14 @@ class Trainer(BaseTrainer):
         self.update_step_ = build_update_step(values, self.learning_rate_, None, loss_dtype)
         self._resident_session = self._session(self.update_step_.model)
 
-    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+    def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         step = self.training_step_
         binding = self._gradient_session.io_binding()
         current = self._resident
         for name in step.weights:
             binding.bind_ortvalue_input(name, current[name])
-        binding.bind_cpu_input(step.features, X)
+        for name, value in self._feature_feeds(X).items():
+            binding.bind_cpu_input(name, value)
         binding.bind_cpu_input(step.label, y)
         if w is not None:
             binding.bind_cpu_input(step.sample_weight, w)
@@ -367,16 +375,20 @@ class Trainer(BaseTrainer):
         loss, *grads = binding_outputs(binding)
         return loss, dict(zip(step.weights, grads))
 
-    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+    def _run_batch(self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None) -> None:
         """One batch through the step built for any batch size (a last, shorter batch)."""
         self._run_step(self._resident_session, binding, X, y, w)
 
     def _run_step(
-        self, session: Any, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+        self, session: Any, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None
     ) -> None:
         """One batch through ``session``, whose ``binding`` holds the resident values."""
         step = self.training_step_
-        binding.bind_cpu_input(step.features, X)
+        if type(X) is NamedRows:
+            for name, value in X.arrays.items():
+                binding.bind_cpu_input(name, value)
+        else:
+            binding.bind_cpu_input(step.features, X)
         binding.bind_cpu_input(step.label, y)
         if w is not None:
             binding.bind_cpu_input(step.sample_weight, w)
@@ -396,15 +408,21 @@ class Trainer(BaseTrainer):
         session.run_with_iobinding(binding)
         return dict(zip(names, binding.copy_outputs_to_cpu()))
 
-    def _loss(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> float:
+    def _feature_feeds(self, X: Rows) -> dict[str, np.ndarray]:
+        """``{feature input: array}`` of one array or of :class:`NamedRows`."""
+        if isinstance(X, NamedRows):
+            return X.arrays
+        return {self.training_step_.features: X}
+
+    def _loss(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> float:
         step = self.training_step_
-        feeds = {step.features: X, step.label: y}
+        feeds = {**self._feature_feeds(X), step.label: y}
         if w is not None:
             feeds[step.sample_weight] = w  # type: ignore[index]
         return float(self._run(self._eval_session, feeds)[step.loss])
 
-    def _predict_outputs(self, X: np.ndarray) -> np.ndarray:
-        outputs = self._run(self._predict_session, {self.training_step_.features: X})
+    def _predict_outputs(self, X: Rows) -> np.ndarray:
+        outputs = self._run(self._predict_session, self._feature_feeds(X))
         name = metadata(self.train_onnx_).get(META_PREDICTION) or next(iter(outputs))
         return outputs[name]
 
@@ -476,9 +494,7 @@ class FusedRunner:
     ) -> None:
         self.step = step
         self.batch_size = batch_size
-        self.data = [step.features, step.label] + (
-            [step.sample_weight] if step.sample_weight else []
-        )
+        self.data = step.data  # every feature input, the label[, sample weights]
         model = (
             specialize(step.model, dict.fromkeys(self.data, batch_size), folds)
             if static
@@ -547,6 +563,10 @@ class FusedRunner:
             yield [
                 engine.c_ortvalue(g.reshape(-1, b, *g.shape[1:]), self._device) for g in gathered
             ]
+
+
+def _elem_dtype(value: onnx.ValueInfoProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
 
 
 def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +14,8 @@ import onnx
 from graphkit import optimizers, schedules
 from graphkit._graph import static_shape
 from graphkit.backends.ort_engine import CUDA_HINT, providers_for  # noqa: F401 - re-exported
-from graphkit.errors import DTypeError, ShapeError
+from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.training.batches import NamedRows
 from graphkit.transforms import GradientTransformation
 
 
@@ -172,7 +173,7 @@ def check_features(
             f"{what}.toarray() (or densify it batch by batch for large data)."
         )
     X = np.asarray(X)
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
     if X.dtype.kind == "c":
         raise ValueError(f"Complex data not supported: {what} is {X.dtype}.")
     if X.dtype.kind == "O":
@@ -206,6 +207,12 @@ def check_features(
         raise ValueError(
             f"{what} contains NaN or infinity (first at row {row}); clean or impute it."
         )
+    if dtype.kind in "iu" and X.dtype.kind == "f" and not np.array_equal(X, np.round(X)):
+        row = int(np.argwhere(X != np.round(X))[0][0])
+        raise DTypeError(
+            f"{what} holds non-integer values (first at row {row}), but input {value.name!r} "
+            f"is {dtype} (ids or categories): pass integers, {what}.astype(numpy.{dtype})."
+        )
     for axis, (expected, got) in enumerate(zip(dims, X.shape)):
         if axis and isinstance(expected, int) and expected != got:
             if axis == 1 and X.ndim == 2:
@@ -218,6 +225,54 @@ def check_features(
                 f"(input {value.name!r} is {dims})."
             )
     return np.ascontiguousarray(X, dtype=dtype)
+
+
+def check_inputs(
+    X: Any, values: Sequence[onnx.ValueInfoProto], what: str = "X", owner: str = "the model"
+) -> np.ndarray | NamedRows:
+    """The features of a model with the graph inputs ``values``, checked (see
+    :func:`check_features`): one array for one input, :class:`NamedRows` for several.
+
+    ``X`` is an array for a one-input model, or ``{input name: array}`` (as
+    onnxruntime's feeds) for any model; every array has the same rows.
+
+    Raises:
+        ShapeError: one array for a model with several inputs (the message names them and
+            says to pass a dict), or arrays with different numbers of rows.
+        UnknownNameError: a dict missing an input or naming one the model does not have.
+    """
+    names = [v.name for v in values]
+    if isinstance(X, NamedRows):  # checked already (compute_loss checks twice)
+        X = X.arrays
+    sparse = type(X).__module__.startswith("scipy.sparse")  # a dok_matrix is a dict
+    if sparse or not isinstance(X, Mapping):
+        if len(values) == 1 or sparse:
+            return check_features(X, values[0], what, owner)
+        raise ShapeError(
+            f"{what} is one array, but the model takes {len(names)} inputs {names}: pass a dict "
+            f"{{input name: array}}, e.g. {what}={{"
+            + ", ".join(f"{n!r}: ..." for n in names)
+            + "}, each with one row per sample (as onnxruntime's feeds)."
+        )
+    missing = [n for n in names if n not in X]
+    unknown = [k for k in X if k not in names]
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"it has no array for {missing}")
+        if unknown:
+            problems.append(f"{unknown} {'is' if len(unknown) == 1 else 'are'} no input")
+        raise UnknownNameError(
+            f"{what} names {list(X)}: {' and '.join(problems)}. The model's inputs are "
+            f"{names}; pass one array for each."
+        )
+    arrays = {v.name: check_features(X[v.name], v, f"{what}[{v.name!r}]", owner) for v in values}
+    rows = {name: len(a) for name, a in arrays.items()}
+    if len(set(rows.values())) != 1:
+        raise ShapeError(
+            f"The arrays of {what} must have one row per sample each; they have {rows} rows."
+        )
+    return arrays[names[0]] if len(arrays) == 1 else NamedRows(arrays)
 
 
 def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") -> np.ndarray:

@@ -35,6 +35,7 @@ from graphkit.compat import load_model
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
+from graphkit.training.batches import NamedRows, Rows
 from graphkit.training.step import build_update_step, grad_name
 from graphkit.transforms import GradientTransformation
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
@@ -182,8 +183,6 @@ class ForwardBackwardTrainer(BaseTrainer):
             backend=self._backend.name,
             untie_shared_weights=self.untie_shared_weights,
         )
-        if len(fb.input_names) != 1:
-            raise ValueError(f"The graph must have one feature input; it has {fb.input_names}.")
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
         self._prediction_shape = named_shape(prediction)
         self.loss_ = self.learning_loss_.for_prediction(self._prediction_shape)
@@ -201,8 +200,9 @@ class ForwardBackwardTrainer(BaseTrainer):
         self._resident_session = self._backend.inference_session(
             specialize(self.update_step_.model, {}), self._providers, self._threads_for(size)
         )
-        self._features_value = input_value(model, fb.input_names[0])
+        self._input_values = [input_value(model, n) for n in fb.input_names]
         self._label_value = input_value(self.loss_onnx_, "label")
+        self._weight_dtype = np.dtype(dtype)
         self._accepts_sample_weight = True
         self._requires_sample_weight = False
         self._no_input_grads: frozenset[str] = frozenset()
@@ -213,7 +213,9 @@ class ForwardBackwardTrainer(BaseTrainer):
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
-        self._fuses = self._backend.fusable(
+        # the backend's fused step (agent_step) feeds one feature input: a model with
+        # several runs its batches as four calls
+        self._fuses = len(fb.input_names) == 1 and self._backend.fusable(
             self._variant.gradient_model, self.loss_onnx_, self.update_step_
         )
         self._agent_runs: dict[tuple[bool, int], Any] = {}
@@ -302,11 +304,11 @@ class ForwardBackwardTrainer(BaseTrainer):
 
     # -- one batch -------------------------------------------------------------------------
 
-    def _run_batch(self, binding: Any, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> None:
+    def _run_batch(self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None) -> None:
         """Two calls (the agent's forward with the loss, its backward with the update: it
         reads the current buffer set and writes the other, so a batch that fails leaves
         the current set as the last good batch left it) or, where the pieces cannot be
-        fused, four."""
+        fused (a model with several inputs, distributed training), four."""
         if self._fuses:
             key, runs = (w is not None, len(X)), self._agent_runs
             run = runs[key] if key in runs else self._agent_run(*key)
@@ -316,28 +318,38 @@ class ForwardBackwardTrainer(BaseTrainer):
         names = self._update_inputs
         self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
 
-    # -- four calls (distributed training, graphs older than the pieces' opset) -------------
+    # -- four calls (several inputs, distributed training, graphs older than the pieces' opset)
 
-    def _feeds(self, features: Any) -> list[Any]:
-        """The forward's C OrtValues in feed order: the features (a C OrtValue) and the
-        current weights (one list per buffer set, made once)."""
+    def _feeds(self, features: list[Any]) -> list[Any]:
+        """The forward's C OrtValues in feed order: the features (C OrtValues, one per
+        input in ``input_names`` order) and the current weights (one list per buffer set,
+        made once)."""
         if self._weight_feeds is None:
             sources = self._feed_sources
-            self._features_at = sources.index(self.forward_backward_.input_names[0])
+            self._features_at = [sources.index(n) for n in self.forward_backward_.input_names]
             self._weight_feeds = [
                 [None if n not in buffers else buffers[n]._ortvalue for n in sources]
                 for buffers in self._buffers  # type: ignore[union-attr]
             ]
         feeds = list(self._weight_feeds[self._current])
-        feeds[self._features_at] = features
+        for at, value in zip(self._features_at, features):
+            feeds[at] = value
         return feeds
 
-    def _forward(self, X: Any) -> Any:
+    def _feature_arrays(self, X: Rows) -> list[np.ndarray]:
+        """The arrays of every input, in ``input_names`` order, C-contiguous (the C values
+        made from them borrow their memory)."""
+        if isinstance(X, NamedRows):
+            arrays = X.arrays
+            return [np.ascontiguousarray(arrays[n]) for n in self.forward_backward_.input_names]
+        return [np.ascontiguousarray(X)]
+
+    def _forward(self, X: Rows) -> Any:
         """The prediction (an OrtValue) with the current weights, without training."""
         fb = self.forward_backward_
-        features = fb.to_ortvalue(X)
+        features = dict(zip(fb.input_names, map(fb.to_ortvalue, self._feature_arrays(X))))
         current = self._resident
-        feeds = [features if n == fb.input_names[0] else current[n] for n in self._feed_sources]
+        feeds = [features[n] if n in features else current[n] for n in self._feed_sources]
         session = self._variant.forward_session
         names = dict(zip(self._variant.feed_names, feeds))
         return session.run_with_ort_values([fb.output_names[0]], names)[0]
@@ -357,31 +369,32 @@ class ForwardBackwardTrainer(BaseTrainer):
         label = engine.c_ortvalue(y, device)
         return run(prediction, label, None if w is None else engine.c_ortvalue(w, device))
 
-    def _backward(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, Any]:
+    def _backward(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, Any]:
         """``(loss, gradients)`` of one batch: forward, loss and its gradient, backward,
         on C OrtValues (this is the hot loop: nothing is wrapped in Python objects); the
         gradients are a C vector in ``_gradient_of`` order."""
-        X = np.ascontiguousarray(X)  # the features' C value borrows it until the backward
+        arrays = self._feature_arrays(X)  # the C values borrow them until the backward
         fb = self.forward_backward_
         variant = fb._variant(self._no_input_grads, len(X))  # specialized to the batch size
-        features = engine.c_ortvalue(X, self._c_device)
+        device = self._c_device
+        features = [engine.c_ortvalue(a, device) for a in arrays]
         # the feeds vector (third) must live until the backward
         fetches, state, _feeds = self._backend.run_forward(variant.agent, self._feeds(features))
         loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=True)
         gradients = self._backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
         return loss, gradients
 
-    def _gradients(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
+    def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
         loss, gradients = self._backward(X, y, w)
         return loss, dict(zip(self._gradient_of, engine.wrap(gradients)))
 
     # -- using the trained weights ---------------------------------------------------------
 
-    def _loss(self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> float:
+    def _loss(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> float:
         prediction = self._forward(X)._ortvalue
         return float(self._loss_and_grad(prediction, y, w)[0].numpy())
 
-    def _predict_outputs(self, X: np.ndarray) -> np.ndarray:
+    def _predict_outputs(self, X: Rows) -> np.ndarray:
         return self._forward(X).numpy()
 
     def losses(self, X: Any, y: Any, sample_weight: Any = None) -> np.ndarray:
