@@ -18,8 +18,6 @@ Every test compares with a reference that is not the code under test:
 6. every native gradient graph made here holds ``ai.onnx`` / ``ai.onnx.ml`` operators
    only and passes ``onnx.checker.check_model(full_check=True)``.
 
-Tests marked ``xfail(strict=True)`` show defects found in the native source; their
-reason says what goes wrong.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from zoo.run import built
 
 import graphkit as gk
 from graphkit import backends
-from graphkit.errors import IncompatibleModelError, MissingGradientError
+from graphkit.errors import MissingGradientError
 from graphkit.prepare import trainable_weights
 from graphkit.rewrite import initializers_to_inputs
 
@@ -150,24 +148,10 @@ def _needs_torch(case) -> None:
         pytest.importorskip("torch")
 
 
-ZOO_XFAIL = {
-    "MLP(BatchNorm, Dropout; eval)[torch-script]": (
-        "TorchScript merges BatchNorm's fresh initializers: running_var = Identity(1.weight) "
-        "and running_mean = Identity(1.bias). onnx-ad 0.3.0's BatchNormalization reverse "
-        "rule returns no adjoint for the mean and variance operands (rules.py "
-        "_batch_norm_reverse: [..., None, None]), so the native gradient drops those paths: "
-        "1.weight's gradient is twice the true one and 1.bias's 0.05 instead of ~2e-7 "
-        "(onnxruntime-training agrees with finite differences; see "
-        "test_tied_batch_norm_statistics_match_finite_differences)"
-    )
-}
 DIFFERENTIABLE_BY_ORT = [
     pytest.param(
         case,
         id=case.id,
-        marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=ZOO_XFAIL[case.id])]
-        if case.id in ZOO_XFAIL
-        else [],
     )
     for case in CASES
     if case.refusal(FULL) is None
@@ -627,16 +611,6 @@ def test_scan_accumulating_with_weights_matches_finite_differences():
     assert_matches_finite_differences(model, ["U", "W", "scale", "S"], points)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "onnx-ad 0.3.0's BatchNormalization reverse rule (rules.py _batch_norm_reverse) "
-        "returns None for the mean and variance operands: a weight that is also read as "
-        "the mean or variance (as TorchScript's merged initializers are) loses that part "
-        "of its gradient, silently; the adapter neither adds it nor refuses"
-    ),
-)
 def test_tied_batch_norm_statistics_match_finite_differences():
     """BatchNormalization(h, s, b, mean=b, var=s) in inference mode, as TorchScript
     exports a fresh BatchNorm1d (scale 1 = running_var, bias 0 = running_mean)."""
@@ -678,18 +652,6 @@ def _through(path: str) -> list[onnx.NodeProto]:
 ZERO_DERIVATIVE_PATHS = ["Shape", "ArgMax", "Cast to int64", "Floor", "Greater"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # DID NOT RAISE: W_grad comes back as zeros
-    reason=(
-        "adapter._refuse_zero_gradients refuses a gradient that does not read the seed, but "
-        "onnx-ad 0.3.0 builds the adjoint of an input it has no path to as "
-        "ConstantOfShape(Concat(Shape(W), Slice(Shape(seed), -1))) (reverse.py ctx.zeros, "
-        "_build.py Context.count): the zeros read the seed's shape, so the check never "
-        "fires and a weight reached only through Shape / ArgMax / an integer Cast / Floor / "
-        "a comparison gets an all-zero gradient instead of MissingGradientError"
-    ),
-)
 @pytest.mark.parametrize("path", ZERO_DERIVATIVE_PATHS)
 def test_a_weight_reached_only_through_a_zero_derivative_is_refused(path):
     """loss = sum(X b) * k(W): W reaches the loss, but its gradient is zero for any data."""
@@ -778,21 +740,7 @@ def test_an_operator_without_a_rule_is_refused_with_its_name(kind):
     "kind",
     [
         "MaxRoiPool",
-        pytest.param(
-            "BatchNormalization(training_mode=1)",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason=(
-                    "onnx-ad 0.3.0 names the node only in its 'no reverse rule' message; "
-                    "a rule's own refusal ('BatchNormalization with training_mode is not "
-                    "differentiated', also AveragePool ceil_mode=1, Slice with steps or on "
-                    "the batch axis) names the operator only, and the adapter passes the "
-                    "text on although its docstring (and issue 21) says the error names "
-                    "the node"
-                ),
-            ),
-        ),
+        "BatchNormalization(training_mode=1)",
     ],
 )
 def test_a_refusal_names_the_node(kind):
@@ -917,17 +865,6 @@ def test_zoo_gradient_graphs_are_standard_onnx(case):
     assert_standard(zoo_native_gradient(case))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IncompatibleModelError,
-    reason=(
-        "graphkit.run (backends/ort_engine.run) opens a session without the native "
-        "backend's DISABLED_OPTIMIZERS: onnxruntime 1.19.2's GatherSliceToSplitFusion "
-        "gives two nodes of the native GRU gradient the name '/GatherSliceToSplitFusion/' "
-        "and the session refuses the graph it made, so the README's gk.run(grad_onx, ...) "
-        "fails on any native recurrent gradient"
-    ),
-)
 def test_graphkit_run_runs_a_native_recurrent_gradient():
     """As the README's quickstart runs a gradient graph: the weights as graph inputs."""
     pytest.importorskip("torch")

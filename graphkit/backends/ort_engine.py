@@ -123,6 +123,12 @@ def session_options(threads: Threads | None = None) -> Any:
     return options
 
 
+BROKEN_OPTIMIZERS = ("GatherSliceToSplitFusion",)
+"""onnxruntime graph optimizers every session turns off: in onnxruntime 1.19.2,
+GatherSliceToSplitFusion gives two nodes one name in a recurrent net's gradient graph,
+and the session then refuses the graph it made itself ('two nodes with same node name')."""
+
+
 def inference_session(
     model: onnx.ModelProto | bytes,
     providers: Sequence[str] = CPU,
@@ -137,7 +143,8 @@ def inference_session(
     """
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
-    extra = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
+    disabled = [*BROKEN_OPTIMIZERS, *disabled_optimizers]
+    extra = {"disabled_optimizers": disabled}
     try:
         return ort.InferenceSession(
             data, session_options(threads), providers=list(providers), **extra

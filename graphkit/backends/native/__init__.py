@@ -26,11 +26,6 @@ from graphkit.backends import ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, split
 
-DISABLED_OPTIMIZERS = ("GatherSliceToSplitFusion",)
-"""onnxruntime graph optimizers the native gradient graphs must not meet: in onnxruntime
-1.19.2, GatherSliceToSplitFusion gives two nodes one name in a recurrent net's gradient
-(the session then refuses the graph it made itself: 'two nodes with same node name')."""
-
 FLOAT64_DISABLED_OPTIMIZERS = ("MatmulTransposeFusion",)
 """Disabled too for float64 graphs on onnxruntime < 1.30: the fusion makes a
 ``com.microsoft.FusedMatMul`` of every ``MatMul`` of a transposed operand (what a gradient
@@ -39,12 +34,12 @@ is made of), and that kernel exists for float32 only before 1.30."""
 
 def _disabled_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
     if isinstance(model, bytes) or _version(ort_engine.version()) >= (1, 30):
-        return DISABLED_OPTIMIZERS
+        return ()
     graph = model.graph
     values = [*graph.input, *graph.output]
     if any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values):
-        return DISABLED_OPTIMIZERS + FLOAT64_DISABLED_OPTIMIZERS
-    return DISABLED_OPTIMIZERS
+        return FLOAT64_DISABLED_OPTIMIZERS
+    return ()
 
 
 def _version(text: str) -> tuple[int, ...]:

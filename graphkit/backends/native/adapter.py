@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import ancestors, copy_model, fresh_name, graph_names
+from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads
 from graphkit.backends.native import rules
 from graphkit.errors import MissingGradientError
 
@@ -164,7 +164,7 @@ def _refuse_zero_gradients(
 ) -> None:
     """A gradient that reads no seed is zeros for any data: onnx-ad found no
     differentiable path from its name to the outputs."""
-    zeros = [n for n, g in gradients.items() if not ancestors(model.graph, [g]) & set(seeds)]
+    zeros = [n for n, g in gradients.items() if not _value_ancestors(model.graph, g) & set(seeds)]
     if zeros:
         raise MissingGradientError(
             f"The outputs depend on {zeros} only through operators with no derivative "
@@ -172,6 +172,19 @@ def _refuse_zero_gradients(
             "is zero for any data, so they cannot be trained. Leave them out of "
             "weights_to_train."
         )
+
+
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+
+def _value_ancestors(graph: onnx.GraphProto, name: str) -> set[str]:
+    """The tensors whose *values* ``name`` depends on: what reaches it only through
+    ``Shape`` or ``Size`` (onnx-ad's zeros are shaped after the seed) does not count."""
+    needed = {name}
+    for node in reversed(graph.node):
+        if needed.intersection(node.output) and node.op_type not in _SHAPE_ONLY:
+            needed |= outer_reads(node)
+    return needed
 
 
 def _seed_with_ones(model: onnx.ModelProto, seed: onnx.ValueInfoProto, output: str) -> None:

@@ -13,6 +13,9 @@ takes any batch size), so these rules replace onnx-ad's for:
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only.
 
+It also completes one: onnx-ad gives an inference ``BatchNormalization`` no gradient for
+its running mean and variance, which an exporter may tie to a trained weight.
+
 Each falls back to onnx-ad's rule (and its explanation) when even those sizes are
 unknown. Rules follow onnx-ad's conventions (a derivative carries a trailing axis of seed
 directions) and use its helpers, which is why ``pyproject.toml`` pins its version.
@@ -120,7 +123,43 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
     return [padded] + [None] * (len(node.input) - 1)
 
 
+def batch_norm_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """Inference BatchNormalization ``y = s (x - m) / sqrt(v + e) + b``: onnx-ad's rule
+    for x, s and b, and the statistics too (an exporter may tie a trained weight to them,
+    as TorchScript ties ``running_var = Identity(weight)``):
+    ``dm = -sum(dy) s / sqrt(v + e)``, ``dv = -sum(dy z) s / (2 (v + e))`` with
+    ``z = (x - m) / sqrt(v + e)``, sums over every axis but the channel."""
+    from onnx_ad import rules as ad
+
+    contributions = list(ad._batch_norm_reverse(ctx, node, grads))
+    mean, variance = node.input[3], node.input[4]
+    if not (ctx.asked_for(mean) or ctx.asked_for(variance)):
+        return contributions
+    _, standardized = ad._batch_norm_parts(ctx, node, [None] * len(node.input))
+    scale = node.input[1]
+    dtype = ctx.dtype(node.output[0], node.input[0])
+    shifted = ctx.b.op("Add", [variance, ctx.constant(ad.attribute(node, "epsilon", 1e-5), dtype)])
+    rank = ctx.rank(node.output[0])
+    outside = [a for a in range(rank) if a != 1]
+    seeded = ctx.full(grads[0], node.output[0])
+
+    def per_channel(value: str, factor: str, like: str) -> str:
+        summed = ctx.reduce_sum(value, outside, keepdims=0)  # [C, seeds]
+        return ctx.reshape_like(ctx.b.op("Mul", [summed, ctx.lift(factor)]), like)
+
+    if ctx.asked_for(mean):  # factor -s / sqrt(v + e)
+        factor = ctx.b.op("Neg", [ctx.b.op("Div", [scale, ctx.b.op("Sqrt", [shifted])])])
+        contributions[3] = per_channel(seeded, factor, mean)
+    if ctx.asked_for(variance):  # factor -s / (2 (v + e))
+        half = ctx.b.op("Mul", [shifted, ctx.constant(-2.0, dtype)])
+        factor = ctx.b.op("Div", [scale, half])
+        product = ctx.b.op("Mul", [seeded, ctx.lift(standardized)])
+        contributions[4] = per_channel(product, factor, variance)
+    return contributions
+
+
 REVERSE: dict[str, Rule] = {
+    "BatchNormalization": batch_norm_reverse,
     "Conv": conv_reverse,
     "AveragePool": average_pool_reverse,
     "Slice": slice_reverse,
@@ -128,22 +167,38 @@ REVERSE: dict[str, Rule] = {
 """graphkit's reverse rules by operator, consulted before onnx-ad's."""
 
 
+def naming_the_node(rule: Rule) -> Rule:
+    """``rule``, whose refusals (onnx-ad's ``UnsupportedOperator``) name the node."""
+    from onnx_ad import UnsupportedOperator
+
+    def named(ctx: Any, node: Any, grads: list) -> list:
+        try:
+            return rule(ctx, node, grads)
+        except UnsupportedOperator as exc:
+            where = node.name or node.output[0]
+            if repr(where) in str(exc) or f"'{where}'" in str(exc):
+                raise
+            raise UnsupportedOperator(f"{node.op_type} node {where!r}: {exc}") from exc
+
+    return named
+
+
 @contextmanager
 def consulted_first() -> Iterator[None]:
-    """graphkit's rules in onnx-ad's table for the duration of one differentiation
-    (onnx-ad reads its module-level table; the originals are put back afterwards)."""
+    """graphkit's rules in onnx-ad's table for the duration of one differentiation, every
+    rule's refusal naming its node (onnx-ad reads its module-level table; the original
+    table is put back afterwards)."""
     from onnx_ad import rules as ad
 
-    saved = {op: ad.REVERSE.get(op) for op in REVERSE}
+    saved = dict(ad.REVERSE)
     ad.REVERSE.update(REVERSE)
+    for op, rule in list(ad.REVERSE.items()):
+        ad.REVERSE[op] = naming_the_node(rule)
     try:
         yield
     finally:
-        for op, rule in saved.items():
-            if rule is None:
-                ad.REVERSE.pop(op, None)
-            else:
-                ad.REVERSE[op] = rule
+        ad.REVERSE.clear()
+        ad.REVERSE.update(saved)
 
 
-__all__ = ["REVERSE", "consulted_first"]
+__all__ = ["REVERSE", "consulted_first", "naming_the_node"]
