@@ -4,7 +4,9 @@ the import rules that keep onnxruntime-training's knowledge inside its package."
 from __future__ import annotations
 
 import ast
+import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +43,7 @@ def _code_lines(path: Path) -> list[tuple[int, str]]:
             if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
                 docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
     lines = path.read_text().splitlines()
-    return [
-        (n, line.split("#")[0]) for n, line in enumerate(lines, 1) if n not in docstrings
-    ]
+    return [(n, line.split("#")[0]) for n, line in enumerate(lines, 1) if n not in docstrings]
 
 
 def _imports(path: Path) -> list[str]:
@@ -113,25 +113,43 @@ def test_the_runtime_engine_never_imports_the_trainers():
 
 
 def test_the_registry():
-    assert backends.names() == ["ort_training"]
+    assert backends.names() == ["ort_training", "native"]
     info = {i.name: i for i in backends.available()}
-    assert info["ort_training"].installed and "onnxruntime-training" in info["ort_training"].install
-    backend = backends.get()
-    assert backend is backends.get("ort_training") is backends.get("ORT-Training")
-    assert isinstance(backend, GradientSource)
-    assert isinstance(backend.engine, Engine)
-    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'.*ort_training"):
+    assert "onnxruntime-training" in info["ort_training"].install
+    assert info["native"].installed and "onnx-ad==" in info["native"].install
+    default = "ort_training" if info["ort_training"].installed else "native"
+    if not os.environ.get(backends.ENVIRONMENT_VARIABLE):
+        assert backends.get() is backends.get(default)
+    native = backends.get("native")
+    assert native is backends.get("Native") is backends.get("NATIVE")
+    for name in [n for n, i in info.items() if i.installed]:
+        backend = backends.get(name)
+        assert backend is backends.get(name.upper().replace("_", "-"))
+        assert isinstance(backend, GradientSource)
+        assert isinstance(backend.engine, Engine)
+    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'.*ort_training.*native"):
         backends.get("tpu")
     with pytest.raises(TypeError, match="backend must be a name"):
         backends.get(3)  # type: ignore[arg-type]
 
 
+def test_the_environment_names_the_default_backend(monkeypatch):
+    monkeypatch.setenv(backends.ENVIRONMENT_VARIABLE, "native")
+    assert backends.get() is backends.get("native")
+    monkeypatch.setenv(backends.ENVIRONMENT_VARIABLE, "tpu")
+    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'"):
+        backends.get()
+
+
 def test_a_backend_that_is_not_installed_says_what_to_install(monkeypatch):
-    monkeypatch.setitem(
-        backends._BACKENDS,
-        "ort_training",
-        backends._Entry("graphkit.backends.ort_training", lambda: False, "pip install X", ""),
-    )
+    monkeypatch.delenv(backends.ENVIRONMENT_VARIABLE, raising=False)
+    for name in backends.names():
+        entry = backends._BACKENDS[name]
+        monkeypatch.setitem(
+            backends._BACKENDS,
+            name,
+            replace(entry, installed=lambda: False, install="pip install X"),
+        )
     missing = "'ort_training' backend is not installed: pip install X"
     with pytest.raises(gk.BackendNotInstalledError, match=missing):
         backends.get("ort_training")
@@ -139,6 +157,8 @@ def test_a_backend_that_is_not_installed_says_what_to_install(monkeypatch):
         backends.get()
     with pytest.raises(gk.BackendNotInstalledError):
         gk.gradient_model(_model("Tanh"), "y", ["w"], backend="ort_training")
+    with pytest.raises(gk.BackendNotInstalledError, match="'native' backend is not installed"):
+        gk.gradient_model(_model("Tanh"), "y", ["w"], backend="native")
 
 
 def _model(op: str) -> onnx.ModelProto:
@@ -154,16 +174,26 @@ def _model(op: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def test_gradient_graph_against_the_formula_and_its_errors():
-    backend = backends.get("ort_training")
-    grad = gk.gradient_model(_model("Tanh"), "y", ["w"], backend="ort_training")
+INSTALLED = [b.name for b in backends.available() if b.installed]
+
+
+@pytest.mark.parametrize("name", INSTALLED)
+def test_gradient_graph_against_the_formula_and_its_errors(name):
+    backend = backends.get(name)
+    grad = gk.gradient_model(_model("Tanh"), "y", ["w"], backend=name)
     x = np.array([1.0, 2.0, -0.5], np.float32)
     out = gk.run(grad, {"x": x})
     w = np.array([0.5, -1.0, 2.0], np.float32)
     # d/dw sum(tanh(x w)) = x (1 - tanh(x w)^2)
     np.testing.assert_allclose(out["w_grad"], x * (1 - np.tanh(x * w) ** 2), rtol=1e-6)
-    with pytest.raises(MissingGradientError, match="no gradient for operator 'Cosh'"):
-        backend.gradient_graph(_model("Cosh"), "y", ["w"])
+    if name == "ort_training":
+        with pytest.raises(MissingGradientError, match="no gradient for operator 'Cosh'"):
+            backend.gradient_graph(_model("Cosh"), "y", ["w"])
+    else:  # d/dw sum(cosh(x w)) = x sinh(x w)
+        out = gk.run(gk.gradient_model(_model("Cosh"), "y", ["w"], backend=name), {"x": x})
+        np.testing.assert_allclose(out["w_grad"], x * np.sinh(x * w), rtol=1e-6)
+        with pytest.raises(MissingGradientError, match="ArgMax|only through operators"):
+            backend.gradient_graph(_model("ArgMax"), "y", ["w"])
     with pytest.raises(ValueError, match="Unknown device"):
         backend.engine.providers_for("tpu")
 
@@ -184,9 +214,10 @@ def _entry_points():
     onx, X, y = _regression()
     yield "gradient_model", lambda b: gk.gradient_model(_model("Tanh"), "y", ["w"], backend=b)
     yield "Trainer", lambda b: Trainer(onx, loss="mse", max_iter=1, backend=b).fit(X, y)
-    yield "ForwardBackwardTrainer", lambda b: ForwardBackwardTrainer(
-        onx, max_iter=1, backend=b
-    ).fit(X, y)
+    yield (
+        "ForwardBackwardTrainer",
+        lambda b: ForwardBackwardTrainer(onx, max_iter=1, backend=b).fit(X, y),
+    )
     yield "OrtGradientForwardBackward", lambda b: OrtGradientForwardBackward(onx, backend=b)
     try:
         from graphkit_train.torch_module import OnnxModule
@@ -198,29 +229,30 @@ def _entry_points():
 ENTRY_POINTS = dict(_entry_points())
 
 
+@pytest.mark.parametrize("name", INSTALLED)
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
-def test_every_entry_point_takes_backend(entry, monkeypatch):
+def test_every_entry_point_takes_backend(entry, name, monkeypatch):
     build = ENTRY_POINTS[entry]
-    build("ort_training")  # the one installed: builds (and trains) as the default does
+    build(name)  # installed: builds (and trains) as the default does
     with pytest.raises(gk.UnknownNameError, match="Unknown backend 'nope'"):
         build("nope")
+    entry_ = backends._BACKENDS[name]
     monkeypatch.setitem(
-        backends._BACKENDS,
-        "ort_training",
-        backends._Entry("graphkit.backends.ort_training", lambda: False, "pip install X", ""),
+        backends._BACKENDS, name, replace(entry_, installed=lambda: False, install="pip install X")
     )
     with pytest.raises(gk.BackendNotInstalledError, match="pip install X"):
-        build("ort_training")
+        build(name)
 
 
 def test_the_backend_chosen_by_name_trains_like_the_default():
-    """Trainer(backend="ort_training") and Trainer() reach the weights numpy's SGD does."""
+    """Trainer(backend=name) for every installed backend, and Trainer(), reach the
+    weights numpy's SGD does."""
     from graphkit_train import Trainer
 
     onx, X, y = _regression()
     kwargs = dict(loss="mse", max_iter=3, batch_size=5, shuffle=False, optimizer="sgd")
-    named = Trainer(onx, backend="ort_training", **kwargs).fit(X, y).get_state()
-    default = Trainer(onx, **kwargs).fit(X, y).get_state()
+    states = [Trainer(onx, backend=name, **kwargs).fit(X, y).get_state() for name in INSTALLED]
+    states.append(Trainer(onx, **kwargs).fit(X, y).get_state())
     W, b = np.zeros((3, 1)), np.zeros(1)
     for _ in range(3):
         for start in range(0, 20, 5):
@@ -228,7 +260,7 @@ def test_the_backend_chosen_by_name_trains_like_the_default():
             residual = xb @ W + b - yb  # d mean((xW + b - y)^2) = 2 mean(residual x)
             W -= 0.01 * 2 * xb.T @ residual / 5
             b -= 0.01 * 2 * residual.mean(axis=0)
-    for state in (named, default):
+    for state in states:
         np.testing.assert_allclose(state["coef"], W, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(state["intercept"], b, rtol=1e-5, atol=1e-6)
 

@@ -74,6 +74,12 @@ def version() -> str:
     return str(onnxruntime().__version__)
 
 
+def version_tuple() -> tuple[int, int]:
+    """``(major, minor)`` of the installed onnxruntime."""
+    major, minor = version().split(".")[:2]
+    return int(major), int(minor)
+
+
 EXECUTION_MODES = ("sequential", "parallel")
 
 
@@ -128,6 +134,19 @@ BROKEN_OPTIMIZERS = ("GatherSliceToSplitFusion",)
 GatherSliceToSplitFusion gives two nodes one name in a recurrent net's gradient graph,
 and the session then refuses the graph it made itself ('two nodes with same node name')."""
 
+FLOAT64_BROKEN_OPTIMIZERS = ("MatmulTransposeFusion",)
+"""Turned off too in float64 graphs before onnxruntime 1.30: the fusion makes a
+``com.microsoft.FusedMatMul`` of every ``MatMul`` of a transposed operand (what gradients
+are made of), a kernel that exists for float32 only before 1.30."""
+
+
+def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
+    if isinstance(model, onnx.ModelProto) and version_tuple() < (1, 30):
+        values = [*model.graph.input, *model.graph.output]
+        if any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values):
+            return BROKEN_OPTIMIZERS + FLOAT64_BROKEN_OPTIMIZERS
+    return BROKEN_OPTIMIZERS
+
 
 def inference_session(
     model: onnx.ModelProto | bytes,
@@ -143,7 +162,7 @@ def inference_session(
     """
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
-    disabled = [*BROKEN_OPTIMIZERS, *disabled_optimizers]
+    disabled = [*_broken_optimizers(model), *disabled_optimizers]
     extra = {"disabled_optimizers": disabled}
     try:
         return ort.InferenceSession(

@@ -22,28 +22,16 @@ from typing import Any
 
 import onnx
 
-from graphkit.backends import ort_engine
+from graphkit.backends import activations, ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, split
 
-FLOAT64_DISABLED_OPTIMIZERS = ("MatmulTransposeFusion",)
-"""Disabled too for float64 graphs on onnxruntime < 1.30: the fusion makes a
-``com.microsoft.FusedMatMul`` of every ``MatMul`` of a transposed operand (what a gradient
-is made of), and that kernel exists for float32 only before 1.30."""
 
-
-def _disabled_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
-    if isinstance(model, bytes) or _version(ort_engine.version()) >= (1, 30):
-        return ()
+def _reads_float64(model: onnx.ModelProto) -> bool:
     graph = model.graph
     values = [*graph.input, *graph.output]
-    if any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values):
-        return FLOAT64_DISABLED_OPTIMIZERS
-    return ()
+    return any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values)
 
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
 class NativeBackend:
@@ -60,7 +48,14 @@ class NativeBackend:
     # -- gradient source --------------------------------------------------------------
 
     def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        return model  # every rule works on the operators as exported
+        """``model`` itself (every rule works on the operators as exported), but for a
+        float64 model on an onnxruntime older than 1.30: its activations without a
+        float64 kernel there are written out (:mod:`graphkit.backends.activations`)."""
+        if _reads_float64(model) and ort_engine.version_tuple() < (1, 30):
+            present = {n.op_type for n in model.graph.node}
+            if present & set(activations.ACTIVATIONS):
+                return activations.activations_as_standard_ops(model)
+        return model
 
     def gradient_graph(
         self, model: onnx.ModelProto, output: str, wrt: Sequence[str]
@@ -88,8 +83,7 @@ class NativeBackend:
         providers: Sequence[str] = ort_engine.CPU,
         threads: ort_engine.Threads | None = None,
     ) -> Any:
-        disabled = _disabled_optimizers(model)
-        return ort_engine.inference_session(model, providers, threads, disabled)
+        return ort_engine.inference_session(model, providers, threads)
 
     # -- forward/backward: two sessions (see :mod:`.agent`) -------------------------------
 
