@@ -470,6 +470,31 @@ def test_conv_and_average_pool_gradients_match_finite_differences(count_include_
     assert_matches_finite_differences(model, ["X"], points[:1])
 
 
+CONV_TRANSPOSES = {  # attributes of a ConvTranspose of X (N, 2, 4, 5) by W (2, 3, k, k)
+    "strides 2, pads": dict(strides=[2, 2], pads=[1, 0, 0, 1]),
+    "output_padding": dict(strides=[2, 3], output_padding=[1, 2]),
+    "dilations": dict(dilations=[2, 1], pads=[1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("attributes", sorted(CONV_TRANSPOSES))
+def test_conv_transpose_weight_gradient_matches_finite_differences(attributes):
+    """A decoder's ConvTranspose: its weight (graphkit's rule; onnx-ad has none), bias
+    and input, with the batch dimension symbolic, at two batch sizes."""
+    nodes = [
+        helper.make_node("Tanh", ["X"], ["t"]),
+        helper.make_node("ConvTranspose", ["t", "W", "B"], ["y"], **CONV_TRANSPOSES[attributes]),
+        helper.make_node("Mul", ["y", "y"], ["y2"]),
+        helper.make_node("ReduceSum", ["y2"], ["loss"], keepdims=0),
+    ]
+    rng = np.random.default_rng(1)
+    weights = {"W": rng.normal(size=(2, 3, 3, 3)) * 0.5, "B": rng.normal(size=3)}
+    model = make_model(nodes, [("X", ["N", 2, 4, 5])], weights)
+    points = [{"X": rng.normal(size=(n, 2, 4, 5))} for n in (1, 3)]
+    assert_matches_finite_differences(model, ["W", "B"], points)
+    assert_matches_finite_differences(model, ["X"], points[:1])
+
+
 def test_smooth_activations_and_a_shared_weight_match_finite_differences():
     """Softplus, Elu, Mish, Selu, HardSwish and PRelu (onnxruntime-training has no
     gradient for them); W is read twice, the output is not a scalar (summed)."""

@@ -13,7 +13,8 @@ takes any batch size), so these rules replace onnx-ad's for:
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only.
 
-It also completes one: onnx-ad gives an inference ``BatchNormalization`` no gradient for
+It also completes two: onnx-ad has no gradient for a ``ConvTranspose``'s weight (an
+autoencoder's decoder), and gives an inference ``BatchNormalization`` no gradient for
 its running mean and variance, which an exporter may tie to a trained weight.
 
 Each falls back to onnx-ad's rule (and its explanation) when even those sizes are
@@ -158,7 +159,77 @@ def batch_norm_reverse(ctx: Any, node: Any, grads: list) -> list:
     return contributions
 
 
+def conv_transpose_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """``y = ConvTranspose(x, W, b)`` (group 1): onnx-ad's rule for x and b, and the
+    weight, which onnx-ad refuses.
+
+    ``y[n, o, i s + k d - p] += x[n, c, i] W[c, o, k]``, so
+    ``dW[c, o, k] = sum_{n, i} x[n, c, i] dy[n, o, i s + k d - p]``: a convolution of
+    ``dy`` (batch and channel axes swapped) by ``x`` (likewise) with the strides and
+    dilations exchanged and the transposed convolution's pads, cropped to the kernel.
+    """
+    from onnx_ad import rules as ad
+
+    x, w, y = node.input[0], node.input[1], node.output[0]
+    attrs, spatial = ad._conv_attributes(ctx, node)
+    kernel = ctx.shapes.static(w)
+    if not ctx.asked_for(w) or attrs["group"] != 1 or kernel is None:
+        return ad._conv_transpose_reverse(ctx, node, grads)  # or its refusal
+    rank = ctx.rank(x)
+    pads = ad._conv_transpose_pads(ctx, node, attrs, spatial)
+    seeded = ctx.full(grads[0], y)  # [N, O, spatial..., seeds]
+    contributions: list = [None, None]
+    if ctx.asked_for(x):
+        convolution = dict(attrs, pads=pads)
+        folded = ad._fold_seed_into_batch(ctx, seeded, y)
+        back = ctx.b.op("Conv", [folded, w], stem="a_convt", **convolution)
+        contributions[0] = ad._unfold_batch_into_seed(ctx, back, x, rank)
+    # [N, O, spatial..., S] -> [O, S, N, spatial...] -> [O S, N, spatial...]
+    moved = ctx.b.op(
+        "Transpose", [seeded], perm=[1, rank, 0, *range(2, rank)], stem="a_convt_moved"
+    )
+    static_y = ctx.shapes.static(y)
+    tail = None if static_y is None else [static_y[0], *static_y[2:]]
+    merged = ad._merge_leading(ctx, moved, tail)
+    swapped = ctx.b.op("Transpose", [x], perm=[1, 0, *range(2, rank)], stem="a_convt_x")
+    product = ctx.b.op(
+        "Conv",
+        [merged, swapped],
+        strides=attrs["dilations"],
+        dilations=attrs["strides"],
+        pads=pads,
+        stem="a_convt_w",
+    )
+    cropped = ctx.b.op(
+        "Slice",
+        [
+            product,
+            ctx.b.ints([0] * spatial),
+            ctx.b.ints(list(kernel[2:])),
+            ctx.b.ints(list(range(2, rank))),
+        ],
+        stem="a_convt_crop",
+    )
+    # [O S, C, k...] -> [O, S, C, k...] -> [C, O, k..., S]
+    split = ctx.b.op(
+        "Reshape", [cropped, ctx.b.ints([kernel[1], -1, kernel[0], *kernel[2:]])]
+    )
+    contributions[1] = ctx.b.op(
+        "Transpose",
+        [split],
+        perm=[2, 0, *range(3, 3 + spatial), 1],
+        stem="a_convt_weight",
+    )
+    if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
+        outside = [a for a in range(ctx.rank(y)) if a != 1]
+        contributions.append(
+            ctx.reshape_like(ctx.reduce_sum(seeded, outside, keepdims=0), node.input[2])
+        )
+    return contributions
+
+
 REVERSE: dict[str, Rule] = {
+    "ConvTranspose": conv_transpose_reverse,
     "BatchNormalization": batch_norm_reverse,
     "Conv": conv_reverse,
     "AveragePool": average_pool_reverse,
