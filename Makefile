@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test lint bench zoo-table clean
+.PHONY: demo test test-native lint bench zoo-table clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,20 @@ $(PLAIN_STAMP):
 	$(PLAIN)/bin/python -m pip install --quiet onnxruntime numpy onnx
 	touch $(PLAIN_STAMP)
 
+# The native backend alone, on the newest CPython this machine has among 3.13 and later
+# (no onnxruntime-training wheel exists there): plain onnxruntime, no torch. `make test`
+# runs the suite there too; without such a Python it says so and skips that half.
+NEWEST_PYTHON ?= $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.1[3-9]*/bin/python3.1[3-9]) \
+	$(shell command -v python3.13 python3.14 2>/dev/null)))
+NATIVE       := .venv-native
+NATIVE_STAMP := $(NATIVE)/.graphkit-installed
+
+$(NATIVE_STAMP): pyproject.toml
+	$(NEWEST_PYTHON) -m venv $(NATIVE)
+	$(NATIVE)/bin/python -m pip install --quiet --upgrade pip
+	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $(NATIVE_STAMP)
+
 # Reinstall when the dependency list changes.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
@@ -32,6 +46,15 @@ demo: $(STAMP)
 
 test: $(STAMP) $(PLAIN_STAMP)
 	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests
+	$(MAKE) --no-print-directory test-native
+
+test-native:
+ifeq ($(NEWEST_PYTHON),)
+	@echo "test-native: no CPython 3.13 or later found (pyenv or PATH): the native-only half is skipped"
+else
+	$(MAKE) --no-print-directory $(NATIVE_STAMP)
+	GRAPHKIT_PLAIN_ORT_PYTHON=$(NATIVE)/bin/python $(NATIVE)/bin/python -m pytest tests
+endif
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -46,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed.py
 
 clean:
-	rm -rf $(VENV) $(PLAIN) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) $(NATIVE) .pytest_cache .ruff_cache .hypothesis

@@ -84,7 +84,21 @@ def test_backend_packages_are_reached_through_the_registry_only():
         for path in SOURCES
         if BACKENDS not in path.parents
         for name in _imports(path)
-        if name.startswith("graphkit.backends.ort_training")
+        if name.startswith(("graphkit.backends.ort_training", "graphkit.backends.native"))
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_onnx_ad_is_behind_one_adapter():
+    """onnx-ad is imported by the native backend's adapter and by the rules that extend
+    its table, nowhere else."""
+    allowed = {BACKENDS / "native" / "adapter.py", BACKENDS / "native" / "rules.py"}
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in SOURCES
+        if path not in allowed
+        for name in _imports(path)
+        if name.split(".")[0] == "onnx_ad"
     ]
     assert not offenders, "\n".join(offenders)
 
