@@ -9,6 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from graphkit import backends
+
 
 @pytest.fixture
 def rng() -> np.random.Generator:
@@ -131,3 +133,52 @@ def torch_mlp(tmp_path_factory):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
     return net, export_torch(net, tmp_path_factory.mktemp("torch") / "mlp.onnx", 4)
+
+
+# -- backends ----------------------------------------------------------------------------------
+# The suite runs on the default backend (the first installed one, or the one GRAPHKIT_BACKEND
+# names). A test of onnxruntime-training's own behaviour (its fused agent step, its kernels
+# and lowerings, its refusals) names backend="ort_training" and carries
+# @requires_ort_training; a test of graphkit's behaviour runs on the default backend, or on
+# every installed one (INSTALLED_BACKENDS); an expectation that depends on the backend reads
+# default_backend().
+
+INSTALLED_BACKENDS = [b.name for b in backends.available() if b.installed]
+"""The installed backends, in the registry's order of preference."""
+
+requires_ort_training = pytest.mark.skipif(
+    "ort_training" not in INSTALLED_BACKENDS,
+    reason="onnxruntime-training is not installed (CPython <= 3.12 only)",
+)
+
+
+def default_backend() -> str:
+    """The name of the backend ``backend=None`` means here."""
+    return backends.canonical(None)
+
+
+NO_GRADIENT = {"ort_training": ("", "Cosh"), "native": ("com.microsoft", "FastGelu")}
+"""``(domain, operator)``: an elementwise operator each backend has no gradient for.
+onnxruntime-training 1.19.2 has none for Cosh; onnx-ad has a rule for every float
+operator of ai.onnx a model brings, so the native backend is shown one of onnxruntime's
+own (contrib) operators, which a model optimized by onnxruntime holds."""
+
+
+def append_no_gradient_node(
+    model: onnx.ModelProto, x: str, y: str, name: str, backend: str | None = None
+) -> str:
+    """Appends ``y = op(x)`` (node ``name``) with the operator of :data:`NO_GRADIENT` of
+    ``backend`` (None: the default) to ``model``; returns the operator's name."""
+    domain, op_type = NO_GRADIENT[backends.canonical(backend)]
+    model.graph.node.append(helper.make_node(op_type, [x], [y], name=name, domain=domain))
+    if domain and domain not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+    return op_type
+
+
+def names_operator(op_type: str, node: str | None = None) -> str:
+    """A regex for a refusal that names ``op_type`` (and its node ``node``): each backend
+    writes it its own way ("operator 'Cosh' (node 'smooth')", "no reverse rule for FastGelu
+    (node 'smooth')")."""
+    pattern = rf"\b{op_type}\b"
+    return pattern if node is None else pattern + rf"'? \(node '{node}'\)"
