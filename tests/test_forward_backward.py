@@ -9,13 +9,22 @@ import pickle
 import numpy as np
 import onnx
 import pytest
-from conftest import export_torch, linear_regression_onnx, mlp_onnx
+from conftest import (
+    INSTALLED_BACKENDS,
+    append_no_gradient_node,
+    export_torch,
+    linear_regression_onnx,
+    mlp_onnx,
+    names_operator,
+    requires_ort_training,
+)
 from onnx import numpy_helper
 from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 from sklearn.base import clone
 
 import graphkit as gk
+from graphkit import backends
 from graphkit_train import (
     OrtGradientForwardBackward,
     OrtGradientForwardBackwardOptimizer,
@@ -319,13 +328,24 @@ def at_opset_17(model):
     return model
 
 
-@pytest.mark.parametrize("calls", [2, 4])
+# two calls per batch: the loss and the update fused into onnxruntime-training's
+# TrainingAgent (its agent step); four: forward, loss, backward, update (every backend)
+FUSED = pytest.param(2, marks=requires_ort_training)
+
+
+def fused_backend(calls: int) -> str | None:
+    """The backend that runs ``calls`` calls per batch: only ort_training fuses."""
+    return "ort_training" if calls == 2 else None
+
+
+@pytest.mark.parametrize("calls", [FUSED, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls):
     """Each training batch size gets graphs specialized to it (here 16 and the last 5
     rows); the weights follow SGD on the weighted mean squared error written in numpy:
     g_pred = 2 w (pred - y) / sum(w), backpropagated through tanh; with the loss and
-    update fused into the TrainingAgent's calls (2) and as separate sessions (4)."""
+    update fused into the TrainingAgent's calls (2, ort_training) and as separate sessions
+    (4, the default backend)."""
     rng = np.random.default_rng(3)
     X = rng.normal(size=(37, 4)).astype(dtype)
     y = (X @ rng.normal(size=4) + 0.5).astype(dtype)
@@ -340,6 +360,7 @@ def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls)
         batch_size=16,
         shuffle=False,
         learning_rate=gk.LearningRateSGD(eta0=lr, learning_rate="constant"),
+        backend=fused_backend(calls),
     ).fit(X, y, sample_weight=weights)
     p = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
     losses = []
@@ -383,24 +404,38 @@ def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls)
         assert reductions(graphs[rows]) < reductions(any_rows)
 
 
-def test_a_failed_batch_keeps_the_weights_of_the_last_good_one(data, monkeypatch):
-    """An error in the third batch's onnxruntime calls: the weights are those after two
-    batches of SGD on the mean squared error (numpy), not the epoch's start or garbage."""
-    from graphkit.backends.ort_training.agent_step import AgentRun
-
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_a_failed_batch_keeps_the_weights_of_the_last_good_one(backend, data, monkeypatch):
+    """An error in the third batch's onnxruntime calls (ort_training's fused agent step;
+    the backward call, after the forward and the loss ran, where nothing is fused): the
+    weights are those after two batches of SGD on the mean squared error (numpy), not the
+    epoch's start or garbage."""
     X, y = data
     calls = []
-    real = AgentRun.__call__
 
-    def failing(self, *args):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("forward failed in onnxruntime: injected")
-        return real(self, *args)
+    def failing(real):
+        def call(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("a batch failed in onnxruntime: injected")
+            return real(*args)
 
-    monkeypatch.setattr(AgentRun, "__call__", failing)
+        return call
+
+    if backend == "ort_training":
+        from graphkit.backends.ort_training.agent_step import AgentRun
+
+        monkeypatch.setattr(AgentRun, "__call__", failing(AgentRun.__call__))
+    else:
+        chosen = backends.get(backend)
+        monkeypatch.setattr(chosen, "run_backward", failing(chosen.run_backward))
     trainer = OrtGradientForwardBackwardOptimizer(
-        zero_linear(), max_iter=1, batch_size=10, shuffle=False, learning_rate=0.1
+        zero_linear(),
+        max_iter=1,
+        batch_size=10,
+        shuffle=False,
+        learning_rate=0.1,
+        backend=backend,
     )
     with pytest.raises(RuntimeError, match="injected"):
         trainer.fit(X, y)
@@ -496,19 +531,21 @@ def test_verbose_progress_bar(data, capsys):
 
 
 def test_op_without_gradient_in_forward_backward(rng):
-    """The builder's failure is named, as in full training."""
+    """The gradient source's refusal is named, as in full training (the operator is one
+    the default backend has no gradient for: conftest.NO_GRADIENT)."""
     from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Cosh", ["h"], ["Y"])],
+        [helper.make_node("MatMul", ["X", "W"], ["h"])],
         "g",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 2])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 1])],
         [numpy_helper.from_array(rng.normal(size=(2, 1)).astype(np.float32), "W")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    op_type = append_no_gradient_node(model, "h", "Y", "smooth")
     fb = OrtGradientForwardBackward(model)
-    with pytest.raises(gk.MissingGradientError, match="'Cosh'"):
+    with pytest.raises(gk.MissingGradientError, match=names_operator(op_type, "smooth")):
         fb.forward([np.zeros((3, 2), np.float32)])
 
 
@@ -561,11 +598,11 @@ def log_cosh(prediction: FLOAT, label: FLOAT) -> FLOAT:
     return op.ReduceMean(op.Log((op.Exp(d) + op.Exp(op.Neg(d))) * half), keepdims=0)
 
 
-@pytest.mark.parametrize("calls", [2, 4])
+@pytest.mark.parametrize("calls", [FUSED, 4])
 def test_custom_loss_matches_numpy(calls):
-    """A custom loss (its gradient built by onnxruntime-training's gradient builder)
-    spliced into the agent's graph, or run as its own session: SGD on mean log cosh,
-    whose gradient is tanh(d) / n."""
+    """A custom loss (its gradient built by the backend's gradient source) spliced into
+    onnxruntime-training's agent graph (2 calls), or run as its own session (4, the
+    default backend): SGD on mean log cosh, whose gradient is tanh(d) / n."""
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 3))
     y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
@@ -577,6 +614,7 @@ def test_custom_loss_matches_numpy(calls):
         shuffle=False,
         learning_rate=gk.LearningRateSGD(eta0=0.1, learning_rate="constant"),
         learning_loss=gk.losses.custom_loss(log_cosh),
+        backend=fused_backend(calls),
     ).fit(X, y)
     assert bool(trainer._agent_runs) == (calls == 2)
     w, b, losses = np.zeros((3, 1)), np.zeros(1), []

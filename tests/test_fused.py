@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx, mlp_onnx
+from conftest import linear_regression_onnx, mlp_onnx, requires_ort_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -101,12 +101,13 @@ def test_every_way_of_running_equals_numpy_sgd(
     assert_numpy_sgd(trainer, model, X, y, w)
 
 
-@pytest.mark.parametrize("calls", [2, 4])
+@pytest.mark.parametrize("calls", [pytest.param(2, marks=requires_ort_training), 4])
 @pytest.mark.parametrize("gather_bytes", [ALL, 1, 1000])
 def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, calls, monkeypatch):
     """Forward/backward training on the same rows of 48 bytes, gathered a batch at a time
     (an eighth of the data, 318 bytes, is less than a batch), two batches (1000 bytes) or
-    all at once, in two-call and four-call batches."""
+    all at once, in two-call batches (onnxruntime-training's fused agent step) and
+    four-call batches (the default backend)."""
     monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
     X, y, w, model = weighted_rows()
     if calls == 4:
@@ -117,16 +118,18 @@ def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, 
         batch_size=10,
         learning_rate=optimizers.sgd(learning_rate=0.05),
         random_state=7,
+        backend="ort_training" if calls == 2 else None,
     ).fit(X, y, sample_weight=w)
     assert bool(trainer._agent_runs) == (calls == 2)
     assert_numpy_sgd(trainer, model, X, y, w)
 
 
+@requires_ort_training
 @pytest.mark.parametrize("hidden, lowered", [(6, False), (512, True)])
 def test_float32_relu_training_runs_the_faster_relu_gradient_and_equals_numpy(hidden, lowered):
-    """onnxruntime's ReluGrad CPU kernel costs 4x its lowering on large tensors (10 x 512
-    here), less on small ones (10 x 6): the epoch graph runs the faster (in the Scan body
-    too), and trains as numpy's float64 SGD does."""
+    """onnxruntime-training's ReluGrad CPU kernel costs 4x its lowering on large tensors
+    (10 x 512 here), less on small ones (10 x 6): the epoch graph runs the faster (in the
+    Scan body too), and trains as numpy's float64 SGD does."""
     rng = np.random.default_rng(3)
     X = rng.normal(size=(45, 4)).astype(np.float32)
     y = rng.normal(size=(45, 1)).astype(np.float32)
@@ -134,7 +137,12 @@ def test_float32_relu_training_runs_the_faster_relu_gradient_and_equals_numpy(hi
     model = mlp_onnx(4, hidden, 1, scale=0.5)
     initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
     trainer = OrtGradientOptimizer(
-        gk.add_loss_output(model), max_iter=3, batch_size=10, learning_rate=0.01, random_state=1
+        gk.add_loss_output(model),
+        max_iter=3,
+        batch_size=10,
+        learning_rate=0.01,
+        random_state=1,
+        backend="ort_training",
     )
     trainer.fit(X, y)
     expected, losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.01, 3, seed=1)
@@ -151,11 +159,15 @@ def test_float32_relu_training_runs_the_faster_relu_gradient_and_equals_numpy(hi
     assert not lowered or not ops(lower_slow_cpu_ops(epoch)) & SLOW_ON_CPU
 
 
+@requires_ort_training
 def test_float64_and_old_opset_graphs_keep_their_kernels():
-    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 6, 1, dtype=np.float64)))
+    """ort_training lowers its slow CPU gradient kernels in float32 graphs only."""
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(mlp_onnx(4, 6, 1, dtype=np.float64)), backend="ort_training"
+    )
     trainer._build()
     assert lower_slow_cpu_ops(trainer.training_step_.model) is trainer.training_step_.model
-    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 6, 1)))
+    trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 6, 1)), backend="ort_training")
     trainer._build()
     old = onnx.ModelProto()
     old.CopyFrom(trainer.training_step_.model)
@@ -431,6 +443,7 @@ def test_forward_backward_packs_adam_too():
 # -- static shapes ---------------------------------------------------------------------
 
 
+@requires_ort_training  # the kernel is onnxruntime-training's
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.sampled_from([1, 3]), min_size=0, max_size=4),
@@ -714,10 +727,14 @@ def test_one_run_per_batch_uses_the_specialized_step_and_a_short_batch_does_not_
     assert spins(specialized.session) and not spins(any_size.session)
 
 
+@requires_ort_training
 def test_forward_backward_short_batch_session_does_not_spin():
+    """The fused agent step's session for the short last batch (ort_training)."""
     rng = np.random.default_rng(0)
     X, y = rng.normal(size=(26, 10)).astype(np.float32), rng.normal(size=(26, 1))
-    trainer = OrtGradientForwardBackwardOptimizer(mlp_onnx(10, 4, 1), batch_size=8, max_iter=1)
+    trainer = OrtGradientForwardBackwardOptimizer(
+        mlp_onnx(10, 4, 1), batch_size=8, max_iter=1, backend="ort_training"
+    )
     trainer.fit(X, y.astype(np.float32))
     runs = trainer._agent_runs
     assert set(runs) == {(False, 8), (False, 2)}
