@@ -11,8 +11,12 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import export_torch, linear_regression_onnx
-from onnx import helper
+from conftest import (
+    append_no_gradient_node,
+    export_torch,
+    linear_regression_onnx,
+    names_operator,
+)
 from sklearn.base import clone
 
 import graphkit as gk
@@ -457,11 +461,12 @@ def test_graph_without_loss_output(data):
 
 
 def test_op_without_gradient_named(data):
-    """Cosh has no gradient in onnxruntime-training 1.19.2: the error names it."""
+    """An operator the backend has no gradient for (conftest.NO_GRADIENT: Cosh for
+    onnxruntime-training 1.19.2): the error names it and its node."""
     onx = zero_linear()
-    onx.graph.node.append(helper.make_node("Cosh", ["Y"], ["Z"], name="smooth"))
+    op_type = append_no_gradient_node(onx, "Y", "Z", "smooth")
     onx.graph.output[0].name = "Z"
-    with pytest.raises(gk.MissingGradientError, match="'Cosh' \\(node 'smooth'\\)"):
+    with pytest.raises(gk.MissingGradientError, match=names_operator(op_type, "smooth")):
         OrtGradientOptimizer(gk.add_loss_output(onx)).fit(*data)
 
 
