@@ -10,9 +10,10 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx
+from conftest import linear_regression_onnx, requires_ort_training
 
 import graphkit as gk
+from graphkit import backends
 from graphkit_train.cli import build_parser, main
 
 
@@ -254,11 +255,9 @@ def test_cli_schedules_span_the_run():
     assert one_cycle(499) < 1e-5
 
 
-def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_path, capsys):
+def test_export_writes_portable_training(csv_problem, tmp_path):
     """``graphkit-train export``: the trained model carries its training step, which
-    onnx.reference runs; a step the lowering cannot rewrite is a one-line error."""
-    from onnx import TensorProto, helper, numpy_helper
-
+    onnx.reference runs."""
     from graphkit.training_info import run_training_info
 
     data, model, _, _ = csv_problem
@@ -272,7 +271,12 @@ def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_p
     assert np.isfinite(float(history[0]["loss"]))
     assert onnx.load(out / "training_step.portable.onnx").training_info == []
 
-    # a Conv with auto_pad=SAME_UPPER: its gradient (ConvGrad) is not lowered
+
+def same_upper_conv(folder) -> str:
+    """A model with a Conv whose padding is auto_pad=SAME_UPPER (as TensorFlow's
+    converters write it), saved in ``folder``; its path."""
+    from onnx import TensorProto, helper, numpy_helper
+
     graph = helper.make_graph(
         [
             helper.make_node("Reshape", ["X", "as_signal"], ["signal"]),
@@ -290,10 +294,31 @@ def test_export_writes_portable_training_or_fails_in_one_line(csv_problem, tmp_p
             numpy_helper.from_array(np.array([-1, 3], np.int64), "as_rows"),
         ],
     )
-    gathered = tmp_path / "gathered.onnx"
+    gathered = folder / "gathered.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), gathered)
-    argv = [str(gathered), "--data", str(data), "--epochs", "1", "--quiet", "--weights", "K,W"]
-    assert main([*argv, "--output", str(tmp_path / "a")]) == 0  # training alone still works
+    return str(gathered)
+
+
+def test_a_conv_with_same_upper_padding_trains(csv_problem, tmp_path, capsys):
+    """On the default backend, whichever it is."""
+    data = csv_problem[0]
+    argv = [same_upper_conv(tmp_path), "--data", str(data), "--epochs", "1", "--quiet"]
+    assert main([*argv, "--weights", "K,W", "--output", str(tmp_path / "a")]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+@requires_ort_training
+def test_an_export_the_lowering_cannot_rewrite_fails_in_one_line(
+    csv_problem, tmp_path, capsys, monkeypatch
+):
+    """onnxruntime-training's gradient of a Conv with auto_pad=SAME_UPPER (ConvGrad) has
+    no standard lowering: training works, ``graphkit-train export`` is a one-line error."""
+    monkeypatch.setenv(backends.ENVIRONMENT_VARIABLE, "ort_training")
+    data = csv_problem[0]
+    argv = [same_upper_conv(tmp_path), "--data", str(data), "--epochs", "1", "--quiet"]
+    argv += ["--weights", "K,W"]
+    assert main([*argv, "--output", str(tmp_path / "a")]) == 0  # training alone works
     capsys.readouterr()
     assert main(["export", *argv, "--output", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
