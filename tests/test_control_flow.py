@@ -2,8 +2,10 @@
 
 onnxruntime-training's gradient builders have no gradient for control flow and, when an
 ``If`` lies between the weights and the loss, abort the process (SIGABRT) instead of
-raising. graphkit refuses such graphs before calling them, naming the node; control flow
-off that path trains; weights read inside a subgraph are parameters like any other.
+raising: on the ort_training backend graphkit refuses such graphs before calling them,
+naming the node. The native backend differentiates If, Loop and Scan: the same graphs
+train. On every backend, control flow off that path trains, and weights read inside a
+subgraph are parameters like any other.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import INSTALLED_BACKENDS
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -120,9 +123,13 @@ ON_THE_PATH = {
 }
 
 
-def test_control_flow_on_the_path_is_refused_and_never_ends_the_process(tmp_path):
-    """Every case runs in a child process: a regression there aborts the child, not the
-    suite, and the test names the case that did."""
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_control_flow_on_the_path_is_refused_or_trains_and_never_ends_the_process(
+    backend, tmp_path
+):
+    """ort_training refuses each case, naming the node; native trains it. Every case runs
+    in a child process: a regression there aborts the child, not the suite, and the test
+    names the case that did."""
     for name in ON_THE_PATH:
         onnx.save(globals()[name](), tmp_path / f"{name}.onnx")
     script = textwrap.dedent(
@@ -132,13 +139,14 @@ def test_control_flow_on_the_path_is_refused_and_never_ends_the_process(tmp_path
         from graphkit_train import ForwardBackwardTrainer, Trainer
         X = np.random.default_rng(0).normal(size=(12, 3)).astype(np.float32)
         y = X.sum(axis=1).astype(np.float32)
-        folder, names = sys.argv[1], sys.argv[2:]
+        folder, backend, names = sys.argv[1], sys.argv[2], sys.argv[3:]
         entries = {
             "gradient_model": lambda m: gk.gradient_model(
-                gk.add_loss_output(m), "loss", ["W"]),
-            "Trainer": lambda m: Trainer(m, ["W"], loss="mse", max_iter=1).fit(X, y),
+                gk.add_loss_output(m), "loss", ["W"], backend=backend),
+            "Trainer": lambda m: Trainer(
+                m, ["W"], loss="mse", max_iter=1, backend=backend).fit(X, y),
             "ForwardBackwardTrainer": lambda m: ForwardBackwardTrainer(
-                m, ["W"], max_iter=1).fit(X, y),
+                m, ["W"], max_iter=1, backend=backend).fit(X, y),
         }
         for name in names:
             model = onnx.load(f"{folder}/{name}.onnx")
@@ -153,7 +161,7 @@ def test_control_flow_on_the_path_is_refused_and_never_ends_the_process(tmp_path
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path), *ON_THE_PATH],
+        [sys.executable, "-c", script, str(tmp_path), backend, *ON_THE_PATH],
         capture_output=True,
         text=True,
         timeout=300,
@@ -165,11 +173,11 @@ def test_control_flow_on_the_path_is_refused_and_never_ends_the_process(tmp_path
     assert len(outcomes) == 3 * len(ON_THE_PATH)
     for name, entry, message in outcomes:
         op_type, node = ON_THE_PATH[name]
-        assert f"no gradient for control flow: {op_type} node '{node}'" in message, (
-            name,
-            entry,
-            message,
-        )
+        if backend == "ort_training":
+            expected = f"no gradient for control flow: {op_type} node '{node}'"
+            assert expected in message, (name, entry, message)
+        else:
+            assert message == "trained", (name, entry, message)
 
 
 def test_weights_read_inside_a_subgraph_are_parameters():
