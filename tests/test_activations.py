@@ -1,10 +1,13 @@
 """The activations onnxruntime-training 1.19.2 cannot differentiate (Elu, Selu, PRelu,
-HardSigmoid, HardSwish, Softplus, Mish), rewritten in standard operators by the
-ort_training backend (graphkit/backends/ort_training/rewrites.py).
+HardSigmoid, HardSwish, Softplus, Mish), written in standard operators
+(graphkit/backends/activations.py): the ort_training backend rewrites them for its
+builders, the native backend in float64 graphs on an onnxruntime without their float64
+kernels.
 
 The references are never the rewrite: the forward is onnxruntime's own kernel for the
-original node, the gradient is torch's autograd (kinks included), and MLPs with each
-activation, exported by torch, train to the weights torch's SGD reaches."""
+original node, the gradient is torch's autograd (kinks included) through every installed
+backend, and MLPs with each activation, exported by torch, train on the default backend to
+the weights torch's SGD reaches."""
 
 from __future__ import annotations
 
@@ -13,16 +16,15 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import export_torch
+from conftest import INSTALLED_BACKENDS, export_torch, requires_ort_training
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
-from graphkit import backends
+from graphkit.backends.activations import ACTIVATIONS, activations_as_standard_ops
 from graphkit.backends.ort_engine import inference_session
-from graphkit.backends.ort_training.rewrites import ACTIVATIONS
 from graphkit_train import ForwardBackwardTrainer, Trainer
 
 torch = pytest.importorskip("torch")
@@ -94,8 +96,8 @@ def make_model(op_type, dtype, attrs, x_shape, slope=None, matmul=None, summed=T
 
 
 def rewritten(model):
-    """What training runs: the ort_training backend's rewrites."""
-    out = backends.get("ort_training").prepare(model)
+    """What training runs: the activations written in standard operators."""
+    out = activations_as_standard_ops(model)
     left = [n.op_type for n in out.graph.node if n.op_type in ACTIVATIONS]
     assert not left, left
     onnx.checker.check_model(out, full_check=True)
@@ -121,23 +123,27 @@ def test_the_table_is_the_issue():
     assert sorted(ACTIVATIONS) == sorted(OPS)
 
 
+@requires_ort_training
 @pytest.mark.parametrize("op_type", OPS)
 def test_builders_refuse_the_originals_and_differentiate_the_rewrites(op_type):
-    """Both builders: GradientGraphBuilder (gradient_model) and OrtModuleGraphBuilder
-    (forward/backward training); the backend applies the rewrites itself, the raw
-    builder refuses the original operator."""
+    """onnxruntime-training's two builders: GradientGraphBuilder (gradient_model) and
+    OrtModuleGraphBuilder (forward/backward training); the backend applies the rewrites
+    itself, the raw builder refuses the original operator."""
     from graphkit.backends.ort_training import builders
 
     w = np.eye(3, dtype=np.float32)
     model = make_model(op_type, np.float32, {}, ["N", 3], np.float32(0.25), matmul=w)
     with pytest.raises(gk.MissingGradientError, match=f"'{op_type}'"):
         builders.gradient_graph(model, "Y_sum", ["W"])
-    assert "W_grad" in [o.name for o in gk.gradient_model(model, "Y_sum", ["W"]).graph.output]
-    grad = gk.gradient_model(rewritten(model), "Y_sum", ["W"])
+    grad = gk.gradient_model(model, "Y_sum", ["W"], backend="ort_training")
+    assert "W_grad" in [o.name for o in grad.graph.output]
+    grad = gk.gradient_model(rewritten(model), "Y_sum", ["W"], backend="ort_training")
     assert "W_grad" in [o.name for o in grad.graph.output]
     prediction = make_model(op_type, np.float32, {}, ["N", 3], 0.25, matmul=w, summed=False)
     X = np.linspace(-3, 3, 24, dtype=np.float32).reshape(8, 3)
-    trainer = ForwardBackwardTrainer(prediction, ["W"], max_iter=1, batch_size=4, shuffle=False)
+    trainer = ForwardBackwardTrainer(
+        prediction, ["W"], max_iter=1, batch_size=4, shuffle=False, backend="ort_training"
+    )
     trainer.fit(X, np.zeros((8, 3), np.float32))
     assert not np.array_equal(trainer.get_state()["W"], w)
 
@@ -212,15 +218,17 @@ def test_softplus_keeps_small_values_against_torch(op_type, dtype):
 # -- gradient: torch's autograd --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "op_type, attrs",
     [(op, {}) for op in OPS] + [(op, attrs) for op, attrs in NON_DEFAULT.items()],
     ids=[*OPS, *(f"{op}-attributes" for op in NON_DEFAULT)],
 )
-def test_gradient_matches_torch_autograd(op_type, attrs, dtype):
-    """d sum(op(X @ W)) / d X, W (and PRelu's slope): W is the identity, so X @ W is X
-    exactly and the kinks of SPECIAL are hit, then a random W."""
+def test_gradient_matches_torch_autograd(op_type, attrs, dtype, backend):
+    """d sum(op(X @ W)) / d X, W (and PRelu's slope) of the rewrite, from each backend's
+    gradient source: W is the identity, so X @ W is X exactly and the kinks of SPECIAL
+    are hit, then a random W."""
     rng = np.random.default_rng(0)
     x = np.array(SPECIAL, dtype).reshape(-1, 1) * np.ones((1, 3), dtype)
     x[:, 1] *= -1
@@ -229,7 +237,7 @@ def test_gradient_matches_torch_autograd(op_type, attrs, dtype):
     for w in (np.eye(3), rng.normal(size=(3, 3))):
         model = make_model(op_type, dtype, attrs, ["N", 3], slope, matmul=w.astype(dtype))
         wrt = ["X", "W"] + (["slope"] if op_type == "PRelu" else [])
-        grad = gk.gradient_model(rewritten(model), "Y_sum", wrt)
+        grad = gk.gradient_model(rewritten(model), "Y_sum", wrt, backend=backend)
         names = [f"{n}_grad" for n in wrt]
         got = dict(zip(names, inference_session(grad).run(names, {"X": x}), strict=True))
 
