@@ -1,5 +1,6 @@
-"""Each lowering against onnxruntime-training's own kernel on random inputs, run by
-onnxruntime and by onnx.reference; lowered training steps reproduce graphkit's training
+"""Each lowering of the ort_training backend against onnxruntime-training's own kernel
+on random inputs (where it is installed), run by onnxruntime and by onnx.reference; every
+installed backend's training step, in standard operators, reproduces graphkit's training
 on onnx.reference, a runtime that knows no com.microsoft operator."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import mlp_onnx
+from conftest import INSTALLED_BACKENDS, mlp_onnx, requires_ort_training
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -91,6 +92,7 @@ def broadcastable(draw):
     return pair
 
 
+@requires_ort_training
 @settings(max_examples=60, deadline=None)
 @given(broadcastable())
 def test_broadcast_gradient_args(pair):
@@ -98,6 +100,7 @@ def test_broadcast_gradient_args(pair):
     check(one_node("BroadcastGradientArgs", {"a": a, "b": b}, 2, I64), {"a": a, "b": b})
 
 
+@requires_ort_training
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
     "op,attrs,inputs",
@@ -130,6 +133,7 @@ def test_elementwise_and_softmax_gradients(op, attrs, inputs, dtype, rng):
     check(model, feeds, rtol=1e-5 if dtype == np.float32 else 1e-12)
 
 
+@requires_ort_training
 @pytest.mark.parametrize("attrs", [{}, {"transA": 1}, {"transB": 1, "alpha": 0.5}])
 def test_fused_matmul(attrs, rng):
     a = rng.normal(size=(2, 3, 4) if not attrs.get("transA") else (2, 4, 3)).astype(np.float32)
@@ -137,12 +141,14 @@ def test_fused_matmul(attrs, rng):
     check(one_node("FusedMatMul", {"a": a, "b": b}, **attrs), {"a": a, "b": b}, rtol=1e-5)
 
 
+@requires_ort_training
 @pytest.mark.parametrize("down", [0, 1])
 def test_scale(down, rng):
     x, s = rng.normal(size=(3, 2)).astype(np.float32), np.array(4.0, np.float32)
     check(one_node("Scale", {"x": x, "s": s}, scale_down=down), {"x": x, "s": s})
 
 
+@requires_ort_training
 @pytest.mark.parametrize("keepdims", [0, 1])
 def test_reduce_sum_training(keepdims, rng):
     x, axes = rng.normal(size=(3, 4, 2)).astype(np.float32), np.array([0, 2], np.int64)
@@ -152,6 +158,7 @@ def test_reduce_sum_training(keepdims, rng):
     )
 
 
+@requires_ort_training
 def test_gather_elements_grad_adds_repeated_indices(rng):
     dy = rng.normal(size=(3, 6)).astype(np.float32)
     shape = np.array([3, 4], np.int64)
@@ -160,6 +167,7 @@ def test_gather_elements_grad_adds_repeated_indices(rng):
     check(one_node("GatherElementsGrad", feeds, axis=1), feeds, rtol=1e-5)
 
 
+@requires_ort_training
 @pytest.mark.parametrize(
     "axis,data_shape,indices",
     [
@@ -181,6 +189,7 @@ def test_gather_grad(axis, data_shape, indices, rng):
     check(one_node("GatherGrad", feeds, out_type=F32, axis=axis), feeds, rtol=1e-5)
 
 
+@requires_ort_training
 @pytest.mark.parametrize(
     "starts,ends,axes,steps",
     [([1], [3], [0], [1]), ([0, 1], [4, 5], [0, 1], [2, 2]), ([-3], [100], [1], [2])],
@@ -206,6 +215,7 @@ def test_slice_grad(starts, ends, axes, steps, rng):
     check(one_node("SliceGrad", feeds, out_type=F32), feeds)
 
 
+@requires_ort_training
 @pytest.mark.parametrize(
     "attrs,outputs",
     [
@@ -285,6 +295,7 @@ def test_conv_transpose_grad_against_torch(attrs, rng):
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
 
 
+@requires_ort_training
 def test_max_pool_grad_scatters_to_the_maxima(rng):
     x = rng.normal(size=(2, 3, 5, 6)).astype(np.float32)
     dy = rng.normal(size=(2, 3, 2, 3)).astype(np.float32)
@@ -306,6 +317,7 @@ def test_max_pool_grad_scatters_to_the_maxima(rng):
     check(model, {"x": x, "dy": dy})
 
 
+@requires_ort_training
 @pytest.mark.parametrize(
     "shapes", [((3, 4), (3, 1)), ((4,), (3, 4)), ((2, 3), (2, 3)), ((3, 1), ())]
 )
@@ -317,6 +329,7 @@ def test_div_grad_sums_back_to_each_operand(shapes, rng):
     check(one_node("DivGrad", feeds, 2), feeds, rtol=1e-5, atol=1e-6)
 
 
+@requires_ort_training
 @pytest.mark.parametrize("axis,shape", [(-1, (4, 5)), (1, (2, 3, 4)), (-2, (2, 3, 4))])
 def test_layer_norm_grad(axis, shape, rng):
     x = rng.normal(size=shape).astype(np.float32)
@@ -389,8 +402,10 @@ def cnn():
         ("cnn", "cross_entropy", np.float32),
     ],
 )
-def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtype, rng):
-    """20 steps of Adam on onnx.reference (no com.microsoft kernels) follow graphkit."""
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtype, backend, rng):
+    """20 steps of Adam on onnx.reference (no com.microsoft kernels) follow graphkit: the
+    backend's step in standard operators (ort_training's lowered, native's as it is)."""
     n_out = 3
     X = rng.normal(size=(200, 4)).astype(dtype)
     model = mlp(activation, n_out, dtype) if activation != "cnn" else cnn()
@@ -402,6 +417,7 @@ def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtyp
         max_iter=1,
         batch_size=10,
         shuffle=False,
+        backend=backend,
     )
     if activation == "cnn":
         X = rng.normal(size=(200, 1, 6, 6)).astype(dtype)
@@ -409,7 +425,7 @@ def test_a_lowered_training_step_trains_on_onnx_reference(activation, loss, dtyp
     step = trainer.training_step_
     lowered = onnx.ModelProto()
     lowered.CopyFrom(step.model)
-    lower_to_standard(lowered)
+    lowered = trainer._backend.to_standard(lowered)
     assert all(n.domain in ("", "ai.onnx") for n in lowered.graph.node)
     reference = ReferenceEvaluator(lowered)
     resident = dict(step.initial)
