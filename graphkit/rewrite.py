@@ -1,7 +1,8 @@
 """Graph rewriting: turn a prediction graph into a training graph, and back.
 
 * :func:`add_loss_output` appends a loss (and penalties) to a prediction graph:
-  ``Y = f(X; W)`` becomes ``loss, Y = L(f(X; W), label[, weight]) + P(W)``.
+  ``Y = f(X; W)`` becomes ``loss, Y = L(f(X; W), label[, weight]) + P(W)``; or one loss
+  per output, weighted: ``loss, A, B = a L_A(A, label_A) + b L_B(B, label_B) + P(W)``.
 * :func:`get_train_initializer` lists the weights that can be trained.
 * :func:`initializers_to_inputs` / :func:`inputs_to_initializers` move weights between
   initializers and graph inputs; :func:`rename_weights` renames them;
@@ -18,6 +19,7 @@ import json
 import os
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,37 @@ META_LABEL = "graphkit.label_input"
 META_WEIGHT = "graphkit.weight_input"
 META_PREDICTION = "graphkit.prediction_output"
 META_LOSS_FUNCTION = "graphkit.loss_function"
+META_HEADS = "graphkit.loss_heads"
+"""A graph with a loss per output records its heads here (JSON: a list of
+``{"output", "label", "loss", "weight"}``) instead of the three one-loss keys above."""
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """One loss of a training graph: the prediction ``output`` it reads, its ``label``
+    input, its ``loss`` as recorded (``{"name", "reduction", hyper-parameters}``; empty
+    when unknown) and its ``weight`` in the total loss."""
+
+    output: str
+    label: str
+    loss: dict[str, Any] = field(default_factory=dict, compare=False)
+    weight: float = 1.0
+
+
+def loss_heads(model: onnx.ModelProto) -> list[LossHead]:
+    """The losses :func:`add_loss_output` recorded in a training graph, in order: one for
+    a graph with one loss, one per output for a loss per output, none for a graph it did
+    not make."""
+    meta = metadata(model)
+    if meta.get(META_HEADS):
+        return [
+            LossHead(h["output"], h["label"], dict(h.get("loss") or {}), float(h["weight"]))
+            for h in json.loads(meta[META_HEADS])
+        ]
+    if meta.get(META_LABEL):
+        description = json.loads(meta[META_LOSS_FUNCTION]) if meta.get(META_LOSS_FUNCTION) else {}
+        return [LossHead(meta.get(META_PREDICTION, ""), meta[META_LABEL], description)]
+    return []
 
 
 def get_train_initializer(onx: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -107,18 +140,37 @@ def check_weight_names(onx: onnx.ModelProto, names: Iterable[str] | str) -> list
 
 def add_loss_output(
     onx: onnx.ModelProto | bytes | str | os.PathLike[str],
-    score_name: str | _losses.Loss | onnxscript.OnnxFunction = "squared_error",
+    score_name: str | _losses.Loss | onnxscript.OnnxFunction | Mapping[str, Any] = "squared_error",
     loss_name: str = "loss",
-    label_name: str = "label",
+    label_name: str | Mapping[str, str] = "label",
     weight_name: str | None = None,
     penalty: Mapping[str, Any] | _penalties.Penalty | None = None,
     output_index: int | str | None = None,
+    *,
+    loss_weights: Mapping[str, float] | None = None,
     **kwargs: Any,
 ) -> onnx.ModelProto:
-    """Append a loss to a prediction graph.
+    """Append a loss to a prediction graph, or one loss per output, weighted.
 
     The returned graph has a new input ``label_name`` (and ``weight_name`` for sample
     weights when given) and outputs ``loss_name`` first, then the original outputs.
+
+    **A loss per output** (a regression head and a classification head, say): pass
+    ``score_name`` as a dict ``{output name: loss}`` and, optionally, ``loss_weights``
+    ``{output name: weight}`` (1 for a head left out). The graph gets one label input per
+    head, ``label_<output>`` (or the names of a ``label_name`` dict ``{output: label
+    input}``), and one loss, the weighted sum of the heads' losses, each reduced as its
+    own loss says, plus the penalties once::
+
+        loss = sum_h weight_h L_h(output_h, label_h[, weight]) + P(W)
+
+    ``add_loss_output(onx, {"price": "squared_error", "kind": "cross_entropy"},
+    loss_weights={"price": 0.7, "kind": 0.3})`` is torch's ``0.7 * mse(price, y_price) +
+    0.3 * cross_entropy(kind, y_kind)``. Sample weights (``weight_name``) weight every
+    head. A head's hyper-parameters come with its loss, ``{"price":
+    graphkit.losses.get("huber", delta=2.0)}`` (``kwargs`` would apply to every head and
+    are refused). The heads are recorded in the graph's metadata (:func:`loss_heads`) for
+    the trainers, which take ``y`` as a dict ``{output name: labels}``.
 
     Args:
         onx: the prediction graph, a ModelProto, its bytes or a path (converted to a
@@ -128,17 +180,20 @@ def add_loss_output(
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
             on a single probability column), ``"cross_entropy"`` (softmax from logits),
             ``"sigmoid_log_loss"`` (binary, from a raw score), a :class:`~graphkit.losses.Loss`
-            or a user onnxscript function of ``(prediction, label[, weight])``.
+            or a user onnxscript function of ``(prediction, label[, weight])``; or a dict
+            ``{output name: any of these}`` for a loss per output.
         loss_name: name of the loss output.
         label_name: name of the label input (for regression, float and shaped like the
             prediction: ``(N, k)`` for a model predicting k values per sample; int64
-            class indices of shape (N,) for classification).
+            class indices of shape (N,) for classification). With a loss per output, a
+            dict ``{output name: label input name}`` (``label_<output>`` for the others).
         weight_name: name of a sample-weight input (N,), or None for no weights.
         penalty: ``{"coef": {"l1": a, "l2": b}}`` or ``{"coef": b}`` (an l2
             coefficient), or a :class:`~graphkit.penalties.Penalty`; penalized names must be
             float initializers.
         output_index: the output the loss applies to, by position or name; required when
-            the graph has several outputs.
+            the graph has several outputs (a loss per output names them in its dict).
+        loss_weights: with a loss per output, ``{output name: weight}`` (finite, >= 0).
         kwargs: hyper-parameters of the loss (``l1_weight``, ``delta``, ``eps``,
             ``reduction``: ``"mean"`` by default, over every predicted value for a
             regression on k values per sample, as ``torch.nn.MSELoss()``; ``"sum"`` as
@@ -147,46 +202,50 @@ def add_loss_output(
     Returns:
         The training graph, a new model.
 
+    Raises:
+        UnknownNameError: an output (``output_index``, a key of the loss dict, of
+            ``loss_weights`` or of ``label_name``) the graph does not have; the message
+            lists its outputs.
+
     Example:
         >>> onx_loss = add_loss_output(onx, "elastic", l1_weight=0.1, l2_weight=0.9,
         ...                            penalty={"coef": {"l2": 0.01}})  # doctest: +SKIP
+        >>> two_heads = add_loss_output(onx, {"price": "squared_error",
+        ...                                   "kind": "cross_entropy"},
+        ...                             loss_weights={"price": 0.7, "kind": 0.3})  # doctest: +SKIP
     """
+    if isinstance(score_name, Mapping):
+        return _add_loss_per_output(
+            onx, score_name, loss_name, label_name, weight_name, penalty, output_index,
+            loss_weights, kwargs,
+        )  # fmt: skip
+    if loss_weights is not None:
+        raise ValueError(
+            "loss_weights weighs the losses of several outputs: pass score_name as a dict "
+            "{output name: loss}, e.g. add_loss_output(onx, {'out_a': 'squared_error', "
+            "'out_b': 'cross_entropy'}, loss_weights={'out_a': 1.0, 'out_b': 0.5})."
+        )
+    if not isinstance(label_name, str):
+        raise TypeError(
+            "label_name is one input name for one loss; a dict {output: label input} goes "
+            "with a loss per output (score_name as a dict)."
+        )
     compatible = make_compatible(load_model(onx), min_opset=DSL_OPSET)
     model, prediction = select_prediction(linear_models_as_standard_ops(compatible), output_index)
-    elem = prediction.type.tensor_type.elem_type
-    dtype = ELEM_TO_DTYPE[elem]
-    shape = named_shape(prediction)
-    loss = _make_loss(score_name, kwargs).for_prediction(shape)
-    _check_prediction_shape(loss, shape, prediction.name)
+    loss = _head_loss(score_name, kwargs, prediction)
 
     weighted = weight_name is not None
-    piece = loss.value_model(dtype, weighted, shape)
     taken = graph_names(model.graph)
-    label_name = _new_name(model, label_name, taken, "label_name")
-    wiring = {"prediction": prediction.name, "label": label_name}
-    model.graph.input.append(
-        value_info(label_name, _input_elem(piece, "label"), _dims(piece, "label"))
+    data_loss, piece, label_name = _splice_head(
+        model, prediction, loss, label_name, weighted, taken, "loss"
     )
     if weighted:
-        weight_name = _new_name(model, weight_name, taken, "weight_name")  # type: ignore[arg-type]
-        wiring["weight"] = weight_name
-        model.graph.input.append(value_info(weight_name, elem, _dims(piece, "weight")))
+        weight_name = _add_weight_input(model, weight_name, piece, taken)  # type: ignore[arg-type]
+        # the head was spliced before the input existed: wire it now
+        _rewire(model, _WEIGHT_PLACEHOLDER, weight_name)
     loss_name = _new_name(model, loss_name, taken, "loss_name")
-    data_loss = splice(model, piece, wiring, prefix="loss")["loss"]
-
-    total = data_loss
-    for i, term in enumerate(_add_penalties(model, _penalties.from_spec(penalty), loss)):
-        # a chain of Add: onnxruntime-training has no gradient for Sum
-        partial = fresh_name(f"loss/total_{i}", taken)
-        model.graph.node.append(helper.make_node("Add", [total, term], [partial], name=partial))
-        total = partial
-    model.graph.node.append(helper.make_node("Identity", [total], [loss_name], name=loss_name))
-    loss_value = value_info(loss_name, elem, _dims(piece, "loss"))
-    outputs = [loss_value, *model.graph.output]
-    del model.graph.output[:]
-    model.graph.output.extend(outputs)
-
-    description = {"name": loss.name, "reduction": loss.reduction, **_jsonable(loss.params)}
+    _finish_total(model, [data_loss], penalty, loss.reduction == "none", loss_name, piece, taken)
+    description = _describe(loss)
     _set_metadata(
         model,
         {
@@ -198,6 +257,236 @@ def add_loss_output(
         },
     )
     return finalize(model)
+
+
+_WEIGHT_PLACEHOLDER = "graphkit.sample_weight"
+"""What the losses read for the sample weights until the weight input is added (the heads
+are spliced first, so that the inputs come in the order labels, then weights)."""
+
+
+def _head_loss(score: Any, kwargs: dict[str, Any], prediction: onnx.ValueInfoProto) -> _losses.Loss:
+    """The loss ``score`` resolved for ``prediction``'s shape, which it must suit."""
+    shape = named_shape(prediction)
+    loss = _make_loss(score, kwargs).for_prediction(shape)
+    _check_prediction_shape(loss, shape, prediction.name)
+    return loss
+
+
+def _splice_head(
+    model: onnx.ModelProto,
+    prediction: onnx.ValueInfoProto,
+    loss: _losses.Loss,
+    label_name: str,
+    weighted: bool,
+    taken: set[str],
+    prefix: str,
+) -> tuple[str, onnx.ModelProto, str]:
+    """Add ``loss`` of ``prediction`` to ``model`` (in place) with a new label input:
+    ``(its value's tensor, the loss piece, the label input's name)``. A weighted loss
+    reads the sample weights from :data:`_WEIGHT_PLACEHOLDER`."""
+    dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
+    piece = loss.value_model(dtype, weighted, named_shape(prediction))
+    label = _new_name(model, label_name, taken, "label_name")
+    wiring = {"prediction": prediction.name, "label": label}
+    model.graph.input.append(value_info(label, _input_elem(piece, "label"), _dims(piece, "label")))
+    if weighted:
+        wiring["weight"] = _WEIGHT_PLACEHOLDER
+    value = splice(model, piece, wiring, prefix=prefix)["loss"]
+    taken |= graph_names(model.graph)
+    return value, piece, label
+
+
+def _add_weight_input(
+    model: onnx.ModelProto, weight_name: str, piece: onnx.ModelProto, taken: set[str]
+) -> str:
+    name = _new_name(model, weight_name, taken, "weight_name")
+    elem = _input_elem(piece, "prediction")
+    model.graph.input.append(value_info(name, elem, _dims(piece, "weight")))
+    return name
+
+
+def _rewire(model: onnx.ModelProto, old: str, new: str) -> None:
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+
+
+def _finish_total(
+    model: onnx.ModelProto,
+    terms: list[str],
+    penalty: Any,
+    per_sample: bool,
+    loss_name: str,
+    piece: onnx.ModelProto,
+    taken: set[str],
+) -> None:
+    """``loss_name = terms[0] + terms[1] + ... + penalties``, the first output."""
+    total = terms[0]
+    penalties = _add_penalties(model, _penalties.from_spec(penalty), per_sample)
+    for i, term in enumerate([*terms[1:], *penalties]):
+        # a chain of Add: onnxruntime-training has no gradient for Sum
+        partial = fresh_name(f"loss/total_{i}", taken)
+        model.graph.node.append(helper.make_node("Add", [total, term], [partial], name=partial))
+        total = partial
+    model.graph.node.append(helper.make_node("Identity", [total], [loss_name], name=loss_name))
+    elem = next(o.type.tensor_type.elem_type for o in piece.graph.output if o.name == "loss")
+    loss_value = value_info(loss_name, elem, _dims(piece, "loss"))
+    outputs = [loss_value, *model.graph.output]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+
+
+def _describe(loss: _losses.Loss) -> dict[str, Any]:
+    return {"name": loss.name, "reduction": loss.reduction, **_jsonable(loss.params)}
+
+
+def _add_loss_per_output(
+    onx: Any,
+    scores: Mapping[str, Any],
+    loss_name: str,
+    label_name: str | Mapping[str, str],
+    weight_name: str | None,
+    penalty: Any,
+    output_index: int | str | None,
+    loss_weights: Mapping[str, float] | None,
+    kwargs: dict[str, Any],
+) -> onnx.ModelProto:
+    """:func:`add_loss_output` with a loss per output (``scores``: ``{output: loss}``)."""
+    if output_index is not None:
+        raise ValueError(
+            "output_index chooses the output of one loss; with a loss per output, the keys "
+            f"of the dict name the outputs ({list(scores)}): leave output_index out."
+        )
+    if kwargs:
+        raise TypeError(
+            f"Hyper-parameters {sorted(kwargs)} would apply to every output's loss: give each "
+            "head its own loss object instead, e.g. {'out': graphkit.losses.get('huber', "
+            "delta=2.0, reduction='sum')}."
+        )
+    if not scores:
+        raise ValueError("The dict of losses is empty: give a loss for at least one output.")
+    compatible = make_compatible(load_model(onx), min_opset=DSL_OPSET)
+    model = linear_models_as_standard_ops(compatible)
+    outputs = [o.name for o in model.graph.output]
+    heads = list(scores)
+    _check_outputs_named(heads, outputs, "the dict of losses")
+    weights = _check_loss_weights(loss_weights, heads, outputs)
+    labels = _label_names(label_name, heads, outputs)
+
+    chosen: list[tuple[str, onnx.ValueInfoProto, _losses.Loss]] = []
+    for head in heads:
+        model, prediction = select_prediction(model, head)
+        chosen.append((head, prediction, _head_loss(scores[head], {}, prediction)))
+    elems = {p.name: p.type.tensor_type.elem_type for _, p, _ in chosen}
+    if len(set(elems.values())) > 1:
+        types = {n: TensorProto.DataType.Name(e) for n, e in elems.items()}
+        raise DTypeError(
+            f"The outputs {types} have different element types; one loss sums them: convert "
+            "the model to one float type first."
+        )
+    per_sample = {head: loss.reduction == "none" for head, _, loss in chosen}
+    if len(set(per_sample.values())) > 1:
+        raise ValueError(
+            f"Losses {[h for h, none in per_sample.items() if none]} keep one value per sample "
+            "(reduction='none') and the others reduce the batch to one value: their sum would "
+            "broadcast. Give every head the same kind of reduction."
+        )
+
+    weighted = weight_name is not None
+    taken = graph_names(model.graph)
+    terms, records = [], []
+    piece = None
+    for head, prediction, loss in chosen:
+        value, piece, label = _splice_head(
+            model, prediction, loss, labels[head], weighted, taken, f"loss/{head}"
+        )
+        if weights[head] != 1.0:
+            dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
+            factor = fresh_name(f"loss/{head}/weight", taken)
+            scaled = fresh_name(f"loss/{head}/weighted", taken)
+            constant = numpy_helper.from_array(np.array(weights[head], dtype=dtype), factor)
+            model.graph.node.extend(
+                [
+                    helper.make_node("Constant", [], [factor], name=factor, value=constant),
+                    helper.make_node("Mul", [factor, value], [scaled], name=scaled),
+                ]
+            )
+            value = scaled
+        terms.append(value)
+        records.append(
+            {"output": prediction.name, "label": label, "loss": _describe(loss),
+             "weight": weights[head]}
+        )  # fmt: skip
+    if weighted:
+        weight_name = _add_weight_input(model, weight_name, piece, taken)  # type: ignore[arg-type]
+        _rewire(model, _WEIGHT_PLACEHOLDER, weight_name)
+    loss_name = _new_name(model, loss_name, taken, "loss_name")
+    none = next(iter(per_sample.values()))
+    _finish_total(model, terms, penalty, none, loss_name, piece, taken)  # type: ignore[arg-type]
+    _set_metadata(
+        model,
+        {
+            META_LOSS: loss_name,
+            META_WEIGHT: weight_name or "",
+            META_HEADS: json.dumps(records),
+        },
+    )
+    return finalize(model)
+
+
+def _check_outputs_named(names: Iterable[Any], outputs: list[str], what: str) -> None:
+    unknown = [n for n in names if n not in outputs]
+    if unknown:
+        raise UnknownNameError(
+            f"{what} names {unknown}, {'which is' if len(unknown) == 1 else 'which are'} not "
+            f"an output of the model; its outputs are {outputs}."
+        )
+
+
+def _check_loss_weights(
+    loss_weights: Mapping[str, float] | None, heads: list[str], outputs: list[str]
+) -> dict[str, float]:
+    """``{head: weight}``, 1 for the heads ``loss_weights`` leaves out."""
+    given = dict(loss_weights or {})
+    unknown = [n for n in given if n not in heads]
+    if unknown:
+        others = [n for n in unknown if n in outputs]
+        detail = f" ({others} have no loss)" if others else ""
+        raise UnknownNameError(
+            f"loss_weights names {unknown}, which {'is' if len(unknown) == 1 else 'are'} not "
+            f"a head with a loss{detail}; the heads are {heads} (the outputs {outputs})."
+        )
+    weights = {}
+    for head in heads:
+        value = given.get(head, 1.0)
+        try:
+            weight = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"loss_weights[{head!r}] must be a number, got {value!r}.") from None
+        if not np.isfinite(weight) or weight < 0:
+            raise ValueError(f"loss_weights[{head!r}] must be finite and >= 0, got {value!r}.")
+        weights[head] = weight
+    return weights
+
+
+def _label_names(
+    label_name: str | Mapping[str, str], heads: list[str], outputs: list[str]
+) -> dict[str, str]:
+    """The label input of every head: ``label_<output>`` unless ``label_name`` maps it."""
+    if isinstance(label_name, str):
+        if label_name != "label":
+            raise TypeError(
+                f"label_name={label_name!r} is one name, but there is a loss per output: pass "
+                "a dict {output name: label input name} (by default label_<output>)."
+            )
+        label_name = {}
+    _check_outputs_named(label_name, heads, "label_name")
+    names = {head: label_name.get(head, f"label_{head}") for head in heads}
+    repeated = sorted({n for n in names.values() if list(names.values()).count(n) > 1})
+    if repeated:
+        raise ValueError(f"label_name gives several heads the same label input {repeated}.")
+    return names
 
 
 def select_prediction(
@@ -408,13 +697,13 @@ def _dims(piece: onnx.ModelProto, name: str) -> list[int | str | None]:
 
 
 def _add_penalties(
-    model: onnx.ModelProto, penalty: _penalties.Penalty, loss: _losses.Loss
+    model: onnx.ModelProto, penalty: _penalties.Penalty, per_sample: bool
 ) -> list[str]:
     weights = get_train_initializer(model)
     names = penalty.penalized(weights)
     if not names or penalty.is_zero:
         return []
-    if loss.reduction == "none":
+    if per_sample:
         raise ValueError("A penalty cannot be added to a per-sample loss (reduction='none').")
     terms = []
     for name in names:
