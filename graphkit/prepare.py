@@ -5,6 +5,7 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 
 * skl2onnx's linear models become standard operators whose coefficients are
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
+* a model exported in training mode is refused (:func:`refuse_training_mode`);
 * the weights to train are chosen (:func:`trainable_weights`: the model's parameters,
   never its constants, unless named);
 * trained weights stop feeding constant roles (:func:`graphkit.parameters.untie_constants`);
@@ -17,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import onnx
+from onnx import numpy_helper
 
 from graphkit import backends
 from graphkit.compat import make_compatible
-from graphkit.errors import MissingGradientError
+from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
@@ -41,6 +43,7 @@ def prepare_for_training(
     (:func:`graphkit.parameters.untie_shared_parameters`).
     """
     model = linear_models_as_standard_ops(make_compatible(model))
+    refuse_training_mode(model)
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)
     if untie_shared_weights:
@@ -60,6 +63,50 @@ def trainable_weights(
     if not weights:
         _no_weights(onx)
     return weights
+
+
+EXPORT_RECIPE = (
+    "Export the model in eval mode instead: net.eval(), then torch.onnx.export(net, "
+    "args, f, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE) (or "
+    "do_constant_folding=False, which also keeps BatchNorm apart from the Conv before it), "
+    "or torch.onnx.export(net, args, dynamo=True, optimize=False) (see the README, "
+    "'Exporting a model for training')."
+)
+
+
+def refuse_training_mode(model: onnx.ModelProto) -> None:
+    """Raise :class:`~graphkit.errors.IncompatibleModelError` naming the first node
+    exported in training mode: a ``BatchNormalization`` with ``training_mode=1``
+    normalizes with each batch's statistics (its predictions would change with the
+    batch) and never updates its running ones here; a ``Dropout`` whose
+    ``training_mode`` input is a constant true drops units at prediction time too."""
+    constants = _constant_values(model)
+    for node in model.graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        training = False
+        if node.op_type == "BatchNormalization":
+            training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+            value = constants.get(node.input[2])
+            training = value is not None and bool(value.all())
+        if training:
+            raise IncompatibleModelError(
+                f"{node.op_type} node {node.name or node.output[0]!r} was exported in "
+                "training mode, and graphkit trains the inference graph (batch statistics "
+                "and dropout at prediction time would change every prediction). "
+                + EXPORT_RECIPE
+            )
+
+
+def _constant_values(model: onnx.ModelProto) -> dict[str, object]:
+    values: dict[str, object] = {
+        t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.dims in ([], [1])
+    }
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return values
 
 
 def _no_weights(onx: onnx.ModelProto) -> None:
