@@ -40,8 +40,8 @@ except ImportError:  # loaded from its file where graphkit is not installed: so 
     epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows  # type: ignore[attr-defined]
 
 META = "graphkit.training_step"
-"""The metadata key of an exported step: JSON with features, label, sample_weight, loss,
-resident."""
+"""The metadata key of an exported step: JSON with features, inputs, label, labels and
+heads (a loss per output: ``{output: label input}``), sample_weight, loss, resident."""
 
 
 class StepTrainer:
@@ -79,7 +79,11 @@ class StepTrainer:
         initial = {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
         self._resident = {n: initial[n] for n in self.roles["resident"]}
         inputs = {i.name: i for i in self.model.graph.input}
-        self._label_rank = len(inputs[self.roles["label"]].type.tensor_type.shape.dim)
+        # a loss per output: {output: label input}; one loss: {None: label input}
+        self.heads = dict(self.roles.get("heads") or {None: self.roles["label"]})
+        self._label_ranks = {
+            label: len(inputs[label].type.tensor_type.shape.dim) for label in self.heads.values()
+        }
         # every feature input (steps exported before graphkit took several name one)
         self.inputs = list(self.roles.get("inputs") or [self.roles["features"]])
         weight = self.roles.get("sample_weight")
@@ -99,7 +103,7 @@ class StepTrainer:
     def fit(
         self,
         X: np.ndarray | dict[str, np.ndarray],
-        y: np.ndarray,
+        y: np.ndarray | dict[str, np.ndarray],
         sample_weight: np.ndarray | None = None,
         epochs: int = 1,
     ) -> StepTrainer:
@@ -108,7 +112,8 @@ class StepTrainer:
         Args:
             X: the features: an array, or ``{input name: array}`` for a step with several
                 feature inputs (``self.inputs``).
-            y: the labels.
+            y: the labels; ``{output name: labels}`` for a step with a loss per output
+                (``self.heads``).
             sample_weight: one weight per row, for a step exported with sample weights.
             epochs: how many epochs.
 
@@ -116,9 +121,7 @@ class StepTrainer:
             ValueError: sample weights for a step without, or ``X`` not naming every
                 feature input.
         """
-        X, y = self._features(X), np.asarray(y)
-        if y.ndim == 1 and self._label_rank == 2:
-            y = y.reshape(-1, 1)
+        X, y = self._features(X), self._labels(y)
         weight = self.roles.get("sample_weight")
         if sample_weight is not None and not weight:
             raise ValueError("This training step takes no sample weights.")
@@ -132,9 +135,13 @@ class StepTrainer:
             batches = 0
             for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, self.batch_size):
                 if isinstance(X_batch, NamedRows):
-                    feeds = {**X_batch.arrays, self.roles["label"]: y_batch}
+                    feeds = dict(X_batch.arrays)
                 else:
-                    feeds = {self.inputs[0]: X_batch, self.roles["label"]: y_batch}
+                    feeds = {self.inputs[0]: X_batch}
+                if isinstance(y_batch, NamedRows):
+                    feeds.update(y_batch.arrays)
+                else:
+                    feeds[self.roles["label"]] = y_batch
                 if weight:
                     feeds[weight] = w_batch
                 out = dict(zip(self._outputs, self._run({**feeds, **self._resident})))
@@ -142,6 +149,28 @@ class StepTrainer:
                 batches += 1
             self.train_losses_.append(float(self._resident["loss_sum"]) / batches)
         return self
+
+    def _labels(self, y: np.ndarray | dict[str, np.ndarray]) -> np.ndarray | NamedRows:
+        """One array for one loss, :class:`NamedRows` keyed by the label inputs for a loss
+        per output (``y = {output name: labels}``); (N,) labels of an (N, 1) input become
+        (N, 1)."""
+        if None in self.heads:
+            if isinstance(y, dict):
+                raise ValueError("This training step has one loss: pass y as one array.")
+            label = self.heads[None]
+            y = np.asarray(y)
+            return y.reshape(-1, 1) if y.ndim == 1 and self._label_ranks[label] == 2 else y
+        if not isinstance(y, dict) or sorted(y) != sorted(self.heads):
+            given = sorted(y) if isinstance(y, dict) else "one array"
+            raise ValueError(
+                f"y is {given}; this training step has a loss per output: pass y as a dict "
+                f"{{output name: labels}} for {list(self.heads)}."
+            )
+        arrays = {}
+        for output, label in self.heads.items():
+            a = np.asarray(y[output])
+            arrays[label] = a.reshape(-1, 1) if a.ndim == 1 and self._label_ranks[label] == 2 else a
+        return NamedRows(arrays)
 
     def _features(self, X: np.ndarray | dict[str, np.ndarray]) -> np.ndarray | NamedRows:
         """One array for one feature input, :class:`NamedRows` of ``{name: array}`` for

@@ -5,7 +5,8 @@
   (:meth:`graphkit.backends.base.GradientSource.to_standard`), so that plain
   onnxruntime, ``onnx.reference`` or any other runtime can keep training::
 
-      inputs : <features>..., <label>[, <sample weight>]      (one mini-batch)
+      inputs : <features>..., <label>... (one per loss head)[, <sample weight>]
+                                                                (one mini-batch)
                <weights>, <optimizer state>, step, loss_sum     (resident: initializers
                                                                  hold their current values)
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
@@ -87,6 +88,8 @@ def export_training_step(
         "features": step.features,  # the first feature input (graphkit < several inputs)
         "inputs": list(step.feature_inputs),
         "label": step.label,
+        "labels": list(step.labels),  # one per loss head (a loss per output)
+        "heads": {h.output: h.label for h in getattr(trainer, "_heads", None) or []},
         "sample_weight": step.sample_weight if step.sample_weight in inputs else None,
         "loss": step.loss,
         "resident": list(resident),
@@ -199,7 +202,8 @@ def export_training_epoch(
 
     ::
 
-        inputs : <features>... (all rows, every feature input), <label> (all rows)
+        inputs : <features>... (all rows, every feature input), <label>... (all rows,
+                 one per loss head)
                  [, <sample weight>],
                  permutation (int64, the row order: numpy's permutation for shuffling,
                  arange(n) without), batch_size (int64 scalar),

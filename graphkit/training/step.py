@@ -10,8 +10,8 @@
 * :func:`build_training_step`: full training. The gradient graph the backend's gradient
   source builds for the loss, followed by the update step, as one graph::
 
-      inputs : X (every feature input), label[, weight], <weights>, <optimizer state>,
-               step, loss_sum
+      inputs : X (every feature input), label (one per loss head)[, weight], <weights>,
+               <optimizer state>, step, loss_sum
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
 ``step`` and ``loss_sum`` are resident like the weights: a loop binds every ``.next``
@@ -46,9 +46,9 @@ from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
 from graphkit.prepare import trainable_weights
 from graphkit.rewrite import (
-    META_LABEL,
     META_WEIGHT,
     initializers_to_inputs,
+    loss_heads,
     metadata,
     prune,
     weight_values,
@@ -161,23 +161,27 @@ class UpdateStep:
 @dataclass
 class TrainingStep(UpdateStep):
     """A fused full-training step; ``feature_inputs`` (the model's inputs, in graph
-    order; ``features`` is the first), ``label`` and ``sample_weight`` name its data
-    inputs and ``loss`` its loss output."""
+    order; ``features`` is the first), ``labels`` (one per loss head, in the heads'
+    order; ``label`` is the first) and ``sample_weight`` name its data inputs and
+    ``loss`` its loss output."""
 
     features: str = ""
     label: str = ""
     sample_weight: str | None = None
     loss: str = LOSS
     feature_inputs: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.feature_inputs and self.features:
             self.feature_inputs = [self.features]
+        if not self.labels and self.label:
+            self.labels = [self.label]
 
     @property
     def data(self) -> list[str]:
-        """The inputs fed per batch: every feature input, the label[, sample weights]."""
-        return [*self.feature_inputs, self.label] + (
+        """The inputs fed per batch: every feature input, every label[, sample weights]."""
+        return [*self.feature_inputs, *self.labels] + (
             [self.sample_weight] if self.sample_weight else []
         )
 
@@ -366,7 +370,8 @@ def data_inputs(
 
     Graphs made by :func:`graphkit.add_loss_output` record the label and sample-weight
     names in their metadata; other graphs must name them ``label`` (and
-    ``sample_weight_name``).
+    ``sample_weight_name``). A graph with a loss per output has a label per head
+    (:func:`label_inputs`): ``label`` is the first, and none of them is a feature.
 
     Raises:
         UnknownNameError: no input holds the labels.
@@ -376,9 +381,10 @@ def data_inputs(
     initializers = {i.name for i in train_onx.graph.initializer}
     inputs = [i.name for i in train_onx.graph.input if i.name not in initializers]
     inputs = [n for n in inputs if n not in set(weights)]
-    label = meta.get(META_LABEL) or ("label" if "label" in inputs else None)
+    labels = [head.label for head in loss_heads(train_onx)]
+    label = labels[0] if labels else ("label" if "label" in inputs else None)
     weight = meta.get(META_WEIGHT) or (sample_weight_name if sample_weight_name in inputs else None)
-    others = [n for n in inputs if n not in (label, weight)]
+    others = [n for n in inputs if n not in {label, weight, *labels}]
     if label is None or label not in inputs:
         raise UnknownNameError(
             f"Cannot tell which input holds the labels among {inputs}: build the training "
@@ -390,6 +396,24 @@ def data_inputs(
             f"{' and sample weights' if weight else ''}: its inputs are {inputs}."
         )
     return others, label, weight
+
+
+def label_inputs(train_onx: onnx.ModelProto, label: str) -> list[str]:
+    """The label inputs of a training graph, one per loss head (:func:`graphkit.rewrite.
+    loss_heads`); ``[label]`` for a graph with one loss.
+
+    Raises:
+        UnknownNameError: a head's label is not an input of the graph.
+    """
+    labels = [head.label for head in loss_heads(train_onx)] or [label]
+    inputs = [i.name for i in train_onx.graph.input]
+    missing = [n for n in labels if n not in inputs]
+    if missing:
+        raise UnknownNameError(
+            f"The label inputs {missing} recorded in the graph's metadata are not inputs "
+            f"(inputs: {inputs}): rebuild the training graph with graphkit.add_loss_output."
+        )
+    return labels
 
 
 def build_training_step(
@@ -422,6 +446,7 @@ def build_training_step(
     _check_scalar_loss(train_onx, loss_output_name)
     weights = trainable_weights(train_onx, weights_to_train)
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
+    labels = label_inputs(train_onx, label)
     values = weight_values(train_onx, weights)
 
     model = gradient_model(
@@ -464,6 +489,7 @@ def build_training_step(
         sample_weight=sample_weight,
         loss=loss_output_name,
         feature_inputs=features,
+        labels=labels,
     )
 
 
