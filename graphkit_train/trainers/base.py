@@ -32,6 +32,7 @@ from graphkit_train.distributed import ProcessGroup, digest, shard
 from graphkit_train.engine.resident import ResidentState
 from graphkit_train.progress import EpochProgress
 from graphkit_train.trainers.estimator import EstimatorMixin
+from graphkit_train.trainers.heads import Head, check_head_labels
 from graphkit_train.trainers.params import (
     ParamsMixin,
     as_state,
@@ -65,6 +66,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         self._current = 0
         self._rng: np.random.Generator | None = None
         self._probed_classes: int | None = None
+        self._heads: list[Head] | None = None  # a loss per output (set by _build)
 
     @abstractmethod
     def _build(self) -> None:
@@ -103,7 +105,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 are fed, never differentiated).
             y: the labels, shaped like the prediction for a regression (``(N, k)`` for k
                 outputs; ``(N,)`` or ``(N, 1)`` for one), class indices ``(N,)`` for a
-                classification.
+                classification. For a graph with a loss per output
+                (``add_loss_output(onx, {output: loss, ...})``), a dict ``{output name:
+                labels}`` with the labels of every head, each as its loss takes them.
             sample_weight: one weight per sample, when the loss takes them.
             X_val, y_val: held-out data (``X_val`` in the form of ``X``), scored every
                 ``validation_every`` epochs (and every epoch for ``early_stopping``, which
@@ -361,10 +365,17 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         """Why an epoch's loss cannot be right ("" when it can)."""
         if not np.isfinite(loss):
             return ". Lower the learning rate or scale the features"
-        resolved = self.loss_
-        if loss < 0 and resolved is not None and not resolved.is_custom:
+        known = (
+            [self.loss_]
+            if self._heads is None
+            else [h.loss for h in self._heads if h.loss is not None]
+        )
+        if self._heads is not None and len(known) < len(self._heads):
+            known = []  # a custom loss may be negative
+        if loss < 0 and known and all(k is not None and not k.is_custom for k in known):
+            names = ", ".join(repr(k.name) for k in known)  # type: ignore[union-attr]
             return (
-                f", below zero, which {resolved.name!r} cannot be: the model's outputs left the "
+                f", below zero, which {names} cannot be: the model's outputs left the "
                 "range the loss takes (probabilities outside [0, 1]). Check weights_to_train_ "
                 "for a constant being trained"
             )
@@ -376,26 +387,32 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         probabilities refuses outputs that are not probabilities (logits or scores would
         be clipped at eps silently); a regression loss on an output whose declared shape
         does not say its values per sample refuses labels of another width."""
-        resolved = self.loss_
-        if resolved is None or not len(X):
+        if not len(X):
             return
-        per_sample = self._prediction_shape[1:]
-        unknown_width = resolved.task == REGRESSION and not all(
-            isinstance(d, int) for d in per_sample
-        )
-        if resolved.prediction != "probabilities" and not unknown_width:
+        if self._heads is None:
+            checks = [(self.loss_, self._prediction_shape, y, None, "y")]
+        else:
+            checks = [
+                (h.loss, h.prediction_shape, y.arrays[h.label], h.output, f"y[{h.output!r}]")
+                for h in self._heads
+            ]
+        needed = [c for c in checks if _needs_output(c[0], c[1])]
+        if not needed:
             return
-        output = self._probe(X)
-        if unknown_width:
-            check_label_width("y", y, output)
-            return
-        low, high = float(output.min()), float(output.max())
-        if low < -1e-6 or high > 1 + 1e-6:
-            raise ValueError(
-                f"The loss 'log' takes probabilities, but the model's output ranges from "
-                f"{low:.4g} to {high:.4g}. For logits use 'cross_entropy'; for one raw score "
-                "use 'sigmoid_log_loss'."
-            )
+        outputs = self._probe(X, every_output=self._heads is not None)
+        for loss, _, labels, output, what in needed:
+            value = outputs if output is None else outputs[output]
+            if loss.task == REGRESSION:
+                check_label_width(what, labels, value)
+                continue
+            low, high = float(value.min()), float(value.max())
+            if low < -1e-6 or high > 1 + 1e-6:
+                of = "the model's output" if output is None else f"output {output!r}"
+                raise ValueError(
+                    f"The loss 'log' takes probabilities, but {of} ranges from "
+                    f"{low:.4g} to {high:.4g}. For logits use 'cross_entropy'; for one raw "
+                    "score use 'sigmoid_log_loss'."
+                )
 
     @abstractmethod
     def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:
@@ -411,9 +428,12 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         """``(X, y, sample weights)`` checked: X one array for a one-input model,
         :class:`NamedRows` for several (from ``{input name: array}``)."""
         X = check_inputs(X, self._input_values, x_name, type(self).__name__)
-        y = check_labels(y, self._label_value, len(X), y_name)
-        if self._is_classifier() and self.loss_ is not None:
-            check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
+        if self._heads is not None:
+            y = check_head_labels(y, self._heads, len(X), y_name, self._n_classes)
+        else:
+            y = check_labels(y, self._label_value, len(X), y_name)
+            if self._is_classifier() and self.loss_ is not None:
+                check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
         if sample_weight is None:
             if not self._requires_sample_weight:
                 return X, y, None
@@ -528,6 +548,15 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     @abstractmethod
     def _graphs(self) -> dict[str, onnx.ModelProto]:
         """Every graph the trainer runs, by name (for ``save_onnx_graph``)."""
+
+
+def _needs_output(loss: Loss | None, shape: tuple[int | str, ...]) -> bool:
+    """Whether checking labels for ``loss`` needs the model's output: a log loss on
+    probabilities (refusing logits), a regression on an output of undeclared width."""
+    if loss is None:
+        return False
+    unknown_width = loss.task == REGRESSION and not all(isinstance(d, int) for d in shape[1:])
+    return unknown_width or loss.prediction == "probabilities"
 
 
 @dataclass

@@ -15,6 +15,7 @@ import onnx
 
 from graphkit.errors import ShapeError, not_fitted
 from graphkit.training.batches import NamedRows, Rows
+from graphkit_train.trainers.heads import Head
 from graphkit_train.trainers.params import check_inputs, check_sample_weight
 
 
@@ -26,19 +27,24 @@ class EstimatorMixin:
     ``_prediction_shape``.
     """
 
-    def predict(self, X: Any) -> np.ndarray:
+    def predict(self, X: Any) -> np.ndarray | dict[str, np.ndarray]:
         """Predictions with the trained weights, for ``X`` as ``fit`` takes it (one
         array, or ``{input name: array}`` for a model with several inputs).
 
         A regression graph returns the output the loss is computed on (1-D for one
         column); a classification graph returns class labels in ``classes_`` (argmax of
         the probabilities or logits; for one column, probability > 0.5 or score > 0).
+        A graph with a loss per output returns ``{output name: prediction}`` for every
+        output with a loss, each as above (the class labels of a classification head).
         """
         self._build()
         return self._predict_checked(self._features(X))
 
-    def _predict_checked(self, X: Rows) -> np.ndarray:
+    def _predict_checked(self, X: Rows) -> Any:
         """``predict`` on features already checked by :meth:`_features`."""
+        if self._heads is not None:
+            outputs = self._predict_heads(X)
+            return {h.output: h.prediction(outputs[h.output]) for h in self._heads}
         output = self._predict_outputs(X)
         if self._is_classifier() and self.loss_ is not None:
             return self.loss_.labels(output)
@@ -70,8 +76,16 @@ class EstimatorMixin:
 
         The loss says how (:meth:`graphkit.losses.Loss.probabilities`): the output itself
         for ``log``, its softmax for ``cross_entropy``, ``[1 - sigmoid(s), sigmoid(s)]``
-        for ``sigmoid_log_loss``.
+        for ``sigmoid_log_loss``. A graph with a loss per output returns ``{output name:
+        probabilities}`` for its classification heads.
         """
+        if self._heads is not None:
+            if not any(h.classifies and h.loss.prediction for h in self._heads):  # type: ignore[union-attr]
+                raise AttributeError(
+                    f"predict_proba: no output of this {type(self).__name__} has a "
+                    "classification loss giving class probabilities."
+                )
+            return self._predict_proba
         if not (self._is_classifier() and self.loss_ is not None and self.loss_.prediction):
             raise AttributeError(
                 f"predict_proba: the loss of this {type(self).__name__} gives no class "
@@ -79,8 +93,15 @@ class EstimatorMixin:
             )
         return self._predict_proba
 
-    def _predict_proba(self, X: Any) -> np.ndarray:
+    def _predict_proba(self, X: Any) -> Any:
         self._build()
+        if self._heads is not None:
+            outputs = self._predict_heads(self._features(X))
+            return {
+                h.output: h.loss.probabilities(outputs[h.output])  # type: ignore[union-attr]
+                for h in self._heads
+                if h.classifies and h.loss.prediction  # type: ignore[union-attr]
+            }
         return self.loss_.probabilities(self._predict_outputs(self._features(X)))  # type: ignore[union-attr]
 
     @property
@@ -90,27 +111,39 @@ class EstimatorMixin:
             raise AttributeError("classes_ exists once a classification graph is fitted.")
         return np.arange(self._n_classes())
 
-    def _n_classes(self) -> int:
-        """Columns of the prediction (2 for one probability or score column)."""
-        if self.loss_ is None or not self.loss_.multiclass:
+    def _n_classes(self, head: Head | None = None) -> int:
+        """Columns of the prediction (2 for one probability or score column); of the
+        output of ``head`` for a graph with a loss per output."""
+        loss = self.loss_ if head is None else head.loss
+        if loss is None or not loss.multiclass:
             return 2
-        columns = self._prediction_shape[1] if len(self._prediction_shape) == 2 else None
+        shape = self._prediction_shape if head is None else head.prediction_shape
+        columns = shape[1] if len(shape) == 2 else None
         if isinstance(columns, int):
             return columns
-        if self._probed_classes is None:  # a dynamic class axis: one forward, once per build
+        # a dynamic class axis: one forward, once per build
+        if head is not None:
+            return int(self._probe(self._zero_row(), every_output=True)[head.output].shape[1])
+        if self._probed_classes is None:
             self._probed_classes = int(self._probe(self._zero_row()).shape[1])
         return self._probed_classes
 
-    def _probe(self, X: Rows) -> np.ndarray:
+    def _probe(self, X: Rows, every_output: bool = False) -> Any:
         """The prediction with the current weights, or the initial ones before ``fit``
-        (allocated for this call only: a failed check leaves no state behind)."""
+        (allocated for this call only: a failed check leaves no state behind); with
+        ``every_output``, ``{output: value}`` of a graph with a loss per output."""
+        predict = self._predict_heads if every_output else self._predict_outputs
         if self._fitted:
-            return self._predict_outputs(X)
+            return predict(X)
         self._allocate(self.update_step_.initial)
         try:
-            return self._predict_outputs(X)
+            return predict(X)
         finally:
             self._buffers = None
+
+    def _predict_heads(self, X: Rows) -> dict[str, np.ndarray]:
+        """``{output: value}`` of every output with a loss (graphs with a loss per output)."""
+        raise TypeError(f"{type(self).__name__} trains one loss on one output.")
 
     def _zero_row(self) -> Rows:
         """One row of zeros for every input (its declared dims; 0 where unknown)."""
@@ -125,8 +158,21 @@ class EstimatorMixin:
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """scikit-learn's score: the coefficient of determination R^2 for a regression
         graph (averaged over outputs), the accuracy for a classification graph; weighted
-        by ``sample_weight``. The loss itself is :meth:`compute_loss`."""
+        by ``sample_weight``. The loss itself is :meth:`compute_loss`.
+
+        A graph with a loss per output has no single score (an R^2 and an accuracy do not
+        add up): it raises a ValueError; score each head's ``predict(X)[output]`` with
+        its own metric, or compare :meth:`compute_loss` (the weighted total loss)."""
         self._build()
+        if self._heads is not None:
+            outputs = [h.output for h in self._heads]
+            raise ValueError(
+                f"score gives one number for one loss; this {type(self).__name__} has a loss "
+                f"per output {outputs}. Score each head on predict(X)[output] with its own "
+                "metric (sklearn.metrics.r2_score for a regression head, accuracy_score for "
+                "a classification head), or use compute_loss(X, y) for the weighted total "
+                "loss (lower is better)."
+            )
         X = self._features(X)  # NotFittedError, and the feature count fitted with
         y = np.asarray(y)
         if len(y) != len(X):
@@ -138,7 +184,8 @@ class EstimatorMixin:
         return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
 
     def compute_loss(self, X: Any, y: Any, sample_weight: Any = None) -> float:
-        """The training loss on ``(X, y)`` with the current weights (lower is better)."""
+        """The training loss on ``(X, y)`` with the current weights (lower is better): for
+        a loss per output, ``y = {output name: labels}`` and the weighted total."""
         self._build()
         return self._loss(*self._check(self._features(X), y, sample_weight))
 

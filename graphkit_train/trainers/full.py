@@ -10,7 +10,6 @@ labels are bound per step, and the loss is read back once per epoch.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,14 +22,14 @@ from graphkit.backends import ort_engine as engine
 from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model, make_compatible
 from graphkit.gradient import gradient_model
-from graphkit.losses import LOSSES, Loss
+from graphkit.losses import Loss
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import (
     META_LABEL,
-    META_LOSS_FUNCTION,
     META_PREDICTION,
     add_loss_output,
     initializers_to_inputs,
+    loss_heads,
     metadata,
     strip_loss_output,
 )
@@ -47,6 +46,7 @@ from graphkit.training.step import (
 from graphkit.transforms import GradientTransformation
 from graphkit_train.engine.forward_backward import binding_outputs
 from graphkit_train.trainers.base import BaseTrainer
+from graphkit_train.trainers.heads import heads_of, recorded_loss
 from graphkit_train.trainers.params import (
     input_value,
     providers_for,
@@ -77,7 +77,11 @@ class Trainer(BaseTrainer):
             the trainer appends the loss to its only float output with
             ``graphkit.add_loss_output(model_onnx, loss, loss_name=loss_output_name)``
             (no sample-weight input and no penalty: for those, or to choose the output,
-            call ``add_loss_output`` yourself).
+            call ``add_loss_output`` yourself). A dict ``{output name: loss}``: a loss
+            per output, weighted by ``loss_weights`` (Keras's ``loss`` and
+            ``loss_weights``); ``fit`` then takes ``y = {output name: labels}``.
+        loss_weights: with a dict of losses, ``{output name: weight}`` (1 for a head
+            left out).
         loss_output_name: the output holding the loss.
         max_iter: number of epochs.
         batch_size: rows per training step.
@@ -160,6 +164,7 @@ class Trainer(BaseTrainer):
         execution_mode: str = "sequential",
         backend: str | None = None,
         untie_shared_weights: bool = True,
+        loss_weights: Mapping[str, float] | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -170,11 +175,26 @@ class Trainer(BaseTrainer):
         return select_optimizer(self.optimizer, self.schedule)
 
     def _select_loss(self) -> Loss | None:
-        """The loss to append to ``model_onnx`` (None: the graph has its loss)."""
-        return None if self.loss is None else losses.resolve(self.loss)
+        """The loss to append to ``model_onnx`` (None: the graph has its loss, or a loss
+        per output is appended)."""
+        if self.loss is None or isinstance(self.loss, Mapping):
+            return None
+        return losses.resolve(self.loss)
 
     def _training_graph(self) -> onnx.ModelProto:
         model = load_model(self.model_onnx)
+        loss_weights = getattr(self, "loss_weights", None)  # the seed's API has neither
+        per_output = getattr(self, "loss", None)
+        if isinstance(per_output, Mapping):
+            per_output = {output: losses.resolve(loss) for output, loss in per_output.items()}
+            return add_loss_output(
+                model, per_output, loss_name=self.loss_output_name, loss_weights=loss_weights
+            )
+        if loss_weights is not None:
+            raise ValueError(
+                "loss_weights weighs a loss per output: pass loss as a dict {output name: "
+                "loss}, e.g. loss={'price': 'squared_error', 'kind': 'cross_entropy'}."
+            )
         loss = self._select_loss()
         if loss is None:
             return model
@@ -229,7 +249,11 @@ class Trainer(BaseTrainer):
             )
             self._loss_scratch = self._ortvalue(step.initial["loss_sum"])
         self._input_values = [input_value(self.train_onnx_, n) for n in step.feature_inputs]
-        self.loss_ = _recorded_loss(self.train_onnx_)
+        self._heads = heads_of(self.train_onnx_)
+        self.loss_ = _recorded_loss(self.train_onnx_) if self._heads is None else None
+        if self._heads is not None:
+            self.losses_ = {h.output: h.loss for h in self._heads}
+            self.loss_weights_ = {h.output: h.weight for h in self._heads}
         prediction = metadata(self.train_onnx_).get(META_PREDICTION)
         outputs = {o.name: o for o in self.train_onnx_.graph.output}
         self._prediction_shape = named_shape(outputs[prediction]) if prediction in outputs else ()
@@ -282,7 +306,9 @@ class Trainer(BaseTrainer):
             chunk = steps_per_run(self.steps_per_run)
             # the arrays in the order of runner.data: every feature input, label, weight
             features = list(X.arrays.values()) if isinstance(X, NamedRows) else [X]
-            runner.set_data([*features, y] + ([] if w is None else [w]), self._c_device, chunk)
+            labels = list(self._label_feeds(y).values())
+            weights = [] if w is None else [w]
+            runner.set_data([*features, *labels, *weights], self._c_device, chunk)
 
     def _run_rows(
         self,
@@ -326,9 +352,12 @@ class Trainer(BaseTrainer):
         return float(self._resident[LOSS_SUM].numpy()) / batches_run
 
     def _is_classifier(self) -> bool:
-        """Class labels (an int64 label input), read from the graph without building."""
+        """Class labels (an int64 label input), read from the graph without building; a
+        loss per output is neither a classifier nor a regressor (False)."""
         if self._built:
             return self._classifier
+        if isinstance(getattr(self, "loss", None), Mapping):
+            return False
         loss = self._select_loss()
         if loss is not None:
             return loss.task == losses.CLASSIFICATION
@@ -366,7 +395,8 @@ class Trainer(BaseTrainer):
             binding.bind_ortvalue_input(name, current[name])
         for name, value in self._feature_feeds(X).items():
             binding.bind_cpu_input(name, value)
-        binding.bind_cpu_input(step.label, y)
+        for name, value in self._label_feeds(y).items():
+            binding.bind_cpu_input(name, value)
         if w is not None:
             binding.bind_cpu_input(step.sample_weight, w)
         for name in self._gradient_outputs:
@@ -389,7 +419,11 @@ class Trainer(BaseTrainer):
                 binding.bind_cpu_input(name, value)
         else:
             binding.bind_cpu_input(step.features, X)
-        binding.bind_cpu_input(step.label, y)
+        if type(y) is NamedRows:  # a loss per output: the labels of every head
+            for name, value in y.arrays.items():
+                binding.bind_cpu_input(name, value)
+        else:
+            binding.bind_cpu_input(step.label, y)
         if w is not None:
             binding.bind_cpu_input(step.sample_weight, w)
         session.run_with_iobinding(binding)
@@ -414,9 +448,16 @@ class Trainer(BaseTrainer):
             return X.arrays
         return {self.training_step_.features: X}
 
-    def _loss(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> float:
+    def _label_feeds(self, y: Rows) -> dict[str, np.ndarray]:
+        """``{label input: array}``: the labels of every head (:class:`NamedRows` keyed
+        by the label inputs) or of the only one, in the step's order."""
+        if isinstance(y, NamedRows):
+            return {name: y.arrays[name] for name in self.training_step_.labels}
+        return {self.training_step_.label: y}
+
+    def _loss(self, X: Rows, y: Rows, w: np.ndarray | None) -> float:
         step = self.training_step_
-        feeds = {**self._feature_feeds(X), step.label: y}
+        feeds = {**self._feature_feeds(X), **self._label_feeds(y)}
         if w is not None:
             feeds[step.sample_weight] = w  # type: ignore[index]
         return float(self._run(self._eval_session, feeds)[step.loss])
@@ -425,6 +466,10 @@ class Trainer(BaseTrainer):
         outputs = self._run(self._predict_session, self._feature_feeds(X))
         name = metadata(self.train_onnx_).get(META_PREDICTION) or next(iter(outputs))
         return outputs[name]
+
+    def _predict_heads(self, X: Rows) -> dict[str, np.ndarray]:
+        outputs = self._run(self._predict_session, self._feature_feeds(X))
+        return {h.output: outputs[h.output] for h in self._heads or []}
 
     def export_training_step(self, path: Any = None) -> onnx.ModelProto:
         """The training step in standard ONNX, to keep training on any runtime; see
@@ -572,17 +617,8 @@ def _elem_dtype(value: onnx.ValueInfoProto) -> np.dtype:
 def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:
     """The loss ``add_loss_output`` recorded in the graph (None for a custom loss or a
     graph graphkit did not make)."""
-    recorded = metadata(train_onnx).get(META_LOSS_FUNCTION)
-    if not recorded:
-        return None
-    description = json.loads(recorded)
-    name = description.pop("name")
-    if name not in LOSSES:
-        return None
-    try:
-        return losses.get(name, **description)
-    except (TypeError, ValueError):  # recorded by another graphkit version
-        return None
+    heads = loss_heads(train_onnx)
+    return recorded_loss(heads[0].loss) if len(heads) == 1 else None
 
 
 class OrtGradientOptimizer(Trainer):

@@ -22,6 +22,7 @@ for backward, and one update per weight.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -142,7 +143,7 @@ class ForwardBackwardTrainer(BaseTrainer):
     # -- parameters (the seed's subclass maps its own onto these) --------------------------
 
     def _select_loss(self) -> losses.Loss:
-        return losses.resolve(self.loss)
+        return _one_loss(self.loss, "loss")
 
     def _select_optimizer(self) -> GradientTransformation:
         return select_optimizer(self.optimizer, self.schedule)
@@ -170,8 +171,8 @@ class ForwardBackwardTrainer(BaseTrainer):
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
         threads = Threads.checked(self.intra_op_num_threads, self.execution_mode)
         self._threads = Threads(threads.intra_op, threads.mode, spinning=SPINNING)
+        self.learning_loss_ = self._select_loss()  # first: a dict of losses is refused
         model, prediction = select_prediction(load_model(self.model_onnx), self.output_index)
-        self.learning_loss_ = self._select_loss()
         self.learning_rate_ = self._select_optimizer()
         self.learning_penalty_ = self._select_penalty()
         fb = self.forward_backward_ = OrtGradientForwardBackward(
@@ -423,6 +424,20 @@ class ForwardBackwardTrainer(BaseTrainer):
         }
 
 
+def _one_loss(loss: Any, parameter: str) -> losses.Loss:
+    """The one loss of forward/backward training; a dict of losses (one per output) is
+    refused, naming the trainer that takes it."""
+    if isinstance(loss, Mapping):
+        raise TypeError(
+            f"{parameter}={dict(loss)!r}: forward/backward training applies one loss to one "
+            "output (output_index). For a loss per output, build the training graph with "
+            "graphkit.add_loss_output(model, {output: loss, ...}, loss_weights={...}) and "
+            "train it with graphkit_train.Trainer (or pass Trainer(model, loss={output: "
+            "loss, ...}, loss_weights={...})), whose fit takes y = {output name: labels}."
+        )
+    return losses.resolve(loss)
+
+
 class LossRun:
     """A loss-and-gradient session on C OrtValues, whose outputs are allocated by its
     first run for a prediction shape and then bound, so later runs write into them (no
@@ -514,7 +529,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         self._invalidate()
 
     def _select_loss(self) -> losses.Loss:
-        return losses.resolve(self.learning_loss)
+        return _one_loss(self.learning_loss, "learning_loss")
 
     def _select_optimizer(self) -> GradientTransformation:
         return select_learning_rate(self.learning_rate)
