@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import losses, optimizers, schedules
 from graphkit.compat import load_model
-from graphkit.rewrite import META_LOSS, metadata
+from graphkit.rewrite import META_LOSS, loss_heads, metadata
 from graphkit_train.trainers.full import Trainer
 
 
@@ -470,6 +470,12 @@ def _job(args: argparse.Namespace) -> _Job:
         weights = args.weights.split(",") if args.weights else None
     outputs = [o.name for o in model.graph.output]
     already = metadata(model).get(META_LOSS) or ("loss" if "loss" in outputs else None)
+    heads = [h.output for h in loss_heads(model)]
+    if len(heads) > 1:
+        raise CliError(
+            f"the model has a loss per output {heads}, and --label names one column: train "
+            "it from Python, graphkit_train.Trainer(model).fit(X, {output name: labels})"
+        )
     if not already:
         model = gk.add_loss_output(model, loss, output_index=args.output_index)
     _check_inputs(model, weights, inputs)

@@ -299,3 +299,19 @@ def test_bad_inputs_are_refused_clearly():
         fitted.fit(x, {reg: price, cls: kind}, X_val=x, y_val={reg: price, cls: kind - 1})
     for name, value in fitted.get_state().items():
         np.testing.assert_array_equal(value, before[name])
+
+
+def test_the_command_line_refuses_a_loss_per_output(tmp_path, capsys):
+    """graphkit-train reads one --label column: a graph with a loss per output is one
+    line on stderr and exit code 2, naming the heads and the Python API."""
+    from graphkit_train.cli import main
+
+    x, price, kind, _ = _data()
+    train, reg, cls = _training_graph()
+    onnx.save(train, tmp_path / "two_heads.onnx")
+    np.savez(tmp_path / "data.npz", X=x, y=price[:, 0])
+    argv = [str(tmp_path / "two_heads.onnx"), "--data", str(tmp_path / "data.npz"), "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    assert f"a loss per output [{reg!r}, {cls!r}]" in error and "Trainer(model).fit" in error
