@@ -835,6 +835,8 @@ __all__ = [
     "get_train_initializer",
     "initializers_to_inputs",
     "inputs_to_initializers",
+    "LossHead",
+    "loss_heads",
     "metadata",
     "prune",
     "select_prediction",
