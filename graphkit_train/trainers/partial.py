@@ -82,7 +82,8 @@ class ForwardBackwardTrainer(BaseTrainer):
         loss: a loss name (the names of :mod:`graphkit.losses`, the same as
             everywhere in graphkit: ``"squared_error"``, ``"elastic"``, ``"log"`` for
             probabilities, ``"sigmoid_log_loss"`` for raw scores, ``"cross_entropy"``
-            for logits...) or a graphkit Loss.
+            for logits...) or a graphkit Loss. One loss on one output: a dict of losses
+            (one per output) is refused; :class:`~graphkit_train.Trainer` trains those.
         output_index: the output the loss applies to, by position or name (None: the
             only float tensor output; a skl2onnx ZipMap output stands for its
             probabilities).
