@@ -174,18 +174,19 @@ def test_the_loss_of_one_batch_is_the_formula():
         onx,
         {reg: gk.losses.get("squared_error", reduction="sum"), cls: "cross_entropy"},
         loss_weights={reg: 0.25},  # the other head weighs 1
-        label_name={cls: "kind"},
+        label_name={cls: "label"},  # the name one loss's label has by default
         weight_name="w",
         penalty={"body.weight": 0.01},
     )
     inputs = [i.name for i in train.graph.input]
-    assert inputs[:4] == ["X", f"label_{reg}", "kind", "w"]
+    assert inputs[:4] == ["X", f"label_{reg}", "label", "w"]
     heads = gk.rewrite.loss_heads(train)
     assert [(h.output, h.label, h.loss["name"], h.loss["reduction"], h.weight) for h in heads] == [
         (reg, f"label_{reg}", "squared_error", "sum", 0.25),
-        (cls, "kind", "cross_entropy", "mean", 1.0),
+        (cls, "label", "cross_entropy", "mean", 1.0),
     ]
-    out = gk.run(train, {"X": x, f"label_{reg}": price, "kind": kind, "w": w})
+    assert _full(train)._estimator_type == "regressor"  # neither: never a classifier
+    out = gk.run(train, {"X": x, f"label_{reg}": price, "label": kind, "w": w})
     net = _network()
     with torch.no_grad():
         p, logits = (t.numpy().astype(np.float64) for t in net(torch.from_numpy(x)))

@@ -365,6 +365,8 @@ class Trainer(BaseTrainer):
 
     @staticmethod
     def _has_class_labels(model: onnx.ModelProto) -> bool:
+        if len(loss_heads(model)) > 1:  # a loss per output: neither
+            return False
         label = metadata(model).get(META_LABEL) or "label"
         value = next((i for i in model.graph.input if i.name == label), None)
         return value is not None and value.type.tensor_type.elem_type == onnx.TensorProto.INT64
