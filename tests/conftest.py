@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import numpy as np
@@ -182,3 +183,8 @@ def names_operator(op_type: str, node: str | None = None) -> str:
     (node 'smooth')")."""
     pattern = rf"\b{op_type}\b"
     return pattern if node is None else pattern + rf"'? \(node '{node}'\)"
+
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+"""For a module whose other tests run without torch (Python 3.13 has no torch here)."""

@@ -16,7 +16,13 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, export_torch, requires_ort_training
+from conftest import (
+    HAS_TORCH,
+    INSTALLED_BACKENDS,
+    export_torch,
+    requires_ort_training,
+    requires_torch,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -27,8 +33,10 @@ from graphkit.backends.activations import ACTIVATIONS, activations_as_standard_o
 from graphkit.backends.ort_engine import inference_session
 from graphkit_train import ForwardBackwardTrainer, Trainer
 
-torch = pytest.importorskip("torch")
-F = torch.nn.functional
+if HAS_TORCH:  # the reference of the gradients and of training; the forwards need none
+    import torch
+
+    F = torch.nn.functional
 
 ELEM = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}
 DTYPES = [np.float32, np.float64]
@@ -201,6 +209,7 @@ def test_forward_matches_onnxruntime_kernel(op_type, dtype, data):
     np.testing.assert_allclose(run(rewritten(model), x), run(model, x), **tolerance(dtype))
 
 
+@requires_torch
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op_type", ["Softplus", "Mish"])
 def test_softplus_keeps_small_values_against_torch(op_type, dtype):
@@ -218,6 +227,7 @@ def test_softplus_keeps_small_values_against_torch(op_type, dtype):
 # -- gradient: torch's autograd --------------------------------------------------------------
 
 
+@requires_torch
 @pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
@@ -287,6 +297,7 @@ def export(net, path, dynamo):
     return program.model_proto
 
 
+@requires_torch
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 @pytest.mark.parametrize("op_type", OPS)
 def test_mlp_trains_like_torch_sgd(op_type, dynamo, tmp_path):
