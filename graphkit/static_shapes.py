@@ -307,7 +307,11 @@ def specialize(
         changed = [fold(fixed) for fold in folds]
         if not any(changed):
             break
-    return simplify_reductions(fixed)
+    fixed = simplify_reductions(fixed)
+    # the reductions' rewrites leave Reshapes a backend's simplifications may merge
+    if any([fold(fixed) for fold in folds]):
+        fixed = _fold(fixed)
+    return fixed
 
 
 __all__ = ["Fold", "simplify_reductions", "specialize"]

@@ -24,7 +24,7 @@ import onnx
 
 from graphkit.backends import activations, ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.native import adapter, agent, split
+from graphkit.backends.native import adapter, agent, simplify, split
 
 
 def _reads_float64(model: onnx.ModelProto) -> bool:
@@ -67,7 +67,8 @@ class NativeBackend:
     ) -> ForwardBackwardGraphs:
         return split.forward_backward_graphs(model, weights, inputs)
 
-    constant_folds = ()  # its graphs hold standard operators, which onnx folds
+    # its layout plumbing (the seed axis), removed once shapes are static
+    constant_folds = (simplify.simplify,)
 
     def to_standard(self, model: onnx.ModelProto) -> onnx.ModelProto:
         return model  # already standard

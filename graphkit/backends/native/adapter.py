@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads
+from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads, static_shape
 from graphkit.backends.native import rules
 from graphkit.errors import MissingGradientError
 
@@ -188,11 +188,23 @@ def _value_ancestors(graph: onnx.GraphProto, name: str) -> set[str]:
 
 
 def _seed_with_ones(model: onnx.ModelProto, seed: onnx.ValueInfoProto, output: str) -> None:
-    """Replace the seed input by ones of shape ``shape(output) + [1]``, computed right
-    after ``output``."""
+    """Replace the seed input by ones of shape ``shape(output) + [1]``: a constant where
+    that shape is declared (a scalar loss: then everything the seed alone computes folds
+    away once shapes are static; onnxscript's folding keeps a ``ConstantOfShape``),
+    else computed right after ``output``."""
     graph = model.graph
     taken = graph_names(graph)
     elem = seed.type.tensor_type.elem_type
+    declared = next((o for o in graph.output if o.name == output), None)
+    dims_ = None if declared is None else static_shape(declared)
+    if dims_ is not None and all(isinstance(d, int) for d in dims_):
+        ones = np.ones([*dims_, 1], dtype=helper.tensor_dtype_to_np_dtype(elem))
+        constant = helper.make_node(
+            "Constant", [], [seed.name], value=numpy_helper.from_array(ones)
+        )
+        graph.node.insert(0, constant)
+        graph.input.remove(seed)
+        return
     shape, dims = fresh_name("seed/shape", taken), fresh_name("seed/dims", taken)
     one = fresh_name("seed/one_axis", taken)
     nodes = [
