@@ -84,7 +84,8 @@ class Trainer(BaseTrainer):
             left out).
         loss_output_name: the output holding the loss.
         max_iter: number of epochs.
-        batch_size: rows per training step.
+        batch_size: rows per training step (of in-memory data: streamed batches,
+            ``fit(batches)``, keep the sizes the iterable gives them).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (needs the CUDA build).
         warm_start: continue from where the previous ``fit`` stopped (weights, optimizer
             state, step count and shuffling sequence) instead of the initial weights.
@@ -110,7 +111,8 @@ class Trainer(BaseTrainer):
             runs every full batch of an epoch in one call of a ``Scan`` graph over the
             data laid out batch by batch (:mod:`graphkit.training.epoch`); an int k runs k
             batches per call; 1 runs one call per batch. The weights are the same
-            whichever is chosen; only the speed differs.
+            whichever is chosen; only the speed differs. Streamed batches
+            (``fit(batches)``) run one call per batch.
         static_shapes: build the step for the concrete ``batch_size`` with its shape
             arithmetic folded away (:mod:`graphkit.static_shapes`); a last, shorter
             batch runs the step built for any batch size.
