@@ -230,6 +230,57 @@ def test_two_inputs_as_a_dict(kind, data):
         make_trainer(kind, two_inputs(), max_iter=1).fit([({"X": X[:5]}, y[:5])])
 
 
+def two_heads() -> onnx.ModelProto:
+    """price = X A + a, (N, 2) values; kind = X B, (N, 3) logits."""
+    rng = np.random.default_rng(1)
+    weights = {
+        "A": rng.normal(size=(4, 2)).astype(np.float32),
+        "a": np.zeros(2, np.float32),
+        "B": rng.normal(size=(4, 3)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["X", "A"], ["XA"]),
+        helper.make_node("Add", ["XA", "a"], ["price"]),
+        helper.make_node("MatMul", ["X", "B"], ["kind"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "two_heads",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+        [
+            helper.make_tensor_value_info("price", TensorProto.FLOAT, ["N", 2]),
+            helper.make_tensor_value_info("kind", TensorProto.FLOAT, ["N", 3]),
+        ],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_several_targets_and_a_loss_per_output(data):
+    """Labels of shape (N, 2) for one output, and y = {output: labels} for a loss per
+    output, inside the batches: the weights of fit(X, y) in memory."""
+    X, y = data
+    rng = np.random.default_rng(8)
+    price = np.hstack([y, -y]).astype(np.float32)
+    settings = dict(max_iter=2, batch_size=16, schedule=0.05)
+    one = linear_regression_onnx(np.zeros((4, 2), np.float32), np.zeros(2, np.float32))
+    memory = make_trainer("forward_backward", one, shuffle=False, **settings).fit(X, price)
+    streamed = make_trainer("forward_backward", one, **settings).fit(batches_of(X, price, None, 16))
+    assert_same_state(memory, streamed)
+    kind = rng.integers(0, 3, size=len(X))
+    labels = {"price": price, "kind": kind}
+    losses = {"price": "squared_error", "kind": "cross_entropy"}
+    graph = gk.add_loss_output(two_heads(), losses, loss_weights={"price": 0.7, "kind": 0.3})
+    memory = Trainer(graph, shuffle=False, **settings).fit(X, labels)
+    batches = [
+        (X[i : i + 16], {"price": price[i : i + 16], "kind": kind[i : i + 16]})
+        for i in range(0, len(X), 16)
+    ]
+    streamed = Trainer(graph, **settings).fit(batches)
+    assert_same_state(memory, streamed)
+    np.testing.assert_allclose(streamed.train_losses_, memory.train_losses_, rtol=1e-6)
+
+
 # -- held-out data -------------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@
 * **a batch** is a tuple (or list, as torch's ``DataLoader`` collates a
   ``TensorDataset``) ``(X, y)`` or ``(X, y, sample_weight)``. ``X`` is an array, or a
   dict ``{input name: array}`` for a model with several inputs, as ``fit(X, y)`` takes
-  it. numpy arrays (a memmap's slices too), torch tensors (CPU tensors become numpy
+  it; ``y`` is a dict ``{output name: labels}`` for a graph with a loss per output.
+  numpy arrays (a memmap's slices too), torch tensors (CPU tensors become numpy
   arrays sharing their memory; tensors on a GPU are copied to the CPU) and anything
   ``numpy.asarray`` reads are accepted. Each batch is checked as ``fit(X, y)`` checks its
   data, and an error names the batch (counted from 0) and the epoch.
@@ -176,7 +177,11 @@ def unpack_batch(batch: Any, where: str) -> tuple[Any, Any, Any]:
                 f"{where} starts with a scalar, not the rows of X: fit(X) without y takes an "
                 "iterable of (X, y) batches. For in-memory data, call fit(X, y)."
             )
-    return X, as_array(y), None if w is None else as_array(w)
+    if isinstance(y, Mapping):  # a loss per output: {output name: labels}
+        y = {name: as_array(value) for name, value in y.items()}
+    else:
+        y = as_array(y)
+    return X, y, None if w is None else as_array(w)
 
 
 def as_array(value: Any) -> Any:
