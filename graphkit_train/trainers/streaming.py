@@ -153,11 +153,11 @@ def unpack_batch(batch: Any, where: str) -> tuple[Any, Any, Any]:
         what = (
             f"a {type(batch).__name__} of {len(batch)} element"
             if isinstance(batch, (tuple, list))
-            else f"one {type(batch).__name__}, not a tuple"
+            else f"one {type(batch).__name__}"
         )
         raise ValueError(
-            f"{where} has no y: it is {what}, but fit(batches) takes (X, y) or "
-            "(X, y, sample_weight) tuples, the labels inside each batch."
+            f"{where} has no y: fit(batches) takes (X, y) or (X, y, sample_weight) tuples, "
+            f"the labels inside each batch, and this batch is {what}."
         )
     if len(batch) > 3:
         raise ValueError(
