@@ -43,6 +43,14 @@ from graphkit_train.trainers.params import (
     check_sample_weight,
     validation_period,
 )
+from graphkit_train.trainers.streaming import (
+    SPECIALIZED_SIZES,
+    BatchSource,
+    in_batch,
+    is_batch_source,
+    torch_dataset_hint,
+    unpack_batch,
+)
 
 
 class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
@@ -67,6 +75,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         self._rng: np.random.Generator | None = None
         self._probed_classes: int | None = None
         self._heads: list[Head] | None = None  # a loss per output (set by _build)
+        self._streamed_sizes: set[int] = set()
 
     @abstractmethod
     def _build(self) -> None:
@@ -88,7 +97,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     def fit(
         self,
         X: Any,
-        y: Any,
+        y: Any = None,
         sample_weight: Any = None,
         X_val: Any = None,
         y_val: Any = None,
@@ -96,22 +105,37 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         checkpoint: str | os.PathLike[str] | None = None,
         checkpoint_every: int = 1,
     ) -> BaseTrainer:
-        """Train for ``max_iter`` epochs of shuffled mini-batches.
+        """Train for ``max_iter`` epochs of mini-batches: of in-memory arrays,
+        ``fit(X, y)`` (cut into ``batch_size`` rows, shuffled every epoch unless
+        ``shuffle=False``), or of batches streamed from an iterable, ``fit(batches)``.
 
         Args:
             X: the features: an array for a model with one input, or a dict
                 ``{input name: array}`` (as onnxruntime's feeds) for a model with several
                 (every array with one row per sample; integer inputs such as token ids
-                are fed, never differentiated).
+                are fed, never differentiated). Or, with ``y`` left out, data that does
+                not fit in memory: an iterable of ``(X, y)`` or ``(X, y, sample_weight)``
+                batches (a list, a generator, a ``torch.utils.data.DataLoader``), or a
+                function returning a fresh one. One pass is one epoch (a one-shot
+                generator allows ``max_iter=1`` only); the order and the batch sizes are
+                the iterable's, so ``shuffle``, ``batch_size`` and ``steps_per_run`` do
+                not apply, and streamed data runs batch by batch (the whole-epoch
+                ``Scan`` needs the rows in memory). With the same batches in the same
+                order the weights are those of ``fit(X, y)`` with ``shuffle=False``. See
+                :mod:`graphkit_train.trainers.streaming`.
             y: the labels, shaped like the prediction for a regression (``(N, k)`` for k
                 outputs; ``(N,)`` or ``(N, 1)`` for one), class indices ``(N,)`` for a
                 classification. For a graph with a loss per output
                 (``add_loss_output(onx, {output: loss, ...})``), a dict ``{output name:
                 labels}`` with the labels of every head, each as its loss takes them.
-            sample_weight: one weight per sample, when the loss takes them.
+                None for streamed batches, which hold their labels (a dict too).
+            sample_weight: one weight per sample, when the loss takes them (streamed
+                batches hold theirs: ``(X, y, sample_weight)``).
             X_val, y_val: held-out data (``X_val`` in the form of ``X``), scored every
                 ``validation_every`` epochs (and every epoch for ``early_stopping``, which
-                otherwise holds out ``validation_fraction`` of the rows).
+                otherwise holds out ``validation_fraction`` of the rows; streamed training
+                data needs ``X_val``). ``X_val`` may be an iterable of batches too
+                (``y_val`` None).
             callback: called after every epoch as ``callback(epoch, losses, trainer)``
                 with ``losses = {"train": ..., "validation": ... or None}``; returning
                 True stops training.
@@ -119,18 +143,23 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 epochs and at the end (:meth:`save_checkpoint`). When the file exists,
                 training resumes from it and runs the epochs left to ``max_iter``: a
                 killed run, started again with the same call, ends with the weights an
-                uninterrupted run would have.
+                uninterrupted run would have (for streamed data, if the iterable yields
+                the same batches in each epoch).
 
         Raises:
             ConvergenceError: the loss of an epoch is NaN, infinite, or negative for a
                 loss that cannot be (probabilities outside [0, 1]); the weights and the
                 optimizer state are restored to the end of the last good epoch (with
-                ``exc=False``, a warning instead, and training stops).
+                ``exc=False``, a warning instead, and training stops). Any error during
+                a streamed epoch (a bad batch, the iterable's own) restores them too.
             ShapeError: one array given to a model with several inputs (it names them
                 and says to pass a dict), arrays with different numbers of rows, or labels
                 of another width than the prediction (it names both shapes).
             UnknownNameError: a dict of inputs missing one or naming an unknown one.
-            ValueError: class labels outside the model's classes, and other bad input.
+            ValueError: class labels outside the model's classes, a one-shot iterator
+                with ``max_iter`` > 1, a batch that is no ``(X, y[, w])`` tuple, and
+                other bad input. Errors about a streamed batch name it (counted from 0)
+                and its epoch.
         """
         self._build()
         run = self._start_fit(
@@ -161,6 +190,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         if checkpoint is not None and self.distributed:
             raise ValueError("checkpoint= is not supported with distributed=True yet.")
         check_loop_param("checkpoint_every", checkpoint_every)
+        stream = self._stream(train)
         resumed = checkpoint is not None and os.path.exists(checkpoint)
         if resumed:
             self.load_checkpoint(checkpoint)  # type: ignore[arg-type]
@@ -168,10 +198,23 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
         max_iter = check_loop_param("max_iter", self.max_iter)
         batch_size = check_loop_param("batch_size", self.batch_size)
-        X, y, w, validation = self._checked_data(train, held_out, group, seed, batch_size)
-        if isinstance(X, np.ndarray) and X.ndim == 2:  # one input (scikit-learn's habit)
-            self.n_features_in_ = int(X.shape[1])
+        if stream is None:
+            X, y, w, validation = self._checked_data(train, held_out, group, seed, batch_size)
+            if isinstance(X, np.ndarray) and X.ndim == 2:  # one input (scikit-learn's habit)
+                self.n_features_in_ = int(X.shape[1])
+        else:  # the batches are checked as they come
+            X = y = w = None  # type: ignore[assignment]
+            validation = self._checked_held_out(held_out)
+            if validation is None and self.early_stopping:
+                raise ValueError(
+                    "early_stopping=True on streamed batches needs held-out data: pass X_val "
+                    "(an iterable of batches, or arrays with y_val); there are no rows to hold "
+                    "out validation_fraction of."
+                )
         first_epoch = len(self.train_losses_) if resumed else 0
+        early = self.early_stopping
+        period = 1 if early else validation_period(self.validation_every, max_iter)
+        self._refuse_one_shot(stream, validation, first_epoch, max_iter, period)
         if not ((self.warm_start or resumed) and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
@@ -180,9 +223,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(seed)
         shows = self.verbose and (group is None or group.rank == 0)
-        early = self.early_stopping
         self.n_iter_ = 0
-        if group is None:
+        if group is None and stream is None:
             self._prepare_epochs(X, y, w, batch_size)
         return _FitRun(
             data=(X, y, w),
@@ -191,20 +233,100 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             batch_size=batch_size,
             max_iter=max_iter,
             first_epoch=first_epoch,
-            period=1 if early else validation_period(self.validation_every, max_iter),
+            period=period,
             stopper=_EarlyStopping(self.n_iter_no_change, self.tol) if early else None,
             progress=EpochProgress(max_iter) if shows else None,
             checkpoint=checkpoint,
             checkpoint_every=checkpoint_every,
             callback=callback,
+            stream=stream,
         )
+
+    def _stream(self, train: tuple[Any, Any, Any]) -> BatchSource | None:
+        """The source of streamed batches ``fit(batches)`` was given (None for
+        in-memory data), refused where streaming does not apply."""
+        X, y, w = train
+        if y is not None:
+            self._refuse_labels_beside_batches(X, "X", "y")
+            return None
+        hint = torch_dataset_hint(X)
+        if hint:
+            raise TypeError(hint)
+        if not is_batch_source(X):
+            return None  # arrays without y: the checks say y is required
+        if w is not None:
+            raise ValueError(
+                "sample_weight= is for in-memory data; streamed batches hold their sample "
+                "weights: yield (X, y, sample_weight) tuples."
+            )
+        if self.distributed:
+            raise ValueError(
+                "distributed=True trains on in-memory arrays (every rank passes the same X "
+                "and y); streamed batches are not supported with distributed training yet."
+            )
+        if self.shuffle is True:
+            warnings.warn(
+                "shuffle=True does not apply to streamed batches: they are trained in the "
+                "order the iterable yields them. Shuffle in the iterable (torch's "
+                "DataLoader(..., shuffle=True)), or leave shuffle unset.",
+                UserWarning,
+                stacklevel=4,  # at the caller of fit
+            )
+        return BatchSource(X, "X")
+
+    @staticmethod
+    def _refuse_labels_beside_batches(X: Any, x_name: str, y_name: str) -> None:
+        """Refuse labels given beside an iterable of batches (a list stays rows)."""
+        if is_batch_source(X) and not isinstance(X, (list, tuple)):
+            raise ValueError(
+                f"{x_name} is an iterable of batches ({type(X).__name__}), which hold their "
+                f"labels: leave {y_name} out and yield ({x_name}, y) or ({x_name}, y, "
+                "sample_weight) tuples."
+            )
+
+    def _checked_held_out(self, held_out: tuple[Any, Any]) -> Any:
+        """The held-out data: ``(X, y, None)`` checked, a :class:`BatchSource`, or None."""
+        X_val, y_val = held_out
+        if X_val is None:
+            return None
+        if y_val is not None:
+            self._refuse_labels_beside_batches(X_val, "X_val", "y_val")
+            return self._check(X_val, y_val, None, "X_val", "y_val")
+        if not is_batch_source(X_val):
+            raise ValueError("X_val is given without y_val.")
+        if self.distributed:
+            raise ValueError(
+                "X_val as an iterable of batches is not supported with distributed=True yet; "
+                "pass arrays X_val and y_val."
+            )
+        return BatchSource(X_val, "X_val")
+
+    @staticmethod
+    def _refuse_one_shot(
+        stream: BatchSource | None, validation: Any, first: int, max_iter: int, period: int
+    ) -> None:
+        """Refuse, before training, a one-shot iterator that would be read again."""
+        if stream is not None:
+            done = f" ({first} epochs done)" if first else ""
+            stream.refuse_passes(max_iter - first, f"max_iter={max_iter}{done}")
+        if isinstance(validation, BatchSource) and period:
+            reads = sum(1 for e in range(first, max_iter) if (e + 1) % period == 0)
+            validation.refuse_passes(reads, f"validating every {period} epoch(s)")
 
     def _fit_epoch(self, epoch: int, run: _FitRun) -> bool:
         """One epoch of ``fit`` and what follows it (validation, progress, early stopping,
         the callback, the checkpoint); whether training stops."""
         snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
         self._resident[LOSS_SUM].update_inplace(np.zeros_like(snapshot[LOSS_SUM]))
-        loss = self._run_epoch(*run.data, run.batch_size, run.group)
+        batches = None
+        if run.stream is None:
+            loss = self._run_epoch(*run.data, run.batch_size, run.group)
+        else:
+            try:
+                loss, batches = self._run_stream(run, epoch)
+            except Exception:  # a bad batch, the iterable's own error: the last good epoch
+                self._restore(snapshot)
+                raise
         problem = self._loss_problem(loss)
         if problem:
             self._restore(snapshot)
@@ -224,7 +346,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             self.validation_losses_.append(held_out)
         if run.progress is not None:
             lr = self.learning_rate_.learning_rate_at(int(self._resident[STEP].numpy()))
-            run.progress.update(epoch + 1, loss, held_out, lr)
+            run.progress.update(epoch + 1, loss, held_out, lr, batches)
         if run.stopper is not None and run.stopper.done(held_out, self):  # type: ignore[arg-type]
             return True
         stop = bool(
@@ -250,13 +372,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         failure: BaseException | None = None
         try:
             X, y, w = self._check(*train)
-            validation = None
-            X_val, y_val = held_out
-            if X_val is not None:
-                if y_val is None:
-                    raise ValueError("X_val is given without y_val.")
-                validation = self._check(X_val, y_val, None, "X_val", "y_val")
-            elif self.early_stopping:
+            validation = self._checked_held_out(held_out)
+            if validation is None and self.early_stopping:
                 X, y, w, validation = self._hold_out(X, y, w, seed)
             if group is not None and len(X) < group.world_size:
                 raise ValueError(
@@ -282,7 +399,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         group: ProcessGroup | None,
     ) -> float:
         """One pass over the rows (this rank's share of them); the mean batch loss."""
-        order = self._rng.permutation(len(X)) if self.shuffle else None  # type: ignore[union-attr]
+        shuffles = self.shuffle is None or bool(self.shuffle)  # None: the default, True
+        order = self._rng.permutation(len(X)) if shuffles else None  # type: ignore[union-attr]
         if group is None:
             return self._run_rows(X, y, w, order, batch_size)
         order = shard(np.arange(len(X)) if order is None else order, *group.place)
@@ -327,6 +445,60 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             batches += 1
         return float(self._resident[LOSS_SUM].numpy()) / batches
 
+    def _run_stream(self, run: _FitRun, epoch: int) -> tuple[float, int]:
+        """One pass over the streamed batches (``epoch`` counted from 0): the mean batch
+        loss and the number of batches."""
+        stream, progress = run.stream, run.progress
+        batches, length = stream.epoch()  # type: ignore[union-attr]
+        if progress is not None:
+            progress.start_epoch(length)
+        specializes, run_streamed = self._specializes, self._run_streamed
+        count = 0
+        for index, batch in enumerate(batches):
+            where = f"training batch {index} (counted from 0) of epoch {epoch + 1}"
+            X, y, w = self._checked_batch(batch, where, first=not run.checked)
+            run.checked = True
+            run_streamed(self._bindings[self._current], X, y, w, specializes(len(X)))
+            self._current = 1 - self._current
+            count += 1
+            if progress is not None:
+                progress.batch()
+        if not count:
+            raise stream.empty(epoch + 1)  # type: ignore[union-attr]
+        return float(self._resident[LOSS_SUM].numpy()) / count, count
+
+    def _checked_batch(
+        self, batch: Any, where: str, first: bool = False
+    ) -> tuple[Rows, np.ndarray, np.ndarray | None]:
+        """``(X, y, w)`` of a streamed batch, checked as ``fit(X, y)`` checks its data
+        (and, ``first`` in a fit, what the model's output tells); errors name ``where``."""
+        try:
+            X, y, w = self._check(*unpack_batch(batch, where))
+            if first:
+                if isinstance(X, np.ndarray) and X.ndim == 2:
+                    self.n_features_in_ = int(X.shape[1])
+                self._check_outputs(X, y)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise in_batch(exc, where) from None
+        return X, y, w
+
+    def _specializes(self, rows: int) -> bool:
+        """Whether a streamed batch of ``rows`` rows runs a graph specialized to its size:
+        the first :data:`~graphkit_train.trainers.streaming.SPECIALIZED_SIZES` sizes do."""
+        sizes = self._streamed_sizes
+        if rows in sizes:
+            return True
+        if len(sizes) < SPECIALIZED_SIZES:
+            sizes.add(rows)
+            return True
+        return False
+
+    def _run_streamed(
+        self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, specialized: bool
+    ) -> None:
+        """One streamed batch; ``specialized``: through a graph built for its size."""
+        self._run_batch(binding, X, y, w)
+
     def _hold_out(
         self, X: Rows, y: np.ndarray, w: np.ndarray | None, seed: int | None
     ) -> tuple[Rows, np.ndarray, np.ndarray | None, tuple[Any, ...]]:
@@ -347,6 +519,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     def _held_out_loss(self, validation: tuple[Any, ...], group: ProcessGroup | None) -> float:
         """The held-out loss; in distributed training each rank scores its share of the
         rows and the shares are averaged by their weight."""
+        if isinstance(validation, BatchSource):
+            return self._streamed_loss(validation)
         if group is None:
             return self._loss(*validation)
         X, y, w = validation
@@ -354,6 +528,27 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         weight = float(len(rows) if w is None else w[rows].sum())
         value = self._loss(X[rows], y[rows], None if w is None else w[rows]) if weight else 0.0
         return group.weighted_mean(value, weight)
+
+    def _streamed_loss(self, source: BatchSource) -> float:
+        """The loss on held-out batches: the batch losses weighted by each batch's total
+        sample weight (its rows when unweighted), that is the loss of all the rows for
+        a mean loss (their sum for a loss whose reduction is ``"sum"``)."""
+        epoch = len(self.train_losses_)
+        summed = self.loss_ is not None and self.loss_.reduction == "sum"
+        total = weight = 0.0
+        count = 0
+        batches, _ = source.epoch()
+        for index, batch in enumerate(batches):
+            where = f"held-out batch {index} (counted from 0) after epoch {epoch}"
+            X, y, w = self._checked_batch(batch, where)
+            rows = float(len(X) if w is None else w.sum(dtype=np.float64))
+            loss = self._loss(X, y, w)
+            total += loss if summed else loss * rows
+            weight += rows
+            count += 1
+        if not count:
+            raise source.empty(epoch)
+        return total if summed else total / weight
 
     def _digest(self) -> str:
         """A hash of the model and the initial weights (every rank must hold the same)."""
@@ -575,6 +770,8 @@ class _FitRun:
     checkpoint: str | os.PathLike[str] | None
     checkpoint_every: int
     callback: Callable[..., Any] | None
+    stream: BatchSource | None = None  # fit(batches): the training batches
+    checked: bool = False  # the first streamed batch was checked (what the output tells)
 
 
 class _EarlyStopping:

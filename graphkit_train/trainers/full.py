@@ -84,7 +84,8 @@ class Trainer(BaseTrainer):
             left out).
         loss_output_name: the output holding the loss.
         max_iter: number of epochs.
-        batch_size: rows per training step.
+        batch_size: rows per training step (of in-memory data: streamed batches,
+            ``fit(batches)``, keep the sizes the iterable gives them).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (needs the CUDA build).
         warm_start: continue from where the previous ``fit`` stopped (weights, optimizer
             state, step count and shuffling sequence) instead of the initial weights.
@@ -93,7 +94,9 @@ class Trainer(BaseTrainer):
             below 1) or every ``validation_every`` epochs; 0 never.
         sample_weight_name: name of the sample-weight input of graphs not made by
             ``add_loss_output`` (which records it).
-        shuffle: draw a new permutation of the rows every epoch.
+        shuffle: draw a new permutation of the rows every epoch (None, the default, means
+            True; False keeps them in order). Streamed batches (``fit(batches)``) keep
+            the iterable's order: there ``shuffle`` does not apply, and True warns.
         random_state: seed of the permutations.
         early_stopping: hold out ``validation_fraction`` of the rows (or use ``X_val``,
             ``y_val``), stop when the held-out loss has not improved by ``tol`` for
@@ -108,7 +111,8 @@ class Trainer(BaseTrainer):
             runs every full batch of an epoch in one call of a ``Scan`` graph over the
             data laid out batch by batch (:mod:`graphkit.training.epoch`); an int k runs k
             batches per call; 1 runs one call per batch. The weights are the same
-            whichever is chosen; only the speed differs.
+            whichever is chosen; only the speed differs. Streamed batches
+            (``fit(batches)``) run one call per batch.
         static_shapes: build the step for the concrete ``batch_size`` with its shape
             arithmetic folded away (:mod:`graphkit.static_shapes`); a last, shorter
             batch runs the step built for any batch size.
@@ -151,7 +155,7 @@ class Trainer(BaseTrainer):
         verbose: int = 0,
         validation_every: float | int = 0.1,
         sample_weight_name: str = "weight",
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         random_state: int | None = None,
         early_stopping: bool = False,
         validation_fraction: float = 0.1,
@@ -277,10 +281,12 @@ class Trainer(BaseTrainer):
 
     # -- fused steps: one run for many batches ---------------------------------------------
 
-    def _runner(self, batch_size: int) -> FusedRunner:
-        """The fused sessions for this batch size (built once, kept across fits)."""
-        k = steps_per_run(self.steps_per_run)
-        key = (batch_size, bool(self.static_shapes), k != 1)
+    def _runner(self, batch_size: int, looped: bool | None = None) -> FusedRunner:
+        """The fused sessions for this batch size (built once, kept across fits): a
+        Scan over several batches when ``looped`` (None: unless ``steps_per_run`` is 1)."""
+        if looped is None:
+            looped = steps_per_run(self.steps_per_run) != 1
+        key = (batch_size, bool(self.static_shapes), looped)
         runner = self._fused_runners.get(key)
         if runner is None:
             runner = self._fused_runners[key] = FusedRunner(
@@ -350,6 +356,19 @@ class Trainer(BaseTrainer):
                 self._current = 1 - self._current
         batches_run = -(-n // batch_size)
         return float(self._resident[LOSS_SUM].numpy()) / batches_run
+
+    def _run_streamed(
+        self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, specialized: bool
+    ) -> None:
+        """A streamed batch, one run: through the step specialized to its size (as the
+        full batches of in-memory data with ``steps_per_run=1``), or the step for any
+        size (as a last, shorter batch)."""
+        if specialized and self.static_shapes:
+            runner = self._runner(len(X), looped=False)
+            bindings: list[Any] = runner.bindings  # type: ignore[assignment]
+            self._run_step(runner.session, bindings[self._current], X, y, w)
+        else:
+            self._run_batch(binding, X, y, w)
 
     def _is_classifier(self) -> bool:
         """Class labels (an int64 label input), read from the graph without building; a
@@ -654,7 +673,7 @@ class OrtGradientOptimizer(Trainer):
         verbose: int = 0,
         validation_every: float | int = 0.1,
         sample_weight_name: str = "weight",
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         random_state: int | None = None,
         early_stopping: bool = False,
         validation_fraction: float = 0.1,

@@ -126,7 +126,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         validation_every: float | int = 0.1,
         output_index: int | str | None = None,
         exc: bool = True,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         random_state: int | None = None,
         early_stopping: bool = False,
         validation_fraction: float = 0.1,
@@ -269,16 +269,21 @@ class ForwardBackwardTrainer(BaseTrainer):
             fb.input_names[0],
         )
 
-    def _agent_run(self, weighted: bool, rows: int) -> Any:
+    def _agent_run(self, weighted: bool, rows: int | None) -> Any:
         """The two-call batch for batches of ``rows`` rows, with or without sample
-        weights: :meth:`_agent_step` specialized to that size, built once."""
+        weights: :meth:`_agent_step` specialized to that size (None: for any size),
+        built once."""
         key = (weighted, rows)
         if key not in self._agent_runs:
             step = self._agent_step(weighted)
-            model = specialize(
-                step.model, dict.fromkeys(step.data, rows), self._backend.constant_folds
+            model = (
+                step.model
+                if rows is None
+                else specialize(
+                    step.model, dict.fromkeys(step.data, rows), self._backend.constant_folds
+                )
             )
-            short = rows < self.batch_size  # the last batch, once per epoch
+            short = rows is not None and rows < self.batch_size  # the last batch, once per epoch
             threads = self._threads.once_per_epoch() if short else self._threads
             session = self._backend.inference_session(model, self._providers, threads)
             self._agent_runs[key] = self._backend.AgentRun(
@@ -306,19 +311,27 @@ class ForwardBackwardTrainer(BaseTrainer):
 
     # -- one batch -------------------------------------------------------------------------
 
-    def _run_batch(self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None) -> None:
+    def _run_batch(
+        self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, static: bool = True
+    ) -> None:
         """Two calls (the agent's forward with the loss, its backward with the update: it
         reads the current buffer set and writes the other, so a batch that fails leaves
         the current set as the last good batch left it) or, where the pieces cannot be
-        fused (a model with several inputs, distributed training), four."""
+        fused (a model with several inputs, distributed training), four. ``static``:
+        through graphs specialized to the batch's size (else the graphs for any size)."""
         if self._fuses:
-            key, runs = (w is not None, len(X)), self._agent_runs
+            key, runs = (w is not None, len(X) if static else None), self._agent_runs
             run = runs[key] if key in runs else self._agent_run(*key)
             run(X, y, w, *self._agent_sets[self._current])
             return
-        loss, gradients = self._backward(X, y, w)
+        loss, gradients = self._backward(X, y, w, static)
         names = self._update_inputs
         self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
+
+    def _run_streamed(
+        self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, specialized: bool
+    ) -> None:
+        self._run_batch(binding, X, y, w, static=specialized)
 
     # -- four calls (several inputs, distributed training, graphs older than the pieces' opset)
 
@@ -371,18 +384,22 @@ class ForwardBackwardTrainer(BaseTrainer):
         label = engine.c_ortvalue(y, device)
         return run(prediction, label, None if w is None else engine.c_ortvalue(w, device))
 
-    def _backward(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, Any]:
+    def _backward(
+        self, X: Rows, y: np.ndarray, w: np.ndarray | None, static: bool = True
+    ) -> tuple[Any, Any]:
         """``(loss, gradients)`` of one batch: forward, loss and its gradient, backward,
         on C OrtValues (this is the hot loop: nothing is wrapped in Python objects); the
-        gradients are a C vector in ``_gradient_of`` order."""
+        gradients are a C vector in ``_gradient_of`` order. ``static``: through graphs
+        specialized to the batch's size."""
         arrays = self._feature_arrays(X)  # the C values borrow them until the backward
         fb = self.forward_backward_
-        variant = fb._variant(self._no_input_grads, len(X))  # specialized to the batch size
+        # specialized to the batch size, or the graphs for any size
+        variant = fb._variant(self._no_input_grads, len(X) if static else None)
         device = self._c_device
         features = [engine.c_ortvalue(a, device) for a in arrays]
         # the feeds vector (third) must live until the backward
         fetches, state, _feeds = self._backend.run_forward(variant.agent, self._feeds(features))
-        loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=True)
+        loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=static)
         gradients = self._backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
         return loss, gradients
 
@@ -514,7 +531,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         output_index: int | str | None = None,
         learning_penalty: Any = None,
         exc: bool = True,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         random_state: int | None = None,
         early_stopping: bool = False,
         validation_fraction: float = 0.1,
