@@ -162,6 +162,9 @@ def test_two_inputs_train_like_torch_sgd(kind, dynamo, trainer):
     with torch.no_grad():
         expected = net(*(torch.from_numpy(a) for a in X.values())).numpy()[:, 0]
     np.testing.assert_allclose(fitted.predict(X), expected, rtol=1e-5, atol=1e-6)
+    if trainer == "forward_backward" and fitted._backend.name == "ort_training":
+        # both inputs go through onnxruntime-training's fused two-call batch
+        assert fitted._fuses and fitted._agent_runs
 
 
 @pytest.mark.parametrize("steps_per_run,static", [(1, False), (3, True)])

@@ -215,9 +215,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
-        # the backend's fused step (agent_step) feeds one feature input: a model with
-        # several runs its batches as four calls
-        self._fuses = len(fb.input_names) == 1 and self._backend.fusable(
+        self._fuses = self._backend.fusable(
             self._variant.gradient_model, self.loss_onnx_, self.update_step_
         )
         self._agent_runs: dict[tuple[bool, int], Any] = {}
@@ -266,7 +264,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             self.update_step_,
             {w: w for w in fb.weight_names},
             variant.grad_of,
-            fb.input_names[0],
+            fb.input_names,
         )
 
     def _agent_run(self, weighted: bool, rows: int | None) -> Any:
@@ -317,12 +315,13 @@ class ForwardBackwardTrainer(BaseTrainer):
         """Two calls (the agent's forward with the loss, its backward with the update: it
         reads the current buffer set and writes the other, so a batch that fails leaves
         the current set as the last good batch left it) or, where the pieces cannot be
-        fused (a model with several inputs, distributed training), four. ``static``:
+        fused (distributed training, graphs older than the pieces' opset, the native
+        backend), four. ``static``:
         through graphs specialized to the batch's size (else the graphs for any size)."""
         if self._fuses:
             key, runs = (w is not None, len(X) if static else None), self._agent_runs
             run = runs[key] if key in runs else self._agent_run(*key)
-            run(X, y, w, *self._agent_sets[self._current])
+            run(self._feature_arrays(X), y, w, *self._agent_sets[self._current])
             return
         loss, gradients = self._backward(X, y, w, static)
         names = self._update_inputs
@@ -333,7 +332,7 @@ class ForwardBackwardTrainer(BaseTrainer):
     ) -> None:
         self._run_batch(binding, X, y, w, static=specialized)
 
-    # -- four calls (several inputs, distributed training, graphs older than the pieces' opset)
+    # -- four calls (distributed training, graphs older than the pieces' opset, native) -----
 
     def _feeds(self, features: list[Any]) -> list[Any]:
         """The forward's C OrtValues in feed order: the features (C OrtValues, one per

@@ -23,6 +23,7 @@ what it is fed, which keeps every node after the yield in the backward call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,7 @@ def agent_step(
     update: UpdateStep,
     internal: dict[str, str],
     gradient_of: dict[str, str],
-    features: str,
+    features: Sequence[str],
 ) -> AgentStep:
     """The gradient graph of a ``TrainingAgent`` with the loss and the update fused in.
 
@@ -89,7 +90,8 @@ def agent_step(
         update: the update step (:func:`graphkit.training.step.build_update_step`).
         internal: public weight name -> its name in ``gradient``.
         gradient_of: gradient output of ``gradient`` -> public weight name.
-        features: the feature input of ``gradient``.
+        features: the feature inputs of ``gradient`` (the model's inputs, in the order
+            :class:`AgentRun` is given their arrays).
     """
     model = copy_model(gradient)
     graph = model.graph
@@ -143,7 +145,7 @@ def agent_step(
 
     values = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
     inputs = {i.name: i for i in graph.input}
-    data_inputs = [inputs[features], renamed_value(values["label"], label)]
+    data_inputs = [*(inputs[f] for f in features), renamed_value(values["label"], label)]
     if weight is not None:
         data_inputs.append(renamed_value(values["weight"], weight))
     resident_inputs = [
@@ -187,11 +189,17 @@ class AgentRun:
         self._grads = values_vector([c_ortvalue(self._dloss, device)])
 
     def __call__(
-        self, X: np.ndarray, y: np.ndarray, w: np.ndarray | None, resident: list[Any], new: Any
+        self,
+        features: Sequence[np.ndarray],
+        y: np.ndarray,
+        w: np.ndarray | None,
+        resident: list[Any],
+        new: Any,
     ) -> None:
-        """One batch: ``resident`` (C OrtValues) in, ``new`` (a C vector of as many
-        OrtValues, from :func:`.agent.values_vector`) out."""
-        arrays = (X, y) if w is None else (X, y, w)
+        """One batch: the features (one array per feature input, in
+        :func:`agent_step`'s order) and ``resident`` (C OrtValues) in, ``new`` (a C vector
+        of as many OrtValues, from :func:`.agent.values_vector`) out."""
+        arrays = (*features, y) if w is None else (*features, y, w)
         contiguous = [np.ascontiguousarray(a) for a in arrays]
         train_batch(self.agent, contiguous, self._device, resident, self._grads, new)
 
