@@ -54,3 +54,28 @@ def test_sample_weights_and_bad_input(rng):
         StepTrainer(step, batch_size=0)
     with pytest.raises(ValueError, match="runtime must be"):
         StepTrainer(step, runtime="tvm")
+
+
+def test_opening_an_exported_step_logs_no_warning_per_default(tmp_path):
+    """The resident inputs' defaults are initializers (ONNX's default values), which
+    onnxruntime reports one warning each for; StepTrainer's sessions log errors only.
+    In a process of its own: graphkit quiets onnxruntime's default logger when it
+    imports it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "step.onnx"
+    make(mlp_onnx(4, 6, 3, "Tanh"), max_iter=1).export_training_step(path)
+    script = (
+        "import sys, onnxruntime\n"
+        "onnxruntime.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+        "print('---', file=sys.stderr, flush=True)\n"
+        "from graphkit.step_trainer import StepTrainer\n"
+        "StepTrainer(sys.argv[1], runtime='onnxruntime')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True
+    )
+    default, ours = done.stderr.split("---")
+    assert "appears in graph inputs" in default  # what a default session says
+    assert "appears in graph inputs" not in ours

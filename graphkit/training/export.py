@@ -12,8 +12,14 @@
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
   A loop feeds a batch and the resident tensors, then feeds each ``<name>.next`` back as
-  ``<name>``. ``step`` counts the updates applied (the schedule reads it); ``loss_sum``
-  accumulates the batch losses.
+  ``<name>``. The resident inputs' defaults are initializers of the same name, ONNX's
+  way of giving an input a default value (IR >= 4); onnxruntime logs one warning per
+  default when it opens the model ("Initializer X appears in graph inputs..."): open it
+  with ``SessionOptions.log_severity_level = 3`` to see errors only, as
+  :class:`graphkit.step_trainer.StepTrainer` does. (IR version 3, where every
+  initializer is an input, silences it but makes onnxruntime treat them as constants:
+  feeding ``loss_sum`` then fails with "Invalid input name".) ``step`` counts the updates
+  applied (the schedule reads it); ``loss_sum`` accumulates the batch losses.
 * :func:`export_training_info` writes the trained prediction model with the same step
   inside it as an ONNX ``TrainingInfoProto``: a model that carries its own way to keep
   training, run by :func:`graphkit.training_info.run_training_info`.
