@@ -1,12 +1,16 @@
-"""Train (or see refused) one zoo case with one trainer, and render the support table.
+"""Train (or see refused) one zoo case with one trainer on one backend, and render the
+support table.
 
-``python -m tests.zoo.run`` trains every case and rewrites the README's support table
-(between the ``zoo:start`` / ``zoo:end`` markers); ``make zoo-table`` runs it.
+``python -m tests.zoo.run`` trains every case with both trainers on every installed backend
+and rewrites the README's support table (between the ``zoo:start`` / ``zoo:end`` markers;
+the rows it cannot run here, of a backend not installed or of a torch model without torch,
+are kept as they are); ``make zoo-table`` runs it.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
 import sys
 import warnings
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import graphkit as gk
+from graphkit import backends
 from graphkit.rewrite import select_prediction
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
@@ -24,12 +29,21 @@ from .models import CASES, FORWARD_BACKWARD, FULL, Case, Data
 README = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- zoo:start -->", "<!-- zoo:end -->"
 TRAINER_NAMES = {FULL: "full", FORWARD_BACKWARD: "forward/backward"}
+INSTALLED = [b.name for b in backends.available() if b.installed]
+"""The backends the zoo trains on here: every installed one."""
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def runnable(case: Case) -> bool:
+    """Whether ``case`` can be built here (torch's exporters need torch)."""
+    return case.exporter == "skl2onnx" or HAS_TORCH
 
 
 @dataclass
 class Outcome:
     case: Case
     trainer: str
+    backend: str
     result: str  # "trains" | "refused" | "error"
     metric: str  # "R2" | "accuracy"
     before: float | None = None
@@ -37,12 +51,17 @@ class Outcome:
     error: BaseException | None = None
 
     @property
-    def row(self) -> tuple[str, str, str, str]:
+    def key(self) -> tuple[str, str, str, str]:
+        """``(model, converter, trainer, backend)``: the row's first four cells."""
+        return self.case.name, self.case.exporter, TRAINER_NAMES[self.trainer], self.backend
+
+    @property
+    def row(self) -> tuple[str, str, str, str, str]:
         result = self.result
         if self.result == "refused":
-            op = self.case.refusal(self.trainer) or "?"
+            op = self.case.refusal(self.trainer, self.backend) or "?"
             result = f"refused: {type(self.error).__name__} names {op}"
-        return self.case.name, self.case.exporter, TRAINER_NAMES[self.trainer], result
+        return (*self.key, result)
 
 
 @functools.cache
@@ -71,11 +90,11 @@ def initial_metric(onx, data: Data, case: Case) -> float:
     return metric(data, gk.run(model, feeds)[prediction.name], case)
 
 
-def run_case(case: Case, trainer: str) -> Outcome:
-    """Train ``case`` with ``trainer`` (``FULL`` or ``FORWARD_BACKWARD``)."""
+def run_case(case: Case, trainer: str, backend: str) -> Outcome:
+    """Train ``case`` with ``trainer`` (``FULL`` or ``FORWARD_BACKWARD``) on ``backend``."""
     onx, data = built(case)
     name = "R2" if data.task == "regression" else "accuracy"
-    outcome = Outcome(case, trainer, "trains", name)
+    outcome = Outcome(case, trainer, backend, "trains", name)
     try:
         outcome.before = initial_metric(onx, data, case)
         settings = dict(
@@ -83,6 +102,7 @@ def run_case(case: Case, trainer: str) -> Outcome:
             batch_size=case.batch_size,
             learning_rate=(gk.optimizers.get(case.optimizer), case.lr),
             random_state=0,
+            backend=backend,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -105,36 +125,57 @@ def run_case(case: Case, trainer: str) -> Outcome:
     return outcome
 
 
-def render(outcomes: list[Outcome]) -> str:
-    lines = [
-        "| model | converter | trainer | result | held-out metric: converted -> trained |",
-        "|---|---|---|---|---|",
-    ]
-    for o in outcomes:
-        model, exporter, trainer, result = o.row
-        if o.after is not None:
-            numbers = f"{o.metric} {o.before:.3f} -> {o.after:.3f}"
-        else:
-            numbers = ""
-        lines.append(f"| {model} | {exporter} | {trainer} | {result} | {numbers} |")
-    return "\n".join(lines)
+HEADER = [
+    "| model | converter | trainer | backend | result | held-out metric: converted -> trained |",
+    "|---|---|---|---|---|---|",
+]
 
 
-def readme_rows(text: str) -> dict[tuple[str, str, str], str]:
-    """``{(model, converter, trainer): result}`` from the README's table."""
+def render_row(o: Outcome) -> str:
+    numbers = f"{o.metric} {o.before:.3f} -> {o.after:.3f}" if o.after is not None else ""
+    return "| " + " | ".join([*o.row, numbers]) + " |"
+
+
+def table_lines(text: str) -> dict[tuple[str, str, str, str], str]:
+    """``{(model, converter, trainer, backend): the row's line}`` from the README's table."""
     found = re.search(re.escape(START) + "(.*?)" + re.escape(END), text, re.S)
     if not found:
         return {}
+    header, _, *lines = found.group(1).strip().splitlines()
+    if "backend" not in [c.strip() for c in header.strip().strip("|").split("|")]:
+        return {}  # a table from before the backend column
     rows = {}
-    for line in found.group(1).strip().splitlines()[2:]:
+    for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        rows[tuple(cells[:3])] = cells[3]
+        rows[tuple(cells[:4])] = line
     return rows
+
+
+def readme_rows(text: str) -> dict[tuple[str, str, str, str], str]:
+    """``{(model, converter, trainer, backend): result}`` from the README's table."""
+    return {
+        key: [c.strip() for c in line.strip().strip("|").split("|")][4]
+        for key, line in table_lines(text).items()
+    }
+
+
+def render(outcomes: list[Outcome], previous: dict[tuple[str, str, str, str], str]) -> str:
+    """The table: a row per outcome and, for every other case, trainer and registered
+    backend, its ``previous`` line (the README's, kept when it could not run here), in
+    the order of :data:`CASES`, trainers, then backends."""
+    rows = [
+        (c.name, c.exporter, TRAINER_NAMES[t], b)
+        for c in CASES
+        for t in TRAINER_NAMES
+        for b in backends.names()
+    ]
+    lines = {**previous, **{o.key: render_row(o) for o in outcomes}}
+    return "\n".join([*HEADER, *(lines[k] for k in rows if k in lines)])
 
 
 def write_readme(outcomes: list[Outcome]) -> None:
     text = README.read_text()
-    table = f"{START}\n{render(outcomes)}\n{END}"
+    table = f"{START}\n{render(outcomes, table_lines(text))}\n{END}"
     pattern = re.escape(START) + ".*?" + re.escape(END)
     if not re.search(pattern, text, re.S):
         raise SystemExit(f"{README} has no {START} ... {END} markers")
@@ -142,7 +183,13 @@ def write_readme(outcomes: list[Outcome]) -> None:
 
 
 def main() -> int:
-    outcomes = [run_case(case, trainer) for case in CASES for trainer in (FULL, FORWARD_BACKWARD)]
+    outcomes = [
+        run_case(case, trainer, backend)
+        for case in CASES
+        if runnable(case)
+        for trainer in (FULL, FORWARD_BACKWARD)
+        for backend in INSTALLED
+    ]
     for o in outcomes:
         print(" | ".join(o.row), o.before, o.after, o.error or "", file=sys.stderr)
     write_readme(outcomes)
