@@ -108,6 +108,7 @@ def _reverse(
     wrt = list(wrt)
     initializers = {i.name: i for i in model.graph.initializer if i.name in set(wrt)}
     opened = _initializers_as_inputs(model, initializers)
+    _max_pools_with_indices(opened)
     n_outputs = len(opened.graph.output)
     try:
         opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
@@ -128,6 +129,20 @@ def _reverse(
     _refuse_zero_gradients(derived, dict(zip(wrt, gradients)), [s.name for s in seed_inputs])
     _inputs_as_initializers(derived, initializers)
     return derived, seeds, n_outputs
+
+
+def _max_pools_with_indices(model: onnx.ModelProto) -> None:
+    """Give each ``MaxPool`` its optional ``Indices`` output (in place): onnx-ad's rule
+    scatters the gradient to where each window's maximum was, and reads them there
+    rather than running the pooling a second time to find them."""
+    taken = graph_names(model.graph)
+    for node in model.graph.node:
+        if node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx"):
+            continue
+        storage_order = next((a.i for a in node.attribute if a.name == "storage_order"), 0)
+        if storage_order == 0 and (len(node.output) < 2 or not node.output[1]):
+            del node.output[1:]
+            node.output.append(fresh_name(f"{node.output[0]}/argmax", taken))
 
 
 def _ints_constant(name: str, values: list[int]) -> onnx.NodeProto:
