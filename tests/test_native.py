@@ -495,6 +495,24 @@ def test_conv_transpose_weight_gradient_matches_finite_differences(attributes):
     assert_matches_finite_differences(model, ["X"], points[:1])
 
 
+@pytest.mark.parametrize("mode", ["SAME_UPPER", "SAME_LOWER"])
+def test_same_padding_matches_finite_differences(mode):
+    """auto_pad=SAME_* (which onnx-ad refuses) becomes explicit pads first: a strided
+    Conv and an AveragePool with an odd total padding, where UPPER and LOWER differ."""
+    nodes = [
+        helper.make_node("Conv", ["X", "W"], ["c"], auto_pad=mode, strides=[2, 2]),
+        helper.make_node("Tanh", ["c"], ["t"]),
+        helper.make_node("AveragePool", ["t"], ["p"], auto_pad=mode, kernel_shape=[2, 2]),
+        helper.make_node("Mul", ["p", "p"], ["p2"]),
+        helper.make_node("ReduceSum", ["p2"], ["loss"], keepdims=0),
+    ]
+    rng = np.random.default_rng(4)
+    model = make_model(nodes, [("X", ["N", 2, 7, 6])], {"W": rng.normal(size=(3, 2, 3, 3))})
+    points = [{"X": rng.normal(size=(n, 2, 7, 6))} for n in (1, 2)]
+    assert_matches_finite_differences(model, ["W"], points)
+    assert_matches_finite_differences(model, ["X"], points[:1])
+
+
 def test_smooth_activations_and_a_shared_weight_match_finite_differences():
     """Softplus, Elu, Mish, Selu, HardSwish and PRelu (onnxruntime-training has no
     gradient for them); W is read twice, the output is not a scalar (summed)."""
@@ -726,6 +744,15 @@ def _no_rule(kind: str) -> tuple[onnx.ModelProto, list[str]]:
         inputs = [("X", ["N", 3])]
         values = {"W": rng.normal(size=(3, 4)), "s": np.ones(4), "b": np.zeros(4)}
         values.update(mean=np.zeros(4), var=np.ones(4))
+    elif kind == "Det":  # onnx-ad takes its derivative for zero: graphkit refuses it
+        nodes = [
+            helper.make_node("MatMul", ["X", "W"], ["h"]),  # (N, 3, 3)
+            helper.make_node("Det", ["h"], ["d"], name="blocked"),
+            helper.make_node("Add", ["d", "d"], ["d2"]),
+            helper.make_node("ReduceSum", ["d2"], ["loss"], keepdims=0),
+        ]
+        inputs = [("X", ["N", 3, 3])]
+        values = {"W": rng.normal(size=(3, 3))}
     else:  # MaxRoiPool: no reverse rule at all
         nodes = [
             helper.make_node("Conv", ["X", "W"], ["c"]),
@@ -749,6 +776,7 @@ def _no_rule(kind: str) -> tuple[onnx.ModelProto, list[str]]:
 
 NO_RULE = {
     "BatchNormalization(training_mode=1)": "BatchNormalization",
+    "Det": "Det has a derivative",
     "MaxRoiPool": "MaxRoiPool",
 }
 

@@ -33,7 +33,6 @@ def _reads_float64(model: onnx.ModelProto) -> bool:
     return any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values)
 
 
-
 class NativeBackend:
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
 
@@ -101,6 +100,7 @@ class NativeBackend:
     ) -> tuple[Any, Any]:
         """``(agent, None)``: the vector-Jacobian graph ``gradient`` cut into a forward
         and a backward session."""
+
         def session(model: onnx.ModelProto) -> Any:
             return self.inference_session(model, providers, threads)
 

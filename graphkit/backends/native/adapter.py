@@ -33,7 +33,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import copy_model, fresh_name, graph_names, outer_reads, static_shape
+from graphkit._graph import (
+    ancestors,
+    copy_model,
+    fresh_name,
+    graph_names,
+    outer_reads,
+    static_shape,
+)
 from graphkit.backends.native import rules
 from graphkit.errors import MissingGradientError
 
@@ -110,13 +117,17 @@ def _reverse(
     opened = _initializers_as_inputs(model, initializers)
     _max_pools_with_indices(opened)
     n_outputs = len(opened.graph.output)
+    opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
+    _explicit_same_pads(opened)
     try:
-        opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
         with rules.consulted_first():
             derived = reverse(
                 opened, inputs=wrt, outputs=list(outputs), layout="onnx", dim=_SEED_AXIS
             )
     except UnsupportedOperator as exc:
+        # onnx-ad walks backwards: an operator without a rule may hide the rank of what
+        # it feeds, and the first failure is then its neighbour's; name the operator
+        _refuse_operators_without_rule(opened, wrt, outputs)
         raise MissingGradientError(
             f"The native gradient source (onnx-ad {VERSION}) cannot differentiate this graph: "
             f"{exc}. Keep that operator off the path between the weights and the loss, or "
@@ -128,7 +139,120 @@ def _reverse(
     gradients = [o.name for o in derived.graph.output[n_outputs:]]
     _refuse_zero_gradients(derived, dict(zip(wrt, gradients)), [s.name for s in seed_inputs])
     _inputs_as_initializers(derived, initializers)
+    _unique_node_names(derived.graph, set())
+    # the outputs' types as inferred (the seeds are shaped after them)
+    inferred = {v.name: v for v in [*opened.graph.value_info, *opened.graph.output]}
+    for output in derived.graph.output[:n_outputs]:
+        if static_shape(output) is None and output.name in inferred:
+            output.CopyFrom(inferred[output.name])
     return derived, seeds, n_outputs
+
+
+_REWRITTEN_BEFORE_RULES = frozenset(
+    {"RNN", "GRU", "LSTM", "LRN", "GridSample", "DeformConv", "STFT", "TensorScatter"}
+)
+"""Operators onnx-ad lowers to others before its rules run (its function-bodied ones,
+``GroupNormalization`` or ``Attention``, have their body in the schema: see below)."""
+
+
+def _refuse_operators_without_rule(
+    model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]
+) -> None:
+    """Raise :class:`MissingGradientError` naming the first node between ``wrt`` and
+    ``outputs`` whose operator has no reverse rule (operators whose ONNX schema has a
+    function body are expanded by onnx-ad, and count as known)."""
+    from onnx_ad import rules as ad
+
+    known = set(ad.REVERSE) | set(rules.REVERSE) | _REWRITTEN_BEFORE_RULES
+    graph = model.graph
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*graph.value_info, *graph.input]}
+    elem.update((t.name, t.data_type) for t in graph.initializer)
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+    reached = set(wrt)  # float tensors that depend on wrt (as onnx-ad's own sweep)
+    needed = ancestors(graph, outputs)
+    for node in graph.node:
+        if not outer_reads(node) & reached:
+            continue
+        reached.update(o for o in node.output if elem.get(o, onnx.TensorProto.FLOAT) in floats)
+        standard = node.domain in ("", "ai.onnx", "ai.onnx.ml")
+        if standard and (node.op_type in known or _has_function_body(node)):
+            continue
+        if needed.intersection(node.output):
+            raise MissingGradientError(
+                f"The native gradient source (onnx-ad {VERSION}) has no gradient for operator "
+                f"{node.op_type!r}{'' if node.domain in ('', 'ai.onnx') else f' ({node.domain})'} "
+                f"(node {node.name or node.output[0]!r}). Keep it off the path between the "
+                "weights and the loss, or rewrite it with differentiable operators."
+            )
+
+
+def _has_function_body(node: onnx.NodeProto) -> bool:
+    try:
+        schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
+    except onnx.defs.SchemaError:
+        return False
+    return schema.has_function or schema.has_context_dependent_function
+
+
+_AUTO_PADDED = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool"})
+
+
+def _explicit_same_pads(model: onnx.ModelProto) -> None:
+    """``auto_pad=SAME_UPPER/SAME_LOWER`` written as the explicit ``pads`` it means (in
+    place), where the input's spatial size is known: onnx-ad differentiates explicit
+    pads only. ``SAME``: the output has ``ceil(size / stride)`` positions, the padding
+    needed for that split in two, the odd one at the end (UPPER) or the start (LOWER)."""
+    shapes = {v.name: static_shape(v) for v in [*model.graph.value_info, *model.graph.input]}
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type not in _AUTO_PADDED or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        mode = attrs["auto_pad"].s.decode() if "auto_pad" in attrs else "NOTSET"
+        if mode not in ("SAME_UPPER", "SAME_LOWER"):
+            continue
+        dims = shapes.get(node.input[0])
+        if dims is None or not all(isinstance(d, int) for d in dims[2:]):
+            continue  # onnx-ad's refusal names the node
+        spatial = dims[2:]
+        if "kernel_shape" in attrs:
+            kernel = list(attrs["kernel_shape"].ints)
+        else:
+            kernel = list(shapes.get(node.input[1]) or weights.get(node.input[1]) or [])[2:]
+            if len(kernel) != len(spatial):
+                continue
+        strides = list(attrs["strides"].ints) if "strides" in attrs else [1] * len(spatial)
+        dilations = list(attrs["dilations"].ints) if "dilations" in attrs else [1] * len(spatial)
+        begins, ends = [], []
+        for size, k, stride, dilation in zip(spatial, kernel, strides, dilations):
+            out = -(-size // stride)
+            total = max((out - 1) * stride + (k - 1) * dilation + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            begins.append(small if mode == "SAME_UPPER" else large)
+            ends.append(large if mode == "SAME_UPPER" else small)
+        kept = [a for a in node.attribute if a.name not in ("auto_pad", "pads")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.attribute.append(helper.make_attribute("pads", begins + ends))
+
+
+def _unique_node_names(graph: onnx.GraphProto, seen: set[str]) -> None:
+    """Give every node of ``graph`` and its subgraphs a name no other node has (in
+    place): onnx-ad's rules copy branches whose nodes keep their names, and onnxruntime
+    refuses a model where two nodes share one ('two nodes with same node name')."""
+    for node in graph.node:
+        if node.name:
+            name, i = node.name, 0
+            while name in seen:
+                i += 1
+                name = f"{node.name}_{i}"
+            node.name = name
+            seen.add(name)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _unique_node_names(attribute.g, seen)
+            for sub in attribute.graphs:
+                _unique_node_names(sub, seen)
 
 
 def _max_pools_with_indices(model: onnx.ModelProto) -> None:

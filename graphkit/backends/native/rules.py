@@ -13,7 +13,8 @@ takes any batch size), so these rules replace onnx-ad's for:
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only.
 
-It also completes two: onnx-ad has no gradient for a ``ConvTranspose``'s weight (an
+``Det`` is refused (onnx-ad takes its derivative for zero). It also completes two
+rules: onnx-ad has no gradient for a ``ConvTranspose``'s weight (an
 autoencoder's decoder), and gives an inference ``BatchNormalization`` no gradient for
 its running mean and variance, which an exporter may tie to a trained weight.
 
@@ -105,8 +106,12 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
     x = node.input[0]
     starts, ends, axes, steps = ad._slice_bounds(ctx, node)
     shape = ctx.shapes.shape(x)
-    if starts is None or ends is None or shape is None or steps is not None and any(
-        s != 1 for s in steps
+    if (
+        starts is None
+        or ends is None
+        or shape is None
+        or steps is not None
+        and any(s != 1 for s in steps)
     ):
         return ad._slice_reverse(ctx, node, grads)
     rank = len(shape)
@@ -211,9 +216,7 @@ def conv_transpose_reverse(ctx: Any, node: Any, grads: list) -> list:
         stem="a_convt_crop",
     )
     # [O S, C, k...] -> [O, S, C, k...] -> [C, O, k..., S]
-    split = ctx.b.op(
-        "Reshape", [cropped, ctx.b.ints([kernel[1], -1, kernel[0], *kernel[2:]])]
-    )
+    split = ctx.b.op("Reshape", [cropped, ctx.b.ints([kernel[1], -1, kernel[0], *kernel[2:]])])
     contributions[1] = ctx.b.op(
         "Transpose",
         [split],
@@ -228,7 +231,21 @@ def conv_transpose_reverse(ctx: Any, node: Any, grads: list) -> list:
     return contributions
 
 
+def det_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """``Det``: refused. onnx-ad 0.3.0 lists it among the operators whose derivative is
+    zero, which is false (d det(A) / dA = det(A) inverse(A)^T): a weight reaching the
+    loss through it and another path would get part of its gradient, silently. Its
+    gradient needs a matrix inverse, for which ``ai.onnx`` has no operator."""
+    from onnx_ad import UnsupportedOperator
+
+    raise UnsupportedOperator(
+        "Det has a derivative (det(A) inverse(A)^T) that standard ONNX cannot write: "
+        "ai.onnx has no matrix inverse"
+    )
+
+
 REVERSE: dict[str, Rule] = {
+    "Det": det_reverse,
     "ConvTranspose": conv_transpose_reverse,
     "BatchNormalization": batch_norm_reverse,
     "Conv": conv_reverse,

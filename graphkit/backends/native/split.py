@@ -91,9 +91,7 @@ def cut(
     fed = [f for f in feeds if f in read]
     types = _types(gradient)
     extra = [k for k in kept if k not in set(outputs)]
-    forward = _subgraph(
-        gradient, forward_nodes, list(feeds), [*outputs, *extra], types, "forward"
-    )
+    forward = _subgraph(gradient, forward_nodes, list(feeds), [*outputs, *extra], types, "forward")
     backward = _subgraph(
         gradient,
         backward_nodes,
@@ -112,9 +110,7 @@ def _whole(
     nodes = list(gradient.graph.node)
     forward = _subgraph(gradient, nodes, list(feeds), list(outputs), types, "forward")
     gradients = [o.name for o in gradient.graph.output if o.name not in set(outputs)]
-    backward = _subgraph(
-        gradient, nodes, [*seeds, *feeds], gradients, types, "backward"
-    )
+    backward = _subgraph(gradient, nodes, [*seeds, *feeds], gradients, types, "backward")
     return Cut(forward, backward, list(outputs), [], list(feeds), recomputes=True)
 
 
