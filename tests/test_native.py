@@ -495,6 +495,35 @@ def test_conv_transpose_weight_gradient_matches_finite_differences(attributes):
     assert_matches_finite_differences(model, ["X"], points[:1])
 
 
+UNEVEN = {  # (Conv pads, AveragePool pads, LpPool pads): the start padded less than the end
+    "conv": ([0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]),
+    "average pool": ([1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]),
+    "lp pool": ([1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("where", sorted(UNEVEN))
+def test_uneven_padding_matches_finite_differences(where):
+    """TensorFlow's SAME with stride 2 is pads [0, 0, 1, 1]: the gradient is spread back
+    with the forward's pads (ONNX's output_shape would split them evenly)."""
+    conv, average, lp = UNEVEN[where]
+    nodes = [
+        helper.make_node("Conv", ["X", "W"], ["c"], pads=conv, strides=[2, 2]),
+        helper.make_node("Tanh", ["c"], ["t"]),
+        helper.make_node(
+            "AveragePool", ["t"], ["a"], kernel_shape=[2, 2], pads=average, strides=[2, 1]
+        ),
+        helper.make_node("LpPool", ["a"], ["p"], kernel_shape=[2, 2], pads=lp, p=2),
+        helper.make_node("Mul", ["p", "p"], ["p2"]),
+        helper.make_node("ReduceSum", ["p2"], ["loss"], keepdims=0),
+    ]
+    rng = np.random.default_rng(5)
+    model = make_model(nodes, [("X", ["N", 2, 8, 7])], {"W": rng.normal(size=(3, 2, 3, 3))})
+    points = [{"X": rng.normal(size=(n, 2, 8, 7))} for n in (1, 2)]
+    assert_matches_finite_differences(model, ["W"], points)
+    assert_matches_finite_differences(model, ["X"], points[:1])
+
+
 @pytest.mark.parametrize("mode", ["SAME_UPPER", "SAME_LOWER"])
 def test_same_padding_matches_finite_differences(mode):
     """auto_pad=SAME_* (which onnx-ad refuses) becomes explicit pads first: a strided

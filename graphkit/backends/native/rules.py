@@ -6,7 +6,9 @@ dimensions. graphkit's training graphs keep a symbolic batch dimension (the expo
 takes any batch size), so these rules replace onnx-ad's for:
 
 * ``Conv``, with respect to its input: ``ConvTranspose`` of the incoming gradient with
-  the weight, whose ``output_shape`` needs the input's *spatial* size only;
+  the weight, which needs the input's *spatial* size only (and spreads it back with the
+  forward's own pads: onnx-ad's ``output_shape`` splits them evenly, which shifts the
+  gradient of an unevenly padded convolution);
 * ``AveragePool``: the gradient divided by each window's count and spread back over the
   window (a grouped ``ConvTranspose`` with a kernel of ones), which needs the channel
   count and the spatial size only;
@@ -39,21 +41,44 @@ def _known(shape: tuple | None, axes: list[int]) -> bool:
     return shape is not None and all(shape[a] is not None for a in axes)
 
 
+def transposing(attrs: dict, size: list[int], kernel: list[int]) -> dict:
+    """The ``ConvTranspose`` attributes that spread a gradient back through a
+    convolution or pooling of ``attrs`` over an input of spatial ``size`` with a
+    ``kernel``: the same strides, dilations and pads, and the ``output_padding`` that
+    restores the input's size (the positions the last stride did not reach).
+
+    Not ``output_shape``: with it, ONNX derives the pads itself and splits them evenly,
+    which shifts the gradient of a convolution padded unevenly (``pads=[0, 0, 1, 1]``,
+    TensorFlow's SAME).
+    """
+    strides, dilations, pads = attrs["strides"], attrs["dilations"], attrs["pads"]
+    n = len(size)
+    padding = []
+    for i in range(n):
+        span = (kernel[i] - 1) * dilations[i] + 1
+        positions = (size[i] + pads[i] + pads[n + i] - span) // strides[i] + 1
+        reached = (positions - 1) * strides[i] + span - pads[i] - pads[n + i]
+        padding.append(size[i] - reached)
+    return {"strides": strides, "dilations": dilations, "pads": pads, "output_padding": padding}
+
+
 def conv_reverse(ctx: Any, node: Any, grads: list) -> list:
-    """d/dx of ``y = Conv(x, w, b)`` is ``ConvTranspose(dy, w)`` cropped to x's spatial
-    size; d/dw and d/db are onnx-ad's."""
+    """d/dx of ``y = Conv(x, w, b)`` is ``ConvTranspose(dy, w)`` (:func:`transposing`);
+    d/dw and d/db are onnx-ad's."""
     from onnx_ad import rules as ad
 
-    x, y = node.input[0], node.output[0]
-    shape = ctx.shapes.shape(x)
-    if not ctx.asked_for(x) or not _known(shape, list(range(1, len(shape or ())))):
+    x, w, y = node.input[0], node.input[1], node.output[0]
+    shape, kernel = ctx.shapes.shape(x), ctx.shapes.static(w)
+    known = _known(shape, list(range(2, len(shape or ())))) and kernel is not None
+    if not ctx.asked_for(x) or not known:
         return ad._conv_reverse(ctx, node, grads)
     attrs, spatial = ad._conv_attributes(ctx, node)
     seeded = ctx.full(grads[0], y)
-    transposed = dict(attrs, output_shape=list(shape[2:]))
-    transposed.pop("kernel_shape", None)
+    transposed = transposing(attrs, list(shape[2:]), list(kernel[2:]))
     folded = ad._fold_seed_into_batch(ctx, seeded, y)
-    spread = ctx.b.op("ConvTranspose", [folded, node.input[1]], stem="a_conv", **transposed)
+    spread = ctx.b.op(
+        "ConvTranspose", [folded, w], group=attrs["group"], stem="a_conv", **transposed
+    )
     contributions = [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
     contributions.append(ad._conv_weight_adjoint(ctx, node, attrs, spatial, seeded))
     if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
@@ -71,7 +96,7 @@ def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
     x, y = node.input[0], node.output[0]
     shape = ctx.shapes.shape(x)
     if not _known(shape, list(range(1, len(shape or ())))):
-        return ad._average_pool_reverse(ctx, node, grads)
+        return ad._average_pool_reverse(ctx, node, grads)  # its refusal
     attrs, _ = ad._pool_attributes(ctx, node, reverse=True)
     dtype = ctx.dtype(x)
     channels = shape[1]
@@ -89,13 +114,37 @@ def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
         summed = ctx.b.op("Conv", [filled, ones], group=channels, stem="count", **attrs)
         count = ctx.lift(summed)
     divided = ctx.b.op("Div", [ctx.full(grads[0], y), count])
-    transposed = dict(attrs, output_shape=list(shape[2:]))
-    transposed.pop("kernel_shape")
+    transposed = transposing(attrs, list(shape[2:]), attrs["kernel_shape"])
     folded = ad._fold_seed_into_batch(ctx, divided, y)
     spread = ctx.b.op(
         "ConvTranspose", [folded, ones], group=channels, stem="window_spread", **transposed
     )
     return [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
+
+
+def window_spread(ctx: Any, node: Any, attrs: dict, value: str) -> str:
+    """onnx-ad's ``_window_spread`` (the adjoint of a pooling's window sum, used by its
+    ``LpPool`` rule) with the forward's pads (:func:`transposing`): its own passes
+    ``output_shape`` and so misplaces the gradient of an unevenly padded pooling; and,
+    like the rules above, a symbolic batch dimension."""
+    from onnx_ad import UnsupportedOperator
+    from onnx_ad import rules as ad
+
+    x, y = node.input[0], node.output[0]
+    shape = ctx.shapes.shape(x)
+    if not _known(shape, list(range(1, len(shape or ())))):
+        raise UnsupportedOperator(
+            f"{node.op_type} needs its input's channels and spatial size declared"
+        )
+    channels = shape[1]
+    kernel = [channels, 1, *attrs["kernel_shape"]]
+    ones = ctx.b.constant(np.ones(kernel), ctx.dtype(x), kernel)
+    transposed = transposing(attrs, list(shape[2:]), attrs["kernel_shape"])
+    folded = ad._fold_seed_into_batch(ctx, value, y)
+    spread = ctx.b.op(
+        "ConvTranspose", [folded, ones], group=channels, stem="window_spread", **transposed
+    )
+    return ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))
 
 
 def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
@@ -274,19 +323,21 @@ def naming_the_node(rule: Rule) -> Rule:
 @contextmanager
 def consulted_first() -> Iterator[None]:
     """graphkit's rules in onnx-ad's table for the duration of one differentiation, every
-    rule's refusal naming its node (onnx-ad reads its module-level table; the original
-    table is put back afterwards)."""
+    rule's refusal naming its node, and :func:`window_spread` for its helper (onnx-ad
+    reads its module-level table; the originals are put back afterwards)."""
     from onnx_ad import rules as ad
 
-    saved = dict(ad.REVERSE)
+    saved, spread = dict(ad.REVERSE), ad._window_spread
     ad.REVERSE.update(REVERSE)
     for op, rule in list(ad.REVERSE.items()):
         ad.REVERSE[op] = naming_the_node(rule)
+    ad._window_spread = window_spread
     try:
         yield
     finally:
         ad.REVERSE.clear()
         ad.REVERSE.update(saved)
+        ad._window_spread = spread
 
 
 __all__ = ["REVERSE", "consulted_first", "naming_the_node"]
