@@ -76,7 +76,8 @@ EXPORT_RECIPE = (
 
 def refuse_training_mode(model: onnx.ModelProto) -> None:
     """Raise :class:`~graphkit.errors.IncompatibleModelError` naming the first node
-    exported in training mode: a ``BatchNormalization`` with ``training_mode=1``
+    exported in training mode: a ``BatchNormalization`` with ``training_mode=1`` (or,
+    before opset 14, with its running statistics as outputs)
     normalizes with each batch's statistics (its predictions would change with the
     batch) and never updates its running ones here; a ``Dropout`` whose
     ``training_mode`` input is a constant true drops units at prediction time too."""
@@ -86,7 +87,9 @@ def refuse_training_mode(model: onnx.ModelProto) -> None:
             continue
         training = False
         if node.op_type == "BatchNormalization":
+            # training_mode=1 from opset 14; before, the running statistics as outputs
             training = any(a.name == "training_mode" and a.i for a in node.attribute)
+            training = training or len([o for o in node.output if o]) > 1
         elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
             value = constants.get(node.input[2])
             training = value is not None and bool(value.all())

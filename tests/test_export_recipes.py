@@ -163,6 +163,35 @@ def test_a_training_mode_export_is_refused_naming_the_node(trainer):
             ForwardBackwardTrainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
 
 
+def test_a_training_mode_export_at_opset_13_is_refused():
+    """Before opset 14, training mode is a BatchNormalization with its running
+    statistics as outputs (no training_mode attribute)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net,
+            (torch.randn(4, 4),),
+            buffer,
+            dynamo=False,
+            training=torch.onnx.TrainingMode.TRAINING,
+            input_names=["X"],
+            output_names=["Y"],
+            opset_version=13,
+        )
+    import onnx
+
+    onx = onnx.load_from_string(buffer.getvalue())
+    assert all(a.name != "training_mode" for n in onx.graph.node for a in n.attribute), (
+        "the export is expected to say training mode by its outputs only"
+    )
+    X = np.ones((4, 4), np.float32)
+    with pytest.raises(gk.IncompatibleModelError, match="BatchNormalization node .* training mode"):
+        Trainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
+
+
 def test_a_dropout_in_training_mode_is_refused():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
