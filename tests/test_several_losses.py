@@ -302,6 +302,36 @@ def test_bad_inputs_are_refused_clearly():
         np.testing.assert_array_equal(value, before[name])
 
 
+def test_a_dict_with_one_loss_is_a_graph_with_heads():
+    """{output: loss} for one output of two: the graph is trained and checked as a
+    graph with heads (y a dict, its labels checked, predict a dict), never as a one-loss
+    graph of the first output; the weights follow torch's SGD of that head's loss."""
+    x, price, kind, _ = _data()
+    onx, reg, cls = _exported(False)
+    train = gk.add_loss_output(onx, {cls: "cross_entropy"})
+    fitted = _full(train, shuffle=False, optimizer="sgd").fit(x, {cls: kind})
+    net = _network()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR)
+    X, K = torch.from_numpy(x), torch.from_numpy(kind)
+    for _ in range(EPOCHS):
+        for start in range(0, N, BATCH):
+            sgd.zero_grad()
+            logits = net(X[start : start + BATCH])[1]
+            nn.functional.cross_entropy(logits, K[start : start + BATCH]).backward()
+            sgd.step()
+    state = fitted.get_state()
+    assert not any(name.startswith("reg.") for name in state)  # no loss reads that head
+    for name, param in net.named_parameters():
+        if not name.startswith("reg."):
+            np.testing.assert_allclose(state[name], param.detach().numpy(), atol=1e-5)
+    predicted = fitted.predict(x)
+    assert list(predicted) == [cls]
+    with pytest.raises(ValueError, match=rf"y\[{cls!r}\] holds class labels from 3 to 3"):
+        _full(train, max_iter=1).fit(x, {cls: np.full(N, 3)})
+    with pytest.raises(ShapeError, match="loss per output"):
+        _full(train, max_iter=1).fit(x, kind)
+
+
 def test_the_command_line_refuses_a_loss_per_output(tmp_path, capsys):
     """graphkit-train reads one --label column: a graph with a loss per output is one
     line on stderr and exit code 2, naming the heads and the Python API."""

@@ -67,9 +67,10 @@ def recorded_loss(description: Mapping[str, Any]) -> Loss | None:
 
 
 def heads_of(train_onnx: onnx.ModelProto) -> list[Head] | None:
-    """The heads of a graph with a loss per output; None for a graph with one loss."""
+    """The heads of a graph built with a dict of losses (one entry included: such a graph
+    records no one-loss metadata); None for a graph with one loss."""
     recorded = loss_heads(train_onnx)
-    if len(recorded) < 2:
+    if not recorded:
         return None
     outputs = {o.name: o for o in train_onnx.graph.output}
     heads = []
