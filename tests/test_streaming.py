@@ -308,6 +308,42 @@ def test_held_out_batches_and_early_stopping(data):
         )
 
 
+def test_held_out_batches_of_several_summed_losses_add_up(data):
+    """Several heads, each reduction="sum": the streamed held-out loss is the sum over
+    every held-out row, as in memory (it was averaged by rows)."""
+    X, y = data
+    rng = np.random.default_rng(9)
+    price, kind = np.hstack([y, -y]).astype(np.float32), rng.integers(0, 3, size=len(X))
+    losses = {
+        "price": gk.losses.get("squared_error", reduction="sum"),
+        "kind": gk.losses.get("cross_entropy", reduction="sum"),
+    }
+    graph = gk.add_loss_output(two_heads(), losses)
+    trainer = Trainer(graph, max_iter=1, schedule=1e-4, validation_every=1)
+    held = [
+        (X[i : i + 16], {"price": price[i : i + 16], "kind": kind[i : i + 16]})
+        for i in range(80, len(X), 16)
+    ]
+    trainer.fit(X[:80], {"price": price[:80], "kind": kind[:80]}, X_val=held)
+    expected = trainer.compute_loss(X[80:], {"price": price[80:], "kind": kind[80:]})
+    np.testing.assert_allclose(trainer.validation_losses_[-1], expected, rtol=1e-5)
+
+
+def test_a_bad_held_out_batch_keeps_the_last_complete_epoch():
+    rng = np.random.default_rng(6)
+    good = batches_of(rng.normal(size=(30, 3)), rng.normal(size=30))
+    trainer = make_trainer("full", zero_linear(), max_iter=1)
+    trainer.fit(good)
+    before, losses = trainer.get_state(), list(trainer.train_losses_)
+    trainer.set_params(warm_start=True, validation_every=1)
+    bad = [(np.ones((5, 2)), np.ones(5))]  # 2 features for 3
+    with pytest.raises(ShapeError, match="held-out batch 0 .*after epoch 2"):
+        trainer.fit(good, X_val=bad)
+    assert trainer.train_losses_ == losses
+    for name, value in trainer.get_state().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
 # -- refusals and errors -------------------------------------------------------------------
 
 

@@ -338,12 +338,16 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 raise ConvergenceError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)  # at the caller of fit
             return True
-        self.train_losses_.append(loss)
-        self.n_iter_ += 1
         held_out = None
         if run.validation is not None and run.period and (epoch + 1) % run.period == 0:
-            held_out = self._held_out_loss(run.validation, run.group)
+            try:  # a bad held-out batch: the epoch is not kept either
+                held_out = self._held_out_loss(run.validation, run.group)
+            except Exception:
+                self._restore(snapshot)
+                raise
             self.validation_losses_.append(held_out)
+        self.train_losses_.append(loss)
+        self.n_iter_ += 1
         if run.progress is not None:
             lr = self.learning_rate_.learning_rate_at(int(self._resident[STEP].numpy()))
             run.progress.update(epoch + 1, loss, held_out, lr, batches)
@@ -533,8 +537,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         """The loss on held-out batches: the batch losses weighted by each batch's total
         sample weight (its rows when unweighted), that is the loss of all the rows for
         a mean loss (their sum for a loss whose reduction is ``"sum"``)."""
-        epoch = len(self.train_losses_)
-        summed = self.loss_ is not None and self.loss_.reduction == "sum"
+        epoch = len(self.train_losses_) + 1  # scored before the epoch's loss is kept
+        summed = self._reduction() == "sum"
         total = weight = 0.0
         count = 0
         batches, _ = source.epoch()
@@ -549,6 +553,13 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         if not count:
             raise source.empty(epoch)
         return total if summed else total / weight
+
+    def _reduction(self) -> str | None:
+        """The loss's reduction ("mean", "sum"...; None for a custom loss), the heads'
+        for a graph with a loss per output (add_loss_output refuses mixed ones)."""
+        heads = getattr(self, "_heads", None)
+        loss = heads[0].loss if heads else getattr(self, "loss_", None)
+        return None if loss is None else loss.reduction
 
     def _digest(self) -> str:
         """A hash of the model and the initial weights (every rank must hold the same)."""

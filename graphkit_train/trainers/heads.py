@@ -21,7 +21,7 @@ from graphkit import losses
 from graphkit._graph import named_shape
 from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.losses import CLASSIFICATION, LOSSES, Loss, check_class_labels
-from graphkit.rewrite import loss_heads
+from graphkit.rewrite import META_HEADS, loss_heads, metadata
 from graphkit.training.batches import NamedRows
 from graphkit_train.trainers.params import check_labels, input_value
 
@@ -69,9 +69,9 @@ def recorded_loss(description: Mapping[str, Any]) -> Loss | None:
 def heads_of(train_onnx: onnx.ModelProto) -> list[Head] | None:
     """The heads of a graph built with a dict of losses (one entry included: such a graph
     records no one-loss metadata); None for a graph with one loss."""
-    recorded = loss_heads(train_onnx)
-    if not recorded:
+    if not metadata(train_onnx).get(META_HEADS):
         return None
+    recorded = loss_heads(train_onnx)
     outputs = {o.name: o for o in train_onnx.graph.output}
     heads = []
     for head in recorded:
