@@ -61,7 +61,7 @@ def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
     return ir.serde.serialize_model(graph)
 
 
-def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """Every tensor whose shape onnx's inference (or the graph's value_info) fixes."""
     inferred = onnx.shape_inference.infer_shapes(model)
     graph = inferred.graph
@@ -95,7 +95,7 @@ def simplify_reductions(model: onnx.ModelProto) -> onnx.ModelProto:
     The sums are the same up to float rounding (a MatMul adds in another order).
     """
     out = copy_model(model)
-    _Simplifier(out.graph, _static_shapes(out)).run()
+    _Simplifier(out.graph, static_shapes(out)).run()
     return out
 
 
@@ -314,4 +314,4 @@ def specialize(
     return fixed
 
 
-__all__ = ["Fold", "simplify_reductions", "specialize"]
+__all__ = ["Fold", "simplify_reductions", "specialize", "static_shapes"]

@@ -4,6 +4,7 @@ the import rules that keep onnxruntime-training's knowledge inside its package."
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import re
 from dataclasses import replace
@@ -286,3 +287,17 @@ def test_what_graphkit_writes_loads_on_every_registered_backend(monkeypatch):
     older = backends._Entry("x", lambda: False, "", "", max_ir_version=9, max_opset=19)
     monkeypatch.setitem(backends._BACKENDS, "older", older)
     assert backends.format_limits() == (9, 19)
+
+
+def test_the_onnx_ad_pin_is_one_version_everywhere():
+    """pyproject's pin, the adapter's VERSION and the registry's install line agree."""
+    from graphkit.backends.native import adapter
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = [d for d in project["dependencies"] if d.startswith("onnx-ad")]
+    assert pins == [f"onnx-ad=={adapter.VERSION}"]
+    info = {i.name: i for i in backends.available()}
+    assert f"onnx-ad=={adapter.VERSION}" in info["native"].install
+    assert adapter.installed() and importlib.metadata.version("onnx-ad") == adapter.VERSION

@@ -116,9 +116,7 @@ def get(name: str | None = None) -> Any:
     key = canonical(name)
     entry = _BACKENDS[key]
     if not entry.installed():
-        raise BackendNotInstalledError(
-            f"The {key!r} backend is not installed: {entry.install}."
-        )
+        raise BackendNotInstalledError(f"The {key!r} backend is not installed: {entry.install}.")
     return importlib.import_module(entry.module).BACKEND
 
 
@@ -135,7 +133,6 @@ register(
     max_ir_version=10,
     max_opset=21,
 )
-
 
 
 def _native_installed() -> bool:

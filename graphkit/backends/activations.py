@@ -21,6 +21,12 @@ from onnx import helper, numpy_helper
 
 from graphkit._graph import GraphInfo, copy_model, namer
 
+# Each replacement uses operators both of onnxruntime-training's builders differentiate
+# (Greater, Less, Where, Exp, Log, Tanh, Neg, Mul, Add, Sub) and never Relu, Max, Min, Abs
+# or Clip, whose gradients at a tie or a bound are the builder's choice: every kink is a
+# Where, whose gradient goes to the branch it takes, so the docstrings say exactly what
+# the gradient is there.
+
 Replacement = Callable[[onnx.NodeProto, dict, GraphInfo], list[onnx.NodeProto] | None]
 
 

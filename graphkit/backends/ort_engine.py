@@ -140,40 +140,48 @@ FLOAT64_BROKEN_OPTIMIZERS = ("MatmulTransposeFusion",)
 are made of), a kernel that exists for float32 only before 1.30."""
 
 
+FLOAT64_KERNELS_SINCE = (1, 30)
+"""The onnxruntime release with float64 kernels for ``FusedMatMul`` and the activations
+graphkit writes out before it (:mod:`graphkit.backends.activations`)."""
+
+
+def is_float64(model: onnx.ModelProto) -> bool:
+    """Whether a graph input or output is float64 (a float64 model, or its gradient)."""
+    values = [*model.graph.input, *model.graph.output]
+    return any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values)
+
+
+def lacks_float64_kernels() -> bool:
+    """Whether the installed onnxruntime predates :data:`FLOAT64_KERNELS_SINCE`."""
+    return version_tuple() < FLOAT64_KERNELS_SINCE
+
+
 def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
-    if isinstance(model, onnx.ModelProto) and version_tuple() < (1, 30):
-        values = [*model.graph.input, *model.graph.output]
-        if any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values):
-            return BROKEN_OPTIMIZERS + FLOAT64_BROKEN_OPTIMIZERS
+    if isinstance(model, onnx.ModelProto) and lacks_float64_kernels() and is_float64(model):
+        return BROKEN_OPTIMIZERS + FLOAT64_BROKEN_OPTIMIZERS
     return BROKEN_OPTIMIZERS
 
 
 def inference_session(
-    model: onnx.ModelProto | bytes,
-    providers: Sequence[str] = CPU,
-    threads: Threads | None = None,
-    disabled_optimizers: Sequence[str] = (),
+    model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU, threads: Threads | None = None
 ) -> Any:
-    """An InferenceSession on ``model``; a load failure becomes ``IncompatibleModelError``.
+    """An InferenceSession on ``model`` with :data:`BROKEN_OPTIMIZERS` off; a load
+    failure becomes ``IncompatibleModelError``.
 
     The model runs as it is: a gradient source that wants its graphs rewritten for a
-    device does so in its own ``session`` (see :class:`graphkit.backends.Backend`), and
-    names there the graph optimizers of onnxruntime its graphs must not meet.
+    device does so in its own ``inference_session`` (ort_training lowers slow kernels).
     """
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
-    disabled = [*_broken_optimizers(model), *disabled_optimizers]
-    extra = {"disabled_optimizers": disabled}
+    disabled = list(_broken_optimizers(model))
     try:
         return ort.InferenceSession(
-            data, session_options(threads), providers=list(providers), **extra
+            data, session_options(threads), providers=list(providers), disabled_optimizers=disabled
         )
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))
         if missing:
-            float64 = isinstance(model, onnx.ModelProto) and any(
-                i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in model.graph.input
-            )
+            float64 = isinstance(model, onnx.ModelProto) and is_float64(model)
             advice = (
                 " The model is float64, and several of onnxruntime's kernels exist for "
                 "float32 only (Erf, Cos, some gradients): train in float32, or avoid this "

@@ -184,7 +184,7 @@ class OrtGradientForwardBackward:
             zip(graphs.initializer_grad_names_to_train, graphs.initializer_names_to_train)
         )
         forward_session = self.backend.inference_session(forward, self.providers, self.threads)
-        seeds = {o: graphs.output_grad_inputs[o] for o in graphs.output_grad_inputs}
+        seeds = dict(graphs.output_grad_inputs)
         return self._with_agent(gradient, forward, forward_session, grad_of, seeds)
 
     def _with_agent(

@@ -311,7 +311,8 @@ class Trainer(BaseTrainer):
         if runner.scan is not None:
             chunk = steps_per_run(self.steps_per_run)
             # the arrays in the order of runner.data: every feature input, label, weight
-            features = list(X.arrays.values()) if isinstance(X, NamedRows) else [X]
+            names = self.training_step_.feature_inputs
+            features = [X.arrays[n] for n in names] if isinstance(X, NamedRows) else [X]
             labels = list(self._label_feeds(y).values())
             weights = [] if w is None else [w]
             runner.set_data([*features, *labels, *weights], self._c_device, chunk)

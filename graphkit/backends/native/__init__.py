@@ -27,12 +27,6 @@ from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, simplify, split
 
 
-def _reads_float64(model: onnx.ModelProto) -> bool:
-    graph = model.graph
-    values = [*graph.input, *graph.output]
-    return any(v.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for v in values)
-
-
 class NativeBackend:
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
 
@@ -50,7 +44,7 @@ class NativeBackend:
         """``model`` itself (every rule works on the operators as exported), but for a
         float64 model on an onnxruntime older than 1.30: its activations without a
         float64 kernel there are written out (:mod:`graphkit.backends.activations`)."""
-        if _reads_float64(model) and ort_engine.version_tuple() < (1, 30):
+        if ort_engine.is_float64(model) and ort_engine.lacks_float64_kernels():
             present = {n.op_type for n in model.graph.node}
             if present & set(activations.ACTIVATIONS):
                 return activations.activations_as_standard_ops(model)

@@ -42,7 +42,7 @@ from graphkit._graph import (
     static_shape,
 )
 from graphkit.backends.native import rules
-from graphkit.errors import MissingGradientError
+from graphkit.errors import MissingGradientError, UnknownNameError
 
 PACKAGE = "onnx-ad"
 VERSION = "0.3.0"
@@ -113,6 +113,11 @@ def _reverse(
     from onnx_ad import UnsupportedOperator, reverse
 
     wrt = list(wrt)
+    repeated = sorted({n for n in wrt if wrt.count(n) > 1})
+    if repeated:
+        raise UnknownNameError(
+            f"{repeated} appear more than once among the names to differentiate."
+        )
     initializers = {i.name: i for i in model.graph.initializer if i.name in set(wrt)}
     opened = _initializers_as_inputs(model, initializers)
     _max_pools_with_indices(opened)
@@ -178,11 +183,12 @@ def _refuse_operators_without_rule(
         if standard and (node.op_type in known or _has_function_body(node)):
             continue
         if needed.intersection(node.output):
+            domain = "" if node.domain in ("", "ai.onnx") else f" of domain {node.domain}"
             raise MissingGradientError(
                 f"The native gradient source (onnx-ad {VERSION}) has no gradient for operator "
-                f"{node.op_type!r}{'' if node.domain in ('', 'ai.onnx') else f' ({node.domain})'} "
-                f"(node {node.name or node.output[0]!r}). Keep it off the path between the "
-                "weights and the loss, or rewrite it with differentiable operators."
+                f"{node.op_type!r} (node {node.name or node.output[0]!r}){domain}. Keep it off "
+                "the path between the weights and the loss, or rewrite it with differentiable "
+                "operators."
             )
 
 

@@ -25,6 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, outer_reads
+from graphkit.static_shapes import static_shapes
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
@@ -36,20 +37,6 @@ def simplify(model: onnx.ModelProto) -> bool:
         while rewrite(model):
             changed = True
     return changed
-
-
-def _shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
-    """The static shape of every tensor whose shape inference knows it fully."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
-    shapes = {}
-    for value in [*graph.value_info, *graph.input, *graph.output]:
-        tensor = value.type.tensor_type
-        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
-            shapes[value.name] = tuple(d.dim_value for d in tensor.shape.dim)
-    for init in graph.initializer:
-        shapes[init.name] = tuple(init.dims)
-    return shapes
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -73,7 +60,7 @@ def _compose_transposes(model: onnx.ModelProto) -> bool:
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     readers = _readers(graph)
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     touched: set[int] = set()
     dropped = []
     for node in list(graph.node):
@@ -100,7 +87,7 @@ def _compose_transposes(model: onnx.ModelProto) -> bool:
 
 def _transposes_as_reshapes(model: onnx.ModelProto) -> bool:
     graph = model.graph
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     taken = graph_names(graph)
     changed = False
     for index, node in enumerate(graph.node):
@@ -126,7 +113,7 @@ def _merge_reshapes(model: onnx.ModelProto) -> bool:
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     readers = _readers(graph)
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     taken = graph_names(graph)
     touched: set[int] = set()
     dropped = []
@@ -154,7 +141,7 @@ def _merge_reshapes(model: onnx.ModelProto) -> bool:
 
 def _drop_no_ops(model: onnx.ModelProto) -> bool:
     graph = model.graph
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     outputs = {o.name for o in graph.output}
     dropped = []
     for node in list(graph.node):
@@ -184,8 +171,11 @@ def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
 
 def _rename_reads_in(graph: onnx.GraphProto, old: str, new: str) -> None:
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    if old in defined or any(old in n.output for n in graph.node):
+    defined.update(o for n in graph.node for o in n.output)
+    if old in defined:
         return  # the subgraph has a tensor of its own by that name
+    if new in defined:  # it would read its own instead of the outer one
+        raise ValueError(f"simplify: a subgraph defines {new!r}, which it reads from outside")
     _rename_reads(graph, old, new)
     for output in graph.output:
         if output.name == old:

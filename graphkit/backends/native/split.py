@@ -28,6 +28,7 @@ from onnx import helper
 from graphkit._graph import ancestors, copy_model, descendants, outer_reads
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native.adapter import vector_jacobian_graph
+from graphkit.errors import IncompatibleModelError
 from graphkit.rewrite import initializers_to_inputs
 
 
@@ -149,7 +150,19 @@ def _subgraph(
     graph.initializer.extend(initializers)
     missing = [n for n in [*inputs, *outputs] if n not in types]
     if missing:
-        raise ValueError(f"no type known for {missing} in the gradient graph")
+        producers = {o: n for n in model.graph.node for o in n.output}
+        made_by = [
+            f"{n!r} (from {producers[n].op_type} node {producers[n].name or n!r})"
+            if n in producers
+            else repr(n)
+            for n in missing
+        ]
+        raise IncompatibleModelError(
+            f"Cutting the gradient graph into a forward and a backward half needs the type "
+            f"of {', '.join(made_by)}, which onnx's shape inference cannot tell (an operator "
+            "of another domain?). Declare it in the model's value_info, or train with the "
+            "full trainer (Trainer), which runs the gradient graph whole."
+        )
     graph.input.extend(types[n] for n in inputs)
     graph.output.extend(types[n] for n in outputs)
     return piece

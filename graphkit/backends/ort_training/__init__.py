@@ -78,7 +78,7 @@ class OrtTrainingBackend:
     def prepare_gradient(self, gradient: onnx.ModelProto) -> onnx.ModelProto:
         """A forward/backward gradient graph made runnable: float64 graphs get the
         operators this build implements for float32 only rewritten."""
-        if lowering.reads_float64(gradient):
+        if ort_engine.is_float64(gradient):
             lowering.lower_float32_only_ops(gradient)
         return gradient
 

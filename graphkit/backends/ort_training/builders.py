@@ -68,9 +68,7 @@ def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradie
             "(e.g. Cosh(x) as (Exp(x) + Exp(-x)) / 2, Atan with a series or a lookup) or "
             "keep it off the path between the weights and the loss." + hint
         )
-    return MissingGradientError(
-        f"Building the gradient graph failed: {short_message(exc)}" + hint
-    )
+    return MissingGradientError(f"Building the gradient graph failed: {short_message(exc)}" + hint)
 
 
 CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
@@ -79,9 +77,7 @@ CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 tensors and the outputs."""
 
 
-def refuse_control_flow(
-    model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]
-) -> None:
+def refuse_control_flow(model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]) -> None:
     """Raise :class:`MissingGradientError` naming the first control-flow node between
     ``wrt`` and ``outputs`` (what its subgraphs read from the outer graph counts as its
     input), before a builder sees it.
@@ -206,9 +202,7 @@ def module_graphs(
     graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
     for graph in (graphs.forward.graph, graphs.gradient.graph):
         rename_tensors(graph, lambda n: original.get(n, n))
-    graphs.initializer_names_to_train = [
-        original[n] for n in graphs.initializer_names_to_train
-    ]
+    graphs.initializer_names_to_train = [original[n] for n in graphs.initializer_names_to_train]
     return graphs
 
 
@@ -254,5 +248,3 @@ def _build_module(
         initializer_names_to_train=list(info.initializer_names_to_train),
         initializer_grad_names_to_train=list(info.initializer_grad_names_to_train),
     )
-
-

@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from graphkit._graph import all_graphs, static_shape
+from graphkit.backends.ort_engine import is_float64
 from graphkit.compat import opset_of
 from graphkit.errors import IncompatibleModelError
 
@@ -869,11 +870,6 @@ def _rewrite_graph(graph: onnx.GraphProto, choose: Callable[[onnx.NodeProto], bo
     return [f"{n.domain or 'ai.onnx'}:{n.op_type} (node {n.name!r})" for n in left]
 
 
-def reads_float64(model: onnx.ModelProto) -> bool:
-    """Whether a graph input is float64 (a float64 model's gradient graph)."""
-    return any(i.type.tensor_type.elem_type == TensorProto.DOUBLE for i in model.graph.input)
-
-
 def lower_float32_only_ops(model: onnx.ModelProto) -> None:
     """Rewrite the float32-only gradient operators of a float64 graph (in place)."""
     _rewrite(model, lambda node: node.op_type in FLOAT32_ONLY)
@@ -900,7 +896,7 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     missing = any(_has_no_cpu_kernel(n) for n in nodes)
     slow = (
         (opset_of(model) or 0) >= 15
-        and not reads_float64(model)
+        and not is_float64(model)
         and any(_is_slow_on_cpu(n) for n in nodes)
     )
     if not (missing or slow):

@@ -37,9 +37,7 @@ REWRITTEN = frozenset({"LayerNormalization", "BatchNormalization", "AveragePool"
 def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites above applied (``model`` itself when none applies: the
     backend runs this on every graph it differentiates, prepared ones included)."""
-    if not any(
-        n.op_type in REWRITTEN or n.op_type in ACTIVATIONS for n in model.graph.node
-    ):
+    if not any(n.op_type in REWRITTEN or n.op_type in ACTIVATIONS for n in model.graph.node):
         return model
     model = average_pool_as_conv(unfold_batch_norm(declare_layer_norm_outputs(model)))
     return activations_as_standard_ops(model)
@@ -167,9 +165,11 @@ def _one_average_pool_as_conv(
     return nodes
 
 
-# -- activations ---------------------------------------------------------------------------
-#
-# Each replacement uses operators both builders differentiate (Greater, Less, Where, Exp,
-# Log, Tanh, Neg, Mul, Add, Sub) and never Relu, Max, Min, Abs or Clip, whose gradients at
-# a tie or a bound are the builder's choice: every kink is a Where, whose gradient goes to
-# the branch it takes, so the docstrings say exactly what the gradient is there.
+__all__ = [
+    "ACTIVATIONS",
+    "REWRITTEN",
+    "average_pool_as_conv",
+    "declare_layer_norm_outputs",
+    "prepare",
+    "unfold_batch_norm",
+]
