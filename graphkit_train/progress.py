@@ -22,13 +22,23 @@ from typing import Any, TextIO
 
 
 def _interactive(stream: TextIO) -> bool:
-    if "ipykernel" in sys.modules:
+    if _in_a_notebook():
         return True
     isatty = getattr(stream, "isatty", None)
     try:
         return bool(isatty and isatty())
     except ValueError:  # a closed stream
         return False
+
+
+def _in_a_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (a process that merely imported ipykernel,
+    as a test runner executing notebooks does, is not)."""
+    ipython = sys.modules.get("IPython")
+    if "ipykernel" not in sys.modules or ipython is None:
+        return False
+    shell = getattr(ipython, "get_ipython", lambda: None)()
+    return shell is not None and "ipykernel" in type(shell).__module__
 
 
 class EpochProgress:

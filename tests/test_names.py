@@ -298,7 +298,14 @@ def test_graphkit_trainers_equal_the_seed_trainers_given_the_same_update(regress
 @pytest.mark.parametrize(
     "seed,ours,seed_only,ours_only",
     [
-        (OrtGradientOptimizer, Trainer, {"learning_rate"}, {"optimizer", "schedule", "loss"}),
+        # loss_weights weighs the losses of a dict given as loss: the seed trainer takes
+        # a training graph, its losses (and their weights) already in it
+        (
+            OrtGradientOptimizer,
+            Trainer,
+            {"learning_rate"},
+            {"optimizer", "schedule", "loss", "loss_weights"},
+        ),
         (
             OrtGradientForwardBackwardOptimizer,
             ForwardBackwardTrainer,
