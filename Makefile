@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test test-native lint bench zoo-table clean
+.PHONY: demo test test-native test-plain-torch lint bench zoo-table clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,21 @@ $(NATIVE_STAMP): pyproject.toml
 	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev]"
 	touch $(NATIVE_STAMP)
 
+# The torch bridge (OnnxModule, DDP) on plain onnxruntime, where torch's wheel is (CPython
+# 3.11): graphkit's dependencies but onnxruntime-training, with plain onnxruntime and torch.
+PLAIN_TORCH       := .venv-plain-torch
+PLAIN_TORCH_STAMP := $(PLAIN_TORCH)/.installed
+
+$(PLAIN_TORCH_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PLAIN_TORCH)
+	$(PLAIN_TORCH)/bin/python -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+	print("\n".join(x.split(";")[0] for x in d["project"]["dependencies"] if "training" not in x))' \
+	> $(PLAIN_TORCH)/requirements.txt
+	$(PLAIN_TORCH)/bin/python -m pip install --quiet -r $(PLAIN_TORCH)/requirements.txt \
+	onnxruntime torch==2.13.0 pytest hypothesis scikit-learn skl2onnx
+	$(PLAIN_TORCH)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(PLAIN_TORCH_STAMP)
+
 # Reinstall when the dependency list changes.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
@@ -46,7 +61,14 @@ demo: $(STAMP)
 
 test: $(STAMP) $(PLAIN_STAMP)
 	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests
+	$(MAKE) --no-print-directory test-plain-torch
 	$(MAKE) --no-print-directory test-native
+
+test-plain-torch: $(PLAIN_TORCH_STAMP)
+	$(PLAIN_TORCH)/bin/python -c 'import onnxruntime as o, graphkit.backends as b; \
+	assert not hasattr(o.capi._pybind_state, "TrainingAgent") and b.canonical(None) == "native"'
+	$(PLAIN_TORCH)/bin/python -m pytest tests/test_forward_backward.py tests/test_distributed.py \
+	-k "hybrid or onnx_module_inside_distributed_data_parallel"
 
 test-native:
 ifeq ($(NEWEST_PYTHON),)
@@ -69,4 +91,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed.py
 
 clean:
-	rm -rf $(VENV) $(PLAIN) $(NATIVE) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) .pytest_cache .ruff_cache .hypothesis

@@ -303,8 +303,16 @@ def is_ortvalue(value: Any) -> bool:
 
 
 def from_dlpack(capsule: Any, is_bool: bool) -> Any:
-    """A C OrtValue sharing the memory of a DLPack capsule (no copy)."""
-    return _capi().OrtValue.from_dlpack(capsule, is_bool)
+    """A C OrtValue sharing the memory of a DLPack capsule (no copy).
+
+    onnxruntime-training 1.19.2 takes whether the tensor is boolean (DLPack's ``uint8``
+    serves both); the plain releases that have DLPack take the capsule alone.
+    """
+    make = _capi().OrtValue.from_dlpack
+    try:
+        return make(capsule, is_bool)
+    except TypeError:  # the one-argument form
+        return make(capsule)
 
 
 def wrap(vector: Any) -> list[Any]:
