@@ -188,6 +188,11 @@ def torch_export(net, example, dynamo: bool) -> onnx.ModelProto:
 
     net.eval()
     x = torch.as_tensor(example[:2])
+    if not dynamo and any(isinstance(m, torch.jit.ScriptModule) for m in net.modules()):
+        # torch.onnx.export's own tracer refuses a scripted submodule ("Tried to trace
+        # <__torch__.Branch> but it is not part of the active trace"); torch.jit.trace
+        # takes it, keeping its control flow, and the exporter takes the traced graph
+        net = torch.jit.trace(net, x)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -255,12 +260,61 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
     elif kind == "transformer":
         data = digits()
         net = _Transformer()
+    elif kind in ("cnn_groupnorm", "cnn_instancenorm"):
+        data = digits(image=True)
+        norm = nn.GroupNorm(2, 8) if kind == "cnn_groupnorm" else nn.InstanceNorm2d(8, affine=True)
+        net = nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            norm,
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(128, 10),
+        )
+    elif kind in ("mlp_mish", "mlp_elu"):
+        data = diabetes()
+        act = nn.Mish() if kind == "mlp_mish" else nn.ELU()
+        net = nn.Sequential(nn.Linear(10, 16), act, nn.Linear(16, 1))
+    elif kind in ("mlp_silu", "mlp_prelu"):
+        data = breast_cancer()
+        act = nn.SiLU() if kind == "mlp_silu" else nn.PReLU(16)
+        net = nn.Sequential(nn.Linear(30, 16), act, nn.Linear(16, 1))
+    elif kind == "einsum":
+        data = digits()
+        net = _module_classes()[3]()
+    elif kind == "if":
+        data = digits()
+        net = _module_classes()[4](dynamo)
+    elif kind == "loop":
+        data = digits()
+        net = _module_classes()[5](dynamo)
     else:
         raise KeyError(kind)
-    return torch_export(net, data.X_train, dynamo), data
+    onx = torch_export(net, data.X_train, dynamo)
+    for op_type in _MUST_SURVIVE.get(kind, ()):
+        if op_type not in operators(onx.graph):
+            raise AssertionError(f"the {kind} model lost its {op_type} in the export")
+    return onx, data
+
+
+_MUST_SURVIVE = {"einsum": ("Einsum",), "if": ("If",), "loop": ("Loop",)}
+"""The operator each of these cases is there for: an exporter that folds it away fails
+the case instead of testing something else."""
+
+
+def operators(graph: onnx.GraphProto) -> set[str]:
+    """The op types of ``graph``'s nodes and of its subgraphs' (If branches, Loop bodies)."""
+    found = set()
+    for node in graph.node:
+        found.add(node.op_type)
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                found |= operators(sub)
+    return found
 
 
 def _module_classes():
+    import torch
     from torch import nn
 
     class EmbeddingBag(nn.Module):
@@ -300,7 +354,96 @@ def _module_classes():
         def forward(self, x):
             return self.linear(self.encoder(self.embed(x.reshape(-1, 8, 8))).mean(dim=1))
 
-    return EmbeddingBag, Recurrent, Transformer
+    class Einsum(nn.Module):
+        """Reads a digit image as 8 rows of 8 pixels, projected by a weight with
+        ``torch.einsum("bsh,hk->bsk")`` (rank-3 activations times a 2-D weight)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 16) / 8**0.5)
+            self.linear = nn.Linear(128, 10)
+
+        def forward(self, x):
+            h = torch.einsum("bsh,hk->bsk", x.reshape(-1, 8, 8), self.weight)
+            return self.linear(torch.relu(h).reshape(-1, 128))
+
+    class Branch(nn.Module):
+        """A data-dependent branch: TorchScript keeps it when the module is scripted."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(32, 10)
+            self.b = nn.Linear(32, 10)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                h = self.a(x)
+            else:
+                h = self.b(x)
+            return h
+
+    class CondBranch(Branch):
+        """The same branch for torch.export: ``torch.cond``."""
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, self.a, self.b, (x,))
+
+    class IfNet(nn.Module):
+        """Linear, ReLU, then an ``If`` choosing one of two linear heads (the sum of a ReLU's
+        output being positive, the data takes the first: the second's gradients are 0)."""
+
+        def __init__(self, dynamo: bool) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 32)
+            self.head = CondBranch() if dynamo else torch.jit.script(Branch())
+
+        def forward(self, x):
+            return self.head(torch.relu(self.linear(x)))
+
+    class Rows(nn.Module):
+        """A recurrent cell written by hand, over the 8 rows of a digit image:
+        ``for i in range(x.shape[1])``, a ``Loop`` once scripted."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.rec = nn.Linear(16, 16, bias=False)
+
+        def forward(self, x):
+            x = x.reshape(x.shape[0], 8, 8)
+            h = torch.zeros(x.shape[0], 16)
+            for i in range(x.shape[1]):
+                h = torch.tanh(self.inp(x[:, i]) + self.rec(h))
+            return h
+
+    class WhileRows(Rows):
+        """The same loop for torch.export, which unrolls a Python ``for`` over a static
+        length: ``torch.while_loop``."""
+
+        def forward(self, x):
+            x = x.reshape(-1, 8, 8)
+            h0 = x.new_zeros((x.shape[0], 16))
+
+            def cond(i, h):
+                return i < 8
+
+            def body(i, h):
+                row = torch.index_select(x, 1, i.reshape(1)).reshape(-1, 8)
+                return i + 1, torch.tanh(self.inp(row) + self.rec(h))
+
+            _, h = torch.while_loop(cond, body, (torch.zeros((), dtype=torch.int64), h0))
+            return h
+
+    class LoopNet(nn.Module):
+        def __init__(self, dynamo: bool) -> None:
+            super().__init__()
+            self.rows = WhileRows() if dynamo else torch.jit.script(Rows())
+            self.linear = nn.Linear(16, 10)
+
+        def forward(self, x):
+            return self.linear(self.rows(x))
+
+    return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet
 
 
 def _Transformer():  # noqa: N802
@@ -325,6 +468,11 @@ def _torch(name: str, kind: str, loss: str, **kw) -> list[Case]:
         Case(name, exporter, functools.partial(torch_model, kind, dynamo), loss, **kw)
         for exporter, dynamo in (("torch-script", False), ("torch-dynamo", True))
     ]
+
+
+def _ort_refuses(operator: str) -> tuple[tuple[str, str, str], ...]:
+    """``refused``: both trainers on ort_training, with an error naming ``operator``."""
+    return (("ort_training", FULL, operator), ("ort_training", FORWARD_BACKWARD, operator))
 
 
 P = functools.partial
@@ -405,5 +553,56 @@ CASES: list[Case] = [
         threshold=0.5,
         optimizer="momentum",
         lr=0.1,
+    ),
+    *_torch("MLP(Mish, regression)", "mlp_mish", "squared_error", threshold=0.35),
+    *_torch("MLP(ELU, regression)", "mlp_elu", "squared_error", threshold=0.35),
+    *_torch("MLP(SiLU, binary)", "mlp_silu", "sigmoid_log_loss", threshold=0.93),
+    *_torch("MLP(PReLU, binary)", "mlp_prelu", "sigmoid_log_loss", threshold=0.93),
+    # onnxruntime-training's builders have no gradient for InstanceNormalization (both
+    # exporters write GroupNorm as one, between Reshapes) nor for Einsum; native trains them.
+    # The cost of these cases is building the graphs, hardly the epochs: 3 are enough
+    *_torch(
+        "CNN(Conv, GroupNorm, MaxPool, Linear)",
+        "cnn_groupnorm",
+        "cross_entropy",
+        threshold=0.95,
+        epochs=3,
+        refused=_ort_refuses("InstanceNormalization"),
+    ),
+    *_torch(
+        "CNN(Conv, InstanceNorm(affine), MaxPool, Linear)",
+        "cnn_instancenorm",
+        "cross_entropy",
+        threshold=0.95,
+        epochs=3,
+        refused=_ort_refuses("InstanceNormalization"),
+    ),
+    *_torch(
+        "Einsum(bsh,hk->bsk) layer",
+        "einsum",
+        "cross_entropy",
+        threshold=0.93,
+        epochs=3,
+        refused=_ort_refuses("Einsum"),
+    ),
+    # control flow between the weights and the loss: onnxruntime-training's builders abort
+    # the process on it, so graphkit refuses it before calling them; native differentiates
+    # If and Loop. TorchScript: a scripted submodule (traced into the net); torch.export:
+    # torch.cond and torch.while_loop (it unrolls a Python loop over a static length)
+    *_torch(
+        "If (a branch on the data)",
+        "if",
+        "cross_entropy",
+        threshold=0.92,
+        epochs=3,
+        refused=_ort_refuses("If"),
+    ),
+    *_torch(
+        "Loop (a recurrence over the rows)",
+        "loop",
+        "cross_entropy",
+        threshold=0.85,
+        epochs=3,
+        refused=_ort_refuses("Loop"),
     ),
 ]
