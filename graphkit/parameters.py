@@ -15,7 +15,11 @@ graph:
       bias of BatchNormalization and the other normalizations, the table of an
       embedding ``Gather``, PRelu's slope), or
     * as a **bias**: an operand of ``Add`` whose other operand comes from a linear
-      operator (MatMul, Gemm, Conv, ConvTranspose, Einsum).
+      operator (MatMul, Gemm, Conv, ConvTranspose, Einsum), or
+    * as an **affine scale or shift**: an operand of ``Mul`` or ``Add`` after a
+      normalization (:data:`NORMALIZATIONS`): torch's GroupNorm exports as
+      InstanceNormalization over the groups, then ``Mul`` and ``Add`` by its weight and
+      bias (the InstanceNormalization's own ones and zeros are then constants).
 
     Every other float initializer is a **constant**.
 
@@ -55,6 +59,17 @@ PARAMETER_SLOTS: dict[str, tuple[int, ...]] = {
 
 LINEAR_OPS = frozenset({"MatMul", "Gemm", "Einsum", "Conv", "ConvTranspose"})
 """Operators whose output a bias is added to."""
+
+NORMALIZATIONS = frozenset(
+    {
+        "BatchNormalization",
+        "InstanceNormalization",
+        "LayerNormalization",
+        "GroupNormalization",
+        "MeanVarianceNormalization",
+    }
+)
+"""Operators after which a ``Mul``/``Add`` operand is an affine scale or shift."""
 
 LAYOUT_OPS: dict[str, tuple[int, ...]] = {
     "Identity": (0,),
@@ -122,12 +137,51 @@ class _Uses:
         if standard and position in LAYOUT_OPS.get(node.op_type, ()):
             return [found for output in node.output for found in self.roles(output)]
         if standard and position in PARAMETER_SLOTS.get(node.op_type, ()):
+            if node.op_type == "InstanceNormalization" and self.feeds_an_affine(node):
+                return [("constant", node, position)]  # a GroupNorm's groups (see below)
             return [("parameter", node, position)]
-        if standard and node.op_type == "Add" and len(node.input) == 2:
+        if standard and node.op_type in ("Add", "Mul") and len(node.input) == 2:
             other = node.input[1 - position]
-            role = "parameter" if self.source_op(other) in LINEAR_OPS else "constant"
+            bias = node.op_type == "Add" and self.source_op(other) in LINEAR_OPS
+            role = "parameter" if bias or self.normalized(other) else "constant"
             return [(role, node, position)]
         return [("constant", node, position)]
+
+    def normalized(self, name: str) -> bool:
+        """Whether ``name`` is a normalization's output, or its product by a scale: the
+        operand of an affine ``Mul``/``Add`` after it is a scale or a shift."""
+        source = self._source(name)
+        if source is None:
+            return False
+        if source.op_type in NORMALIZATIONS:
+            return True
+        return source.op_type == "Mul" and any(
+            self.source_op(i) in NORMALIZATIONS for i in source.input
+        )
+
+    def feeds_an_affine(self, node: onnx.NodeProto) -> bool:
+        """Whether ``node``'s output, through layout operators, is multiplied: both
+        exporters write torch's GroupNorm as InstanceNormalization over the groups (its
+        scale and bias ones and zeros, no weights of torch's) then Mul and Add by the
+        per-channel weight and bias, which are the parameters."""
+        names = list(node.output)
+        while names:
+            for reader, position in self.readers.get(names.pop(), []):
+                if reader.op_type in LAYOUT_OPS and position == 0:
+                    names.extend(reader.output)
+                elif reader.op_type == "Mul":
+                    return True
+        return False
+
+    def _source(self, name: str) -> onnx.NodeProto | None:
+        seen = set()
+        while name in self.producer and name not in seen:
+            seen.add(name)
+            node = self.producer[name]
+            if node.op_type not in LAYOUT_OPS:
+                return node
+            name = node.input[0]
+        return None
 
 
 def _float_initializers(onx: onnx.ModelProto) -> list[onnx.TensorProto]:

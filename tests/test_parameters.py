@@ -238,3 +238,55 @@ def test_a_scalar_weight_named_explicitly_trains(kind, rng):
     assert state["s"].shape == ()
     np.testing.assert_allclose(state["s"], 0.5 - 0.1 * grad_s, rtol=1e-5)
     np.testing.assert_allclose(state["W"][:, 0], 0.3 - 0.1 * grad_w, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_group_norm_trains_its_weight_and_bias_like_torch(dynamo):
+    """Both exporters write nn.GroupNorm as InstanceNormalization over the groups (its
+    scale and bias fixed ones and zeros), then Mul and Add by GroupNorm's weight and
+    bias: those two are the parameters, the group statistics' ones and zeros are not."""
+    torch = pytest.importorskip("torch")
+    from graphkit_train import Trainer
+    from tests.zoo.models import torch_export
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(64, 3),
+    )  # fmt: skip
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(24, 1, 6, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=24)
+    onx = torch_export(net, X, dynamo)
+    initial = [p.detach().numpy().copy() for p in net.parameters()]
+    roles = gk.parameters.explain(onx)
+    trained = gk.get_train_initializer(onx)
+    assert len(trained) == len(list(net.parameters())), (sorted(trained), roles)
+    # onnxruntime-training has no gradient for InstanceNormalization: the native backend
+    settings = dict(optimizer="sgd", max_iter=2, batch_size=8, shuffle=False, backend="native")
+    fitted = Trainer(onx, loss="cross_entropy", **settings).fit(X, y)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(2):
+        for start in range(0, 24, 8):
+            sgd.zero_grad()
+            logits = net(torch.from_numpy(X[start : start + 8]))
+            torch.nn.functional.cross_entropy(
+                logits, torch.from_numpy(y[start : start + 8])
+            ).backward()
+            sgd.step()
+    # each exported weight is the torch parameter it started equal to
+    state = fitted.get_state()
+    for name, start in trained.items():
+        match = [
+            i
+            for i, p in enumerate(initial)
+            if p.size == start.size and np.allclose(p.ravel(), start.ravel())
+        ]
+        assert len(match) == 1, (name, match)
+        trained_torch = list(net.parameters())[match[0]].detach().numpy()
+        np.testing.assert_allclose(
+            state[name], trained_torch.reshape(start.shape), rtol=1e-4, atol=1e-5, err_msg=name
+        )
