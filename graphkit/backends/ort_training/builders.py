@@ -50,23 +50,34 @@ def _capi() -> Any:
 # -- errors --------------------------------------------------------------------------------
 
 
+MODULE_BUILDER_ONLY = frozenset({"GRU", "LSTM"})
+"""Operators the forward/backward builder (OrtModuleGraphBuilder) differentiates and the
+full-training one (GradientGraphBuilder) does not."""
+
 OTHER_BUILDER_HINT = (
     " Forward/backward training (ForwardBackwardTrainer) takes its gradients from "
-    "onnxruntime-training's other builder, which covers more operators (GRU, LSTM among "
-    "them): try it on the prediction graph."
+    "onnxruntime-training's other builder, which differentiates it: try it on the "
+    "prediction graph."
+)
+
+NATIVE_HINT = (
+    " The native backend (backend='native', standard-ONNX gradients) covers more "
+    "operators: try it."
 )
 
 
 def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradientError:
-    """The error to raise when a gradient builder fails (``hint`` is added to it)."""
+    """The error to raise when a gradient builder fails (``hint``, the other builder's
+    offer, is added where that builder differentiates the operator)."""
     found = _NO_BUILDER.search(str(exc))
     if found:
         op_type, node = found.groups()
+        offer = hint if op_type in MODULE_BUILDER_ONLY else NATIVE_HINT
         return MissingGradientError(
             f"{NAME} has no gradient for operator {op_type!r} "
             f"(node {node!r}). Rewrite that part with differentiable operators "
             "(e.g. Cosh(x) as (Exp(x) + Exp(-x)) / 2, Atan with a series or a lookup) or "
-            "keep it off the path between the weights and the loss." + hint
+            "keep it off the path between the weights and the loss." + offer
         )
     return MissingGradientError(f"Building the gradient graph failed: {short_message(exc)}" + hint)
 
