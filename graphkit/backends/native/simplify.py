@@ -32,9 +32,11 @@ _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
 def simplify(model: onnx.ModelProto) -> bool:
     """Apply the rewrites of the module docstring in place; whether any applied."""
+    # one shape inference: every rewrite keeps the shape of each tensor it leaves
+    shapes = static_shapes(model)
     changed = False
     for rewrite in (_compose_transposes, _transposes_as_reshapes, _merge_reshapes, _drop_no_ops):
-        while rewrite(model):
+        while rewrite(model, shapes):
             changed = True
     return changed
 
@@ -56,11 +58,10 @@ def _perm(node: onnx.NodeProto, rank: int) -> list[int]:
     return list(range(rank))[::-1]
 
 
-def _compose_transposes(model: onnx.ModelProto) -> bool:
+def _compose_transposes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     readers = _readers(graph)
-    shapes = static_shapes(model)
     touched: set[int] = set()
     dropped = []
     for node in list(graph.node):
@@ -85,9 +86,8 @@ def _compose_transposes(model: onnx.ModelProto) -> bool:
     return bool(touched)
 
 
-def _transposes_as_reshapes(model: onnx.ModelProto) -> bool:
+def _transposes_as_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
-    shapes = static_shapes(model)
     taken = graph_names(graph)
     changed = False
     for index, node in enumerate(graph.node):
@@ -109,11 +109,10 @@ def _transposes_as_reshapes(model: onnx.ModelProto) -> bool:
     return changed
 
 
-def _merge_reshapes(model: onnx.ModelProto) -> bool:
+def _merge_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
     readers = _readers(graph)
-    shapes = static_shapes(model)
     taken = graph_names(graph)
     touched: set[int] = set()
     dropped = []
@@ -139,9 +138,8 @@ def _merge_reshapes(model: onnx.ModelProto) -> bool:
     return bool(dropped)
 
 
-def _drop_no_ops(model: onnx.ModelProto) -> bool:
+def _drop_no_ops(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
-    shapes = static_shapes(model)
     outputs = {o.name for o in graph.output}
     dropped = []
     for node in list(graph.node):
