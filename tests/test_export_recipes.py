@@ -163,11 +163,12 @@ def test_a_training_mode_export_is_refused_naming_the_node(trainer):
             ForwardBackwardTrainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
 
 
-def test_a_training_mode_export_at_opset_13_is_refused():
-    """Before opset 14, training mode is a BatchNormalization with its running
-    statistics as outputs (no training_mode attribute)."""
+def _in_training_mode(layer, opset: int):
+    """A small MLP with ``layer`` in its middle, exported by TorchScript in training mode."""
+    import onnx
+
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), layer, torch.nn.Linear(8, 1))
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -179,11 +180,15 @@ def test_a_training_mode_export_at_opset_13_is_refused():
             training=torch.onnx.TrainingMode.TRAINING,
             input_names=["X"],
             output_names=["Y"],
-            opset_version=13,
+            opset_version=opset,
         )
-    import onnx
+    return onnx.load_from_string(buffer.getvalue())
 
-    onx = onnx.load_from_string(buffer.getvalue())
+
+def test_a_training_mode_export_at_opset_13_is_refused():
+    """Before opset 14, training mode is a BatchNormalization with its running
+    statistics as outputs (no training_mode attribute)."""
+    onx = _in_training_mode(torch.nn.BatchNorm1d(8), 13)
     assert all(a.name != "training_mode" for n in onx.graph.node for a in n.attribute), (
         "the export is expected to say training mode by its outputs only"
     )
@@ -193,24 +198,7 @@ def test_a_training_mode_export_at_opset_13_is_refused():
 
 
 def test_a_dropout_in_training_mode_is_refused():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
-    buffer = io.BytesIO()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            net,
-            (torch.randn(2, 4),),
-            buffer,
-            dynamo=False,
-            training=torch.onnx.TrainingMode.TRAINING,
-            input_names=["X"],
-            output_names=["Y"],
-            opset_version=18,
-        )
-    import onnx
-
-    onx = onnx.load_from_string(buffer.getvalue())
+    onx = _in_training_mode(torch.nn.Dropout(0.5), 18)
     X = np.ones((4, 4), np.float32)
     with pytest.raises(gk.IncompatibleModelError, match="Dropout node .* training mode"):
         Trainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))

@@ -62,6 +62,16 @@ def transposing(attrs: dict, size: list[int], kernel: list[int]) -> dict:
     return {"strides": strides, "dilations": dilations, "pads": pads, "output_padding": padding}
 
 
+def _bias_adjoint(ctx: Any, node: Any, seeded: str) -> list:
+    """A (transposed) convolution's bias gradient, the incoming gradient summed over
+    every axis but the channel's (``[]`` when it has no bias to differentiate)."""
+    bias = node.input[2] if len(node.input) > 2 else ""
+    if not bias or not ctx.asked_for(bias):
+        return []
+    outside = [a for a in range(ctx.rank(node.output[0])) if a != 1]
+    return [ctx.reshape_like(ctx.reduce_sum(seeded, outside, keepdims=0), bias)]
+
+
 def conv_reverse(ctx: Any, node: Any, grads: list) -> list:
     """d/dx of ``y = Conv(x, w, b)`` is ``ConvTranspose(dy, w)`` (:func:`transposing`);
     d/dw and d/db are onnx-ad's."""
@@ -81,12 +91,7 @@ def conv_reverse(ctx: Any, node: Any, grads: list) -> list:
     )
     contributions = [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
     contributions.append(ad._conv_weight_adjoint(ctx, node, attrs, spatial, seeded))
-    if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
-        outside = [a for a in range(ctx.rank(y)) if a != 1]
-        contributions.append(
-            ctx.reshape_like(ctx.reduce_sum(seeded, outside, keepdims=0), node.input[2])
-        )
-    return contributions
+    return [*contributions, *_bias_adjoint(ctx, node, seeded)]
 
 
 def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
@@ -272,12 +277,7 @@ def conv_transpose_reverse(ctx: Any, node: Any, grads: list) -> list:
         perm=[2, 0, *range(3, 3 + spatial), 1],
         stem="a_convt_weight",
     )
-    if len(node.input) > 2 and node.input[2] and ctx.asked_for(node.input[2]):
-        outside = [a for a in range(ctx.rank(y)) if a != 1]
-        contributions.append(
-            ctx.reshape_like(ctx.reduce_sum(seeded, outside, keepdims=0), node.input[2])
-        )
-    return contributions
+    return [*contributions, *_bias_adjoint(ctx, node, seeded)]
 
 
 def det_reverse(ctx: Any, node: Any, grads: list) -> list:
