@@ -23,7 +23,7 @@ from onnx import numpy_helper
 
 try:
     from graphkit.training.batches import NamedRows, epoch_batches
-    from graphkit.training_info import session
+    from graphkit.training_info import initial_state, session, set_initial_state
 except ImportError:  # loaded from its file where graphkit is not installed: so are these
     import importlib.util
     import pathlib
@@ -35,7 +35,9 @@ except ImportError:  # loaded from its file where graphkit is not installed: so 
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         return module
 
-    session = _load("training_info.py").session  # type: ignore[attr-defined]
+    _info = _load("training_info.py")
+    session, initial_state = _info.session, _info.initial_state  # type: ignore[attr-defined]
+    set_initial_state = _info.set_initial_state  # type: ignore[attr-defined]
     _batches = _load("training/batches.py")
     epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows  # type: ignore[attr-defined]
 
@@ -76,7 +78,7 @@ class StepTrainer:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         self.batch_size, self.shuffle, self.runtime = batch_size, shuffle, runtime
         self._rng = np.random.default_rng(random_state)
-        initial = {t.name: numpy_helper.to_array(t) for t in self.model.graph.initializer}
+        initial = initial_state(self.model)
         self._resident = {n: initial[n] for n in self.roles["resident"]}
         inputs = {i.name: i for i in self.model.graph.input}
         # a loss per output: {output: label input}; one loss: {None: label input}
@@ -190,10 +192,17 @@ class StepTrainer:
         return arrays[self.inputs[0]] if len(arrays) == 1 else NamedRows(arrays)
 
     def to_model(self) -> onnx.ModelProto:
-        """The step with its resident inputs defaulting to the current values."""
+        """The step with the current values as its initial state
+        (:func:`graphkit.training_info.initial_state`)."""
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
-        for tensor in out.graph.initializer:
-            if tensor.name in self._resident:
-                tensor.CopyFrom(numpy_helper.from_array(self._resident[tensor.name], tensor.name))
+        resident = {t.name for t in out.graph.initializer if t.name in self._resident}
+        if resident:  # exported before the initial state was TrainingInfoProto: defaults
+            for tensor in out.graph.initializer:
+                if tensor.name in self._resident:
+                    tensor.CopyFrom(
+                        numpy_helper.from_array(self._resident[tensor.name], tensor.name)
+                    )
+        else:
+            set_initial_state(out, self._resident)
         return out

@@ -12,6 +12,11 @@ loaded from its file where graphkit itself is not installed)::
     outputs[-1]["loss"]        # the last batch's loss; model holds the new weights
 
 ``onnx.checker`` does not check the bindings; :func:`check_training_info` does.
+
+An exported training step or epoch (:func:`graphkit.training.export.export_training_step`)
+carries the initial values of its resident inputs (weights, optimizer state, ``step``,
+``loss_sum``) the same way: as the outputs of TrainingInfoProto 0's initialization graph;
+:func:`initial_state` reads them and :func:`set_initial_state` writes them.
 """
 
 from __future__ import annotations
@@ -106,6 +111,68 @@ def reattach(original: onnx.ModelProto, transformed: onnx.ModelProto) -> onnx.Mo
     return out
 
 
+def set_initial_state(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    """Make ``values`` the initial state of an exported training step or epoch, in place.
+
+    They become the outputs of TrainingInfoProto 0's initialization graph (ONNX's "graph
+    to compute the initial tensors upon starting the training process"): a graph without
+    inputs of ``Constant`` nodes, one output per resident input, named like the input.
+    Its ``algorithm`` is empty and it has no ``initialization_binding`` (bindings assign
+    initializers of the main graph, and the resident inputs have none: an initializer
+    named like an input would be its default, which onnxruntime reports with one warning
+    each, "Initializer X appears in graph inputs..."). Any earlier training info is
+    replaced.
+    """
+    nodes, outputs = [], []
+    for name, value in values.items():
+        value = np.asarray(value)
+        nodes.append(
+            onnx.helper.make_node(
+                "Constant",
+                [],
+                [name],
+                name=f"initial/{name}",
+                value=numpy_helper.from_array(value, name),
+            )
+        )
+        outputs.append(
+            onnx.helper.make_tensor_value_info(
+                name, onnx.helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape)
+            )
+        )
+    info = onnx.TrainingInfoProto()
+    info.initialization.CopyFrom(
+        onnx.helper.make_graph(nodes, "graphkit_initial_state", [], outputs)
+    )
+    info.algorithm.CopyFrom(onnx.helper.make_graph([], "no_algorithm", [], []))
+    del model.training_info[:]
+    model.training_info.append(info)
+
+
+def initial_state(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The initial values of an exported training step's or epoch's resident inputs.
+
+    They are the outputs of TrainingInfoProto 0's initialization graph, ``Constant``
+    nodes named like the inputs (:func:`set_initial_state`). A step exported before
+    graphkit wrote them there has none: its resident inputs default to initializers of
+    the same name, which are returned instead.
+    """
+    inputs = {i.name for i in model.graph.input}
+    if model.training_info:
+        init = model.training_info[0].initialization
+        produced = {o.name for o in init.output}
+        values = {}
+        for node in init.node:
+            if node.op_type != "Constant" or node.output[0] not in produced:
+                continue
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
+        if values:
+            return values
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in inputs}
+
+
 def session(model: onnx.ModelProto, runtime: str) -> Any:
     """``feeds -> outputs`` for ``model`` on ``"reference"`` or ``"onnxruntime"``."""
     if runtime == "reference":
@@ -116,9 +183,9 @@ def session(model: onnx.ModelProto, runtime: str) -> Any:
     if runtime == "onnxruntime":
         import onnxruntime
 
-        # an exported step's resident inputs default to initializers, which onnxruntime
-        # reports one warning each for ('Initializer X appears in graph inputs'): that is
-        # the point of them, so only errors are logged
+        # steps exported before graphkit wrote their initial state as TrainingInfoProto
+        # default their resident inputs to initializers, which onnxruntime reports one
+        # warning each for ('Initializer X appears in graph inputs'): only errors are logged
         options = onnxruntime.SessionOptions()
         options.log_severity_level = 3
         session = onnxruntime.InferenceSession(

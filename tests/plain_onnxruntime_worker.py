@@ -33,10 +33,12 @@ def load(name: str):
     return module
 
 
-def run_step(path: Path, batches: list[dict]) -> dict[str, np.ndarray]:
+def run_step(path: Path, batches: list[dict], training_info) -> dict[str, np.ndarray]:
+    """The step over the batches, from the initial state it carries (the outputs of its
+    TrainingInfoProto's initialization graph)."""
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
-    resident: dict[str, np.ndarray] = {}
+    resident = training_info.initial_state(onnx.load(path))
     for batch in batches:
         values = dict(zip(outputs, session.run(None, {**batch, **resident})))
         resident = {n[: -len(".next")]: v for n, v in values.items() if n.endswith(".next")}
@@ -56,7 +58,8 @@ def main() -> None:
             for i in range(count)
         ]
         result = {
-            f"step/{k}": v for k, v in run_step(folder / f"{name}.step.onnx", batches).items()
+            f"step/{k}": v
+            for k, v in run_step(folder / f"{name}.step.onnx", batches, training_info).items()
         }
         model = onnx.load(folder / f"{name}.info.onnx")
         model, _ = training_info.run_training_info(model, batches, runtime="onnxruntime")
@@ -67,7 +70,9 @@ def main() -> None:
             session = onnxruntime.InferenceSession(
                 str(folder / f"{name}.epoch.onnx"), providers=["CPUExecutionProvider"]
             )
+            # the rows and permutation, and the initial state the epoch carries
             feeds = dict(np.load(folder / f"{name}.epoch_feeds.npz"))
+            feeds.update(training_info.initial_state(onnx.load(folder / f"{name}.epoch.onnx")))
             names = [o.name for o in session.get_outputs()]
             epoch = dict(zip(names, session.run(None, feeds)))
             result.update({f"epoch/{k}": v for k, v in epoch.items()})

@@ -258,7 +258,9 @@ def test_cli_schedules_span_the_run():
 def test_export_writes_portable_training(csv_problem, tmp_path):
     """``graphkit-train export``: the trained model carries its training step, which
     onnx.reference runs."""
-    from graphkit.training_info import run_training_info
+    from onnx import numpy_helper
+
+    from graphkit.training_info import initial_state, run_training_info
 
     data, model, _, _ = csv_problem
     out = tmp_path / "out"
@@ -269,7 +271,16 @@ def test_export_writes_portable_training(csv_problem, tmp_path):
     batch = {"X": rows[:8, :-1], "label": rows[:8, -1:]}
     _, history = run_training_info(trainable, [batch], runtime="reference")
     assert np.isfinite(float(history[0]["loss"]))
-    assert onnx.load(out / "training_step.portable.onnx").training_info == []
+    # the portable step starts from the trained values: the outputs of its
+    # TrainingInfoProto's initialization graph, not initializers (no algorithm)
+    step = onnx.load(out / "training_step.portable.onnx")
+    assert [len(i.algorithm.node) for i in step.training_info] == [0]
+    state = initial_state(step)
+    trained = {t.name: numpy_helper.to_array(t) for t in trainable.graph.initializer}
+    shared = set(state) & set(trained)
+    assert shared and not set(state) & {t.name for t in step.graph.initializer}
+    for name in shared:
+        np.testing.assert_array_equal(state[name], trained[name])
 
 
 def same_upper_conv(folder) -> str:

@@ -18,6 +18,7 @@ import graphkit as gk
 from graphkit.backends.ort_engine import Runner
 from graphkit.backends.ort_training.lowering import lower_to_standard
 from graphkit.errors import IncompatibleModelError
+from graphkit.training_info import initial_state
 from graphkit_train import OrtGradientOptimizer
 
 F32, F64, I64 = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT64
@@ -465,7 +466,9 @@ def test_an_exported_step_keeps_training_where_the_trainer_stopped(rng, tmp_path
     step = trainer.training_step_
     reference = ReferenceEvaluator(exported)
     outputs = [o.name for o in exported.graph.output]
-    resident: dict = {}  # the first batch runs on the exported values
+    # the first batch runs on the exported values: the initial state the step carries
+    resident = initial_state(exported)
+    assert not {t.name for t in exported.graph.initializer} & set(resident)  # no defaults
     for i in range(0, 100, 10):
         feeds = {step.features: X[i : i + 10], step.label: y[i : i + 10], **resident}
         out = dict(zip(outputs, reference.run(None, feeds)))
@@ -509,6 +512,7 @@ def test_an_exported_epoch_is_graphkits_epoch(dtype, rng, tmp_path):
         "weight": w,
         "permutation": np.random.default_rng(5).permutation(95),  # graphkit's first epoch
         "batch_size": np.array(10, np.int64),
+        **initial_state(exported),  # the weights and optimizer state it starts from
     }
     names = [o.name for o in exported.graph.output]
     tol = 1e-5 if dtype == np.float32 else 1e-12

@@ -7,19 +7,17 @@
 
       inputs : <features>..., <label>... (one per loss head)[, <sample weight>]
                                                                 (one mini-batch)
-               <weights>, <optimizer state>, step, loss_sum     (resident: initializers
-                                                                 hold their current values)
+               <weights>, <optimizer state>, step, loss_sum     (resident: their current
+                 values are the outputs of TrainingInfoProto 0's initialization graph,
+                 ``graphkit.training_info.initial_state``)
       outputs: loss, loss_sum.next, step.next, <weight>.next..., <state>.next...
 
   A loop feeds a batch and the resident tensors, then feeds each ``<name>.next`` back as
-  ``<name>``. The resident inputs' defaults are initializers of the same name, ONNX's
-  way of giving an input a default value (IR >= 4); onnxruntime logs one warning per
-  default when it opens the model ("Initializer X appears in graph inputs..."): open it
-  with ``SessionOptions.log_severity_level = 3`` to see errors only, as
-  :class:`graphkit.step_trainer.StepTrainer` does. (IR version 3, where every
-  initializer is an input, silences it but makes onnxruntime treat them as constants:
-  feeding ``loss_sum`` then fails with "Invalid input name".) ``step`` counts the updates
-  applied (the schedule reads it); ``loss_sum`` accumulates the batch losses.
+  ``<name>``; the first run feeds :func:`graphkit.training_info.initial_state`. The
+  resident inputs have no initializer (an initializer named like an input would be its
+  default, which onnxruntime reports with one warning each, and IR version 3 makes them
+  constants). ``step`` counts the updates applied (the schedule reads it); ``loss_sum``
+  accumulates the batch losses.
 * :func:`export_training_info` writes the trained prediction model with the same step
   inside it as an ONNX ``TrainingInfoProto``: a model that carries its own way to keep
   training, run by :func:`graphkit.training_info.run_training_info`.
@@ -40,7 +38,7 @@ from graphkit.errors import IncompatibleModelError
 from graphkit.rewrite import prune
 from graphkit.step_trainer import META
 from graphkit.training.epoch import loop_over_batches
-from graphkit.training_info import check_training_info
+from graphkit.training_info import check_training_info, set_initial_state
 
 
 def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
@@ -65,8 +63,9 @@ def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
 def export_training_step(
     trainer: Any, path: str | os.PathLike[str] | None = None
 ) -> onnx.ModelProto:
-    """The trainer's training step in standard ONNX, its resident inputs defaulting to
-    their current values (the initial ones before ``fit``).
+    """The trainer's training step in standard ONNX; its resident inputs' current values
+    (the initial ones before ``fit``) are the outputs of TrainingInfoProto 0's
+    initialization graph (:func:`graphkit.training_info.initial_state`).
 
     Args:
         trainer: an :class:`~graphkit_train.OrtGradientOptimizer`.
@@ -79,13 +78,12 @@ def export_training_step(
             takes its gradients from the TrainingAgent at run time).
     """
     step, model, resident = _portable_step(trainer)
-    model.graph.initializer.extend(
-        numpy_helper.from_array(value, name) for name, value in resident.items()
-    )
+    set_initial_state(model, resident)
     data = step.data
     model.doc_string = (
         f"graphkit training step in standard ONNX. Feed one batch ({', '.join(data)}); the "
-        f"resident inputs ({', '.join(resident)}) default to the exported values. "
+        f"resident inputs ({', '.join(resident)}) start from the outputs of TrainingInfoProto "
+        "0's initialization graph (graphkit.training_info.initial_state). "
         "Feed each output '<name>.next' back as '<name>' for the next batch; "
         f"'{step.loss}' is the batch loss. {step.model.doc_string}"
     )
@@ -213,7 +211,9 @@ def export_training_epoch(
                  [, <sample weight>],
                  permutation (int64, the row order: numpy's permutation for shuffling,
                  arange(n) without), batch_size (int64 scalar),
-                 <weights>, <optimizer state>, step, loss_sum   (default: current values)
+                 <weights>, <optimizer state>, step, loss_sum   (current values: the
+                 outputs of TrainingInfoProto 0's initialization graph,
+                 ``graphkit.training_info.initial_state``)
         outputs: <name>.next for every resident tensor (after the epoch), batch_losses
 
     Batch k takes rows ``permutation[k * batch_size : (k + 1) * batch_size]`` (the last
@@ -225,12 +225,12 @@ def export_training_epoch(
     model = loop_over_batches(
         body_model, [d for d in data if d in present], list(resident), step.loss
     )
-    model.graph.initializer.extend(
-        numpy_helper.from_array(value, name) for name, value in resident.items()
-    )
+    set_initial_state(model, resident)
     model.doc_string = (
         f"graphkit training epoch in standard ONNX: the step of {step.model.doc_string!r} "
-        "as the body of a Loop over the batches permutation[k*batch_size:(k+1)*batch_size]."
+        "as the body of a Loop over the batches permutation[k*batch_size:(k+1)*batch_size]. "
+        "The resident inputs start from the outputs of TrainingInfoProto 0's initialization "
+        "graph (graphkit.training_info.initial_state)."
     )
     return _finish(model, path)
 

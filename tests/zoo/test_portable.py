@@ -12,6 +12,7 @@ import pytest
 from onnx.reference import ReferenceEvaluator
 
 import graphkit as gk
+from graphkit.training_info import initial_state
 from graphkit_train import OrtGradientOptimizer
 
 from .models import CASES, FULL
@@ -119,7 +120,7 @@ def test_exported_step_trains_on_onnx_reference(case):
     X, y, feeds = batches_of(case, trainer)
     reference = ReferenceEvaluator(exported)
     outputs = [o.name for o in exported.graph.output]
-    resident: dict = {}
+    resident = initial_state(exported)
     for batch in feeds:
         out = dict(zip(outputs, reference.run(None, {**batch, **resident})))
         resident = {n.removesuffix(".next"): v for n, v in out.items() if n.endswith(".next")}
@@ -130,6 +131,7 @@ def test_exported_step_trains_on_onnx_reference(case):
         np.testing.assert_allclose(resident[name], value, rtol=2e-4, atol=2e-5, err_msg=name)
     # the epoch as one Loop, shuffled, on onnx.reference
     names = [o.name for o in epoch.graph.output]
-    out = dict(zip(names, ReferenceEvaluator(epoch).run(None, epoch_feeds(case, trainer, X, y))))
+    epoch_in = {**epoch_feeds(case, trainer, X, y), **initial_state(epoch)}
+    out = dict(zip(names, ReferenceEvaluator(epoch).run(None, epoch_in)))
     for name, value in shuffled_epoch(case, X, y).items():
         np.testing.assert_allclose(out[f"{name}.next"], value, rtol=2e-4, atol=2e-5, err_msg=name)
