@@ -201,7 +201,7 @@ def timed_round_robin(w: Workload, repeat: int, epochs: dict[str, Epoch]) -> dic
     return {name: (best[name], loss[name]) for name in epochs}
 
 
-def graphkit_full(w: Workload, optimizer: str, steps_per_run) -> Epoch:
+def graphkit_full(w: Workload, optimizer: str, steps_per_run, backend: str | None = None) -> Epoch:
     import graphkit as gk
     from graphkit_train import OrtGradientOptimizer
 
@@ -215,6 +215,7 @@ def graphkit_full(w: Workload, optimizer: str, steps_per_run) -> Epoch:
         warm_start=True,
         validation_every=0,
         steps_per_run=steps_per_run,
+        backend=backend,
     )
 
     def epoch() -> float:
@@ -224,7 +225,7 @@ def graphkit_full(w: Workload, optimizer: str, steps_per_run) -> Epoch:
     return epoch
 
 
-def graphkit_forward_backward(w: Workload, optimizer: str) -> Epoch:
+def graphkit_forward_backward(w: Workload, optimizer: str, backend: str | None = None) -> Epoch:
     from graphkit_train import OrtGradientForwardBackwardOptimizer
 
     trainer = OrtGradientForwardBackwardOptimizer(
@@ -236,6 +237,7 @@ def graphkit_forward_backward(w: Workload, optimizer: str) -> Epoch:
         shuffle=False,
         warm_start=True,
         validation_every=0,
+        backend=backend,
     )
 
     def epoch() -> float:
@@ -460,6 +462,9 @@ CONTENDERS: dict[str, Callable[[Workload, str], Epoch]] = {
     "graphkit full, 10 steps per run": lambda w, o: graphkit_full(w, o, 10),
     "graphkit full, 1 epoch per run": lambda w, o: graphkit_full(w, o, "epoch"),
     "graphkit forward/backward": graphkit_forward_backward,
+    # the native backend (standard-ONNX gradients, graphkit/backends/native)
+    "graphkit native, 1 epoch per run": lambda w, o: graphkit_full(w, o, "epoch", "native"),
+    "graphkit native forward/backward": lambda w, o: graphkit_forward_backward(w, o, "native"),
     "numpy (hand-written)": numpy_contender,
     "scikit-learn MLP": sklearn_mlp,
     "scikit-learn SGDRegressor (per row)": sklearn_sgd_regressor,
