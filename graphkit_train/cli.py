@@ -167,22 +167,30 @@ def read_dataset(
     return _read_csv(path, label)
 
 
-def _read_npz(
-    path: str, label: str | None, features: str
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def _npz_arrays(path: str, keys: list[str]) -> dict[str, np.ndarray]:
+    """The numeric arrays ``keys`` of the NPZ file ``path`` (a CliError says which is
+    missing or not numeric)."""
     try:
         data = np.load(path)
     except (OSError, ValueError) as exc:
         raise CliError(f"{path} is not a readable NPZ file: {exc}") from None
     with data:
-        label = label or "y"
-        missing = [k for k in (features, label) if k not in data]
+        missing = [k for k in keys if k not in data]
         if missing:
             raise CliError(f"{path} has no array {missing}; it holds {sorted(data)}")
-        X, y = data[features], data[label]
-    for name, array in ((features, X), (label, y)):
+        arrays = {k: data[k] for k in keys}
+    for name, array in arrays.items():
         if array.dtype.kind not in "iufb":
             raise CliError(f"{path}: array {name!r} is {array.dtype}, not numeric")
+    return arrays
+
+
+def _read_npz(
+    path: str, label: str | None, features: str
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    label = label or "y"
+    arrays = _npz_arrays(path, [features, label])
+    X, y = arrays[features], arrays[label]
     if X.ndim != 2:
         raise CliError(f"{path}: array {features!r} has shape {X.shape}; it must be 2-D")
     return X, y, [f"x{i}" for i in range(X.shape[1])]
@@ -251,20 +259,11 @@ def read_inputs(
     if any(len(arrays) != 1 for arrays in inputs.values()):
         raise CliError("--input for an NPZ file names one array per input: NAME=ARRAY")
     wanted = {name: arrays[0] for name, arrays in inputs.items()}
-    try:
-        data = np.load(path)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"{path} is not a readable NPZ file: {exc}") from None
-    with data:
-        label = label or "y"
-        missing = [k for k in [*wanted.values(), label] if k not in data]
-        if missing:
-            raise CliError(f"{path} has no array {missing}; it holds {sorted(data)}")
-        X = {name: data[array] for name, array in wanted.items()}
-        y = data[label]
+    label = label or "y"
+    arrays = _npz_arrays(path, [*wanted.values(), label])
+    X = {name: arrays[array] for name, array in wanted.items()}
+    y = arrays[label]
     for name, array in [*X.items(), (label, y)]:
-        if array.dtype.kind not in "iufb":
-            raise CliError(f"{path}: array {name!r} is {array.dtype}, not numeric")
         if len(array) != len(y):
             raise CliError(f"{path}: array {name!r} has {len(array)} rows, {label!r} {len(y)}")
     return X, y, list(wanted.values())
