@@ -43,14 +43,23 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{message} (see graphkit-train --help)")
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _epochs(text: str) -> int:
+    """Epochs: an integer >= 0 (0 only with 'export --web', checked in run)."""
+    return _int_at_least(text, 0)
 
 
 def _output_index(text: str) -> int | str:
@@ -112,7 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"learning-rate schedule, one of {', '.join(schedules.SCHEDULES.names())}",
     )
     parser.add_argument("--lr", type=float, default=0.001, help="initial learning rate (eta0)")
-    parser.add_argument("--epochs", type=_positive_int, default=100, help="number of epochs")
+    parser.add_argument(
+        "--epochs",
+        type=_epochs,
+        default=100,
+        help="number of epochs; 0 with 'export --web' writes the untrained model for a web "
+        "page to train",
+    )
     parser.add_argument(
         "--batch-size", type=_positive_int, default=32, help="rows per training step"
     )
@@ -143,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="this process is one rank of a torchrun launch (torchrun ... -m graphkit_train.cli "
         "--distributed ...): train data-parallel, rank 0 prints and writes",
+    )
+    parser.add_argument(
+        "--web",
+        default=None,
+        metavar="DIR",
+        help="also write DIR, a folder a web page trains with onnxruntime-web: the exported "
+        "step and epoch, a manifest, graphkit-web.mjs and the training and held-out rows "
+        "(data.json); see the README, 'Training in a web page'",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
     return parser
@@ -407,12 +430,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rank, world_size = distributed.init().place
     quiet = args.quiet or rank != 0
     say = (lambda *a: None) if quiet else print
+    if args.epochs == 0 and not (getattr(args, "export", False) and args.web):
+        raise CliError(
+            "--epochs 0 trains nothing: it is for 'graphkit-train export --web DIR', which "
+            "then writes the untrained model for a web page to train"
+        )
     job = _job(args)
     say(
         f"graphkit-train: {job.dataset}, {len(job.train_rows)} training rows, "
         f"{len(job.test_rows)} held out; loss {job.loss.name}, optimizer {args.optimizer}, "
         f"schedule {args.schedule}, lr {args.lr}"
     )
+    if args.epochs == 0:
+        return _export_untrained(job, args, say)
     trainer, seconds, epoch_ends = _train(job, args, quiet)
     report = _report(job, args, trainer, seconds, epoch_ends, world_size, say)
     if rank != 0:  # rank 0 compares and writes
@@ -424,6 +454,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{report['sklearn']['held_out_r2']:.4f}"
         )
     report["files"] = _write(trainer, args.output, report)
+    if args.web:
+        report["files"]["web"] = _write_web(trainer, job, args.web)
     say(f"wrote {', '.join(sorted(report['files'].values()))}")
     return report
 
@@ -503,21 +535,31 @@ def _check_inputs(
         raise CliError(f"--input names {sorted(inputs)}; the model's inputs are {features}")
 
 
-def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, float, list[float]]:
-    """The fitted trainer, the training time and the time at the end of each epoch."""
+def _trainer(job: _Job, args: argparse.Namespace, quiet: bool) -> Trainer:
+    """The trainer the options describe, not fitted."""
     total_steps = args.epochs * -(-len(job.train_rows) // args.batch_size)
-    trainer = Trainer(
+    if not total_steps and args.schedule != "constant":
+        raise CliError(
+            f"the schedule {args.schedule!r} spreads over the run's steps, and --epochs 0 has "
+            "none: export with --schedule constant, or train first"
+        )
+    return Trainer(
         job.model,
         job.weights,
         optimizer=args.optimizer,  # graphkit.optimizers.get(args.optimizer), as everywhere
         schedule=cli_schedule(args.schedule, args.lr, total_steps),
-        max_iter=args.epochs,
+        max_iter=max(args.epochs, 1),  # 0: exported untrained, never fitted
         batch_size=args.batch_size,
         validation_every=1,
         random_state=args.seed,
         verbose=0 if quiet else 1,
         distributed=args.distributed,
     )
+
+
+def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, float, list[float]]:
+    """The fitted trainer, the training time and the time at the end of each epoch."""
+    trainer = _trainer(job, args, quiet)
     test = job.test_rows
     held_out = (_rows(job.X, test), job.y[test]) if len(test) else (None, None)
     epoch_ends: list[float] = []
@@ -594,6 +636,40 @@ def _sklearn_reference(X, y, train_rows, test_rows, args) -> dict[str, Any]:  # 
         estimator.fit(X[train_rows], y[train_rows])
     score = r2(y[test_rows], estimator.predict(X[test_rows]))
     return {"estimator": "MLPRegressor(32, tanh, adam), scaled X and y", "held_out_r2": score}
+
+
+def _export_untrained(job: _Job, args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    """``export --web DIR --epochs 0``: the web folder of the untrained model, and a report."""
+    trainer = _trainer(job, args, quiet=True)
+    folder = _write_web(trainer, job, args.web)
+    report = {
+        "dataset": job.dataset,
+        "features": job.names,
+        "rows": {"train": int(len(job.train_rows)), "held_out": int(len(job.test_rows))},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
+        "export": True,
+        "files": {"web": folder},
+    }
+    os.makedirs(args.output, exist_ok=True)
+    report["files"]["report"] = os.path.join(args.output, "report.json")
+    with open(report["files"]["report"], "w") as handle:
+        json.dump(report, handle, indent=2)
+    say(f"wrote {folder} (untrained: a web page trains it) and {report['files']['report']}")
+    return report
+
+
+def _write_web(trainer: Trainer, job: _Job, folder: str) -> str:
+    """The folder a web page trains (graphkit_train.web), with the job's rows."""
+    from graphkit_train.web import export_web
+
+    data = {
+        "feature_names": job.names,
+        "train": (_rows(job.X, job.train_rows), job.y[job.train_rows]),
+    }
+    if len(job.test_rows):
+        data["held_out"] = (_rows(job.X, job.test_rows), job.y[job.test_rows])
+    export_web(trainer, folder, data=data)
+    return folder
 
 
 def _write(trainer: Trainer, folder: str, report: dict[str, Any]) -> dict[str, str]:
