@@ -26,10 +26,10 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+from browser import WEB, browser_missing, run_page, serve
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
-from browser import WEB, browser_missing, run_page, serve
 from graphkit.step_trainer import StepTrainer
 from graphkit_train import Trainer
 from graphkit_train.web import export_web
@@ -54,8 +54,10 @@ def regressor(folder: Path) -> None:
     """The demo job (diabetes, an MLP, Adam), exported by the command line, untrained."""
     from graphkit_train.cli import main
 
-    code = main(["export", "--web", str(folder), "--epochs", "0", "--quiet"]
-                + ["--output", str(folder.parent / "cli-report")])
+    code = main(
+        ["export", "--web", str(folder), "--epochs", "0", "--quiet"]
+        + ["--output", str(folder.parent / "cli-report")]
+    )
     assert code == 0
 
 
@@ -77,7 +79,9 @@ def classifier(folder: Path) -> None:
     trainer = Trainer(model, optimizer="sgd", schedule=schedule, batch_size=16)
     order = np.random.default_rng(0).permutation(len(X))
     train, held = order[:120], order[120:]
-    export_web(trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])})
+    export_web(
+        trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])}
+    )
 
 
 def cnn(folder: Path) -> None:
@@ -113,7 +117,9 @@ def cnn(folder: Path) -> None:
     model = gk.add_loss_output(model, "cross_entropy")
     trainer = Trainer(model, ["K", "c", "W", "b"], optimizer="adamw", schedule=0.01, batch_size=64)
     train, held = slice(0, 600), slice(600, 760)
-    export_web(trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])})
+    export_web(
+        trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])}
+    )
 
 
 MODELS = {"regressor": regressor, "classifier": classifier, "cnn": cnn}
@@ -175,8 +181,10 @@ def python_run(
     for order in orders:
         w = None if weights is None else weights[order]
         trainer.fit(X[order], y[order], sample_weight=w, epochs=1)
-        feeds = {manifest["inputs"][0]["name"]: X_held, label["name"]: y_held.reshape(
-            -1, *[d for d in label["dims"][1:]])}
+        feeds = {
+            manifest["inputs"][0]["name"]: X_held,
+            label["name"]: y_held.reshape(-1, *[d for d in label["dims"][1:]]),
+        }
         if manifest["sample_weight"]:
             feeds[manifest["sample_weight"]["name"]] = np.ones(
                 len(X_held), manifest["sample_weight"]["type"]
@@ -247,14 +255,20 @@ def test_browser_training_equals_python(site, bundles, tmp_path, model, mode, we
     X_held, _ = load_rows(folder, "held_out")
     session = onnxruntime.InferenceSession(trained.SerializeToString())
     manifest = json.loads((folder / "manifest.json").read_text())
-    output = dict(zip([o.name for o in session.get_outputs()], session.run(None, {
-        session.get_inputs()[0].name: X_held})))[manifest["prediction"]["output"]]
+    output = dict(
+        zip(
+            [o.name for o in session.get_outputs()],
+            session.run(None, {session.get_inputs()[0].name: X_held}),
+        )
+    )[manifest["prediction"]["output"]]
     if manifest["prediction"]["kind"] == "labels":
         np.testing.assert_array_equal(got["predicted"], output.argmax(axis=1))
     else:
         np.testing.assert_allclose(got["predicted"], output.reshape(-1), rtol=TOLERANCE)
     # ... and graphkit takes it as a model to train further
-    gk.add_loss_output(trained, manifest["loss"]["name"], output_index=manifest["prediction"]["output"])
+    gk.add_loss_output(
+        trained, manifest["loss"]["name"], output_index=manifest["prediction"]["output"]
+    )
 
 
 def test_step_and_epoch_modes_agree(site):
@@ -290,7 +304,8 @@ def test_demo_page_trains_and_shows_the_losses(site, bundles):
         """
         document.getElementById("train").click();  // as a user does: the form's settings
         const result = await window.demo.last;
-        return { result, error: window.demo.error, status: document.getElementById("status").textContent,
+        return { result, error: window.demo.error,
+                 status: document.getElementById("status").textContent,
                  facts: document.getElementById("facts").innerText,
                  download: !document.getElementById("download").disabled,
                  train: t.trainLosses, heldOut: t.heldOutLosses };

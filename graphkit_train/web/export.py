@@ -93,6 +93,7 @@ def export_web(
         IncompatibleModelError: a loss per output, or a step the lowering to standard
             ONNX cannot write.
     """
+    trainer._build()
     if getattr(trainer, "_heads", None):
         outputs = [h.output for h in trainer._heads]
         raise IncompatibleModelError(
