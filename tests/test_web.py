@@ -19,7 +19,6 @@ import base64
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +26,10 @@ import onnx
 import onnxruntime
 import pytest
 from browser import WEB, browser_missing, run_page, serve
-from onnx import TensorProto, helper, numpy_helper
+from web_models import MODELS
 
 import graphkit as gk
 from graphkit.step_trainer import StepTrainer
-from graphkit_train import Trainer
-from graphkit_train.web import export_web
 
 _missing = None if os.environ.get("GRAPHKIT_WEB_TESTS") == "0" else browser_missing()
 pytestmark = [
@@ -45,84 +42,6 @@ pytestmark = [
 
 EPOCHS = 3
 TOLERANCE = 1e-5
-
-
-# -- the models ------------------------------------------------------------------------
-
-
-def regressor(folder: Path) -> None:
-    """The demo job (diabetes, an MLP, Adam), exported by the command line, untrained."""
-    from graphkit_train.cli import main
-
-    code = main(
-        ["export", "--web", str(folder), "--epochs", "0", "--quiet"]
-        + ["--output", str(folder.parent / "cli-report")]
-    )
-    assert code == 0
-
-
-def classifier(folder: Path) -> None:
-    """skl2onnx's LogisticRegression on iris (ZipMap kept: the export drops it), log loss
-    with sample weights, SGD with an exponentially decaying rate."""
-    from skl2onnx import to_onnx
-    from sklearn.datasets import load_iris
-    from sklearn.linear_model import LogisticRegression
-
-    X, y = load_iris(return_X_y=True)
-    X = X.astype(np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fitted = LogisticRegression(max_iter=5).fit(X, y)
-    model = gk.add_loss_output(to_onnx(fitted, X[:1]), "log", weight_name="weight")
-    # the step counter drives the schedule: the page must carry it as Python does
-    schedule = gk.schedules.SCHEDULES.factory("exponential")(eta0=0.1, gamma=0.97)
-    trainer = Trainer(model, optimizer="sgd", schedule=schedule, batch_size=16)
-    order = np.random.default_rng(0).permutation(len(X))
-    train, held = order[:120], order[120:]
-    export_web(
-        trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])}
-    )
-
-
-def cnn(folder: Path) -> None:
-    """A small CNN on scikit-learn's 8x8 digits: Conv + Relu + MaxPool + Gemm, cross
-    entropy on the logits, AdamW."""
-    from sklearn.datasets import load_digits
-
-    X, y = load_digits(return_X_y=True)
-    X = (X / 16).astype(np.float32).reshape(-1, 1, 8, 8)
-    rng = np.random.default_rng(0)
-    init = {
-        "K": rng.normal(0, 0.3, (4, 1, 3, 3)).astype(np.float32),
-        "c": np.zeros(4, np.float32),
-        "W": rng.normal(0, 0.1, (64, 10)).astype(np.float32),
-        "b": np.zeros(10, np.float32),
-        "flat": np.array([-1, 64], np.int64),
-    }
-    nodes = [
-        helper.make_node("Conv", ["X", "K", "c"], ["conv"], pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["conv"], ["relu"]),
-        helper.make_node("MaxPool", ["relu"], ["pool"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Reshape", ["pool", "flat"], ["flat_pool"]),
-        helper.make_node("Gemm", ["flat_pool", "W", "b"], ["logits"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "cnn",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 1, 8, 8])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
-        [numpy_helper.from_array(v, k) for k, v in init.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model = gk.add_loss_output(model, "cross_entropy")
-    trainer = Trainer(model, ["K", "c", "W", "b"], optimizer="adamw", schedule=0.01, batch_size=64)
-    train, held = slice(0, 600), slice(600, 760)
-    export_web(
-        trainer, folder, data={"train": (X[train], y[train]), "held_out": (X[held], y[held])}
-    )
-
-
-MODELS = {"regressor": regressor, "classifier": classifier, "cnn": cnn}
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,16 @@
 // The demo page: train the exported folder named by ?model= (default: demo/, written by
 // `make web`) on the rows it ships (data.json), draw the losses, offer the trained model.
 //
-// Query parameters: model (folder URL), threads (wasm threads; default 2 when the page
-// is cross-origin isolated, else 1), epochs (default 100).
+// Query parameters: model (folder URL), threads (wasm threads, default 1), epochs (default
+// 100).
 // Tests drive the page through window.demo: { ready, trainer, train(options), last, error }.
 import * as ort from "./node_modules/onnxruntime-web/dist/ort.wasm.min.mjs";
 
 const params = new URLSearchParams(location.search);
 const folder = new URL(params.get("model") ?? "demo/", location.href);
-const threads = Number(params.get("threads") ?? (globalThis.crossOriginIsolated ? 2 : 1));
+// one thread by default: a second one (it needs a cross-origin isolated page) only paid off
+// on the CNN's whole-epoch run, and slowed the small models (benchmarks/WEB.md)
+const threads = Number(params.get("threads") ?? 1);
 ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
 ort.env.wasm.numThreads = threads;
 

@@ -1,0 +1,197 @@
+"""Time a training batch in the browser (onnxruntime-web, wasm) against native onnxruntime.
+
+    python benchmarks/web.py [--epochs 20] [--output benchmarks/WEB.md]
+
+The models of tests/web_models.py are exported once (graphkit_train.web.export_web). The
+same exported graphs then train in headless Chromium with 1 and with 2 wasm threads (the
+page is cross-origin isolated, so threads work), and in Python's onnxruntime with 1 and
+2 intra-op threads: the step run batch by batch ("step") and the exported epoch, one
+run per epoch ("epoch"). Each contender trains one untimed epoch, then ``--epochs``
+timed ones from the same start; the time per batch is the best epoch's. Every contender
+reports its last epoch's loss, which must agree (the same weights, the same rows in the
+same order). Needs ``make web-deps``; run it alone (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from browser import WEB, browser_missing, run_page, serve  # noqa: E402
+from web_models import MODELS  # noqa: E402
+
+# the page's side: the same loop as graphkit-web.mjs's fit, timed per epoch
+_PAGE = """
+if (!(await window.demo.ready)) return { error: window.demo.error };
+const { loadTrainer } = await import("/bundles/MODEL/graphkit-web.mjs");
+const ort = await import("/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs");
+const out = {};
+for (const mode of ["step", "epoch"]) {
+  const t = await loadTrainer("/bundles/MODEL/", { ort });
+  const d = t.data;
+  await t.fit(d.train.X, d.train.y, { epochs: 1, mode, shuffle: false });  // warm up
+  const times = [];
+  for (let e = 0; e < EPOCHS; e++) {
+    const start = performance.now();
+    await t.fit(d.train.X, d.train.y, { epochs: 1, mode, shuffle: false });
+    times.push(performance.now() - start);
+  }
+  out[mode] = { ms: Math.min(...times), loss: t.trainLosses.at(-1) };
+}
+out.threads = ort.env.wasm.numThreads;
+out.isolated = crossOriginIsolated;
+return out;
+"""
+
+
+def native(folder: Path, epochs: int, threads: int) -> dict[str, dict[str, float]]:
+    """The same loops in Python's onnxruntime: ms per epoch (best) and the last loss."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = json.loads((folder / "data.json").read_text())["train"]
+    spec, label = manifest["inputs"][0], manifest["label"]
+    X = np.array(data["X"], spec["type"]).reshape(-1, *spec["dims"][1:])
+    y = np.array(data["y"], label["type"]).reshape(-1, *label["dims"][1:])
+    feeds = {spec["name"]: X, label["name"]: y}
+    if manifest["sample_weight"]:
+        feeds[manifest["sample_weight"]["name"]] = np.ones(
+            len(X), manifest["sample_weight"]["type"]
+        )
+    raw = (folder / "state.bin").read_bytes()
+    start_state = {
+        e["name"]: np.frombuffer(raw[e["offset"] : e["offset"] + e["bytes"]], e["type"])
+        .reshape(e["dims"])
+        .copy()
+        for e in manifest["state"]
+    }
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    batch = manifest["batch_size"]
+    results = {}
+    for mode in ("step", "epoch"):
+        session = onnxruntime.InferenceSession(
+            str(folder / manifest["files"][mode]["path"]),
+            options,
+            providers=["CPUExecutionProvider"],
+        )
+        state = dict(start_state)
+
+        state, loss = _epoch(session, mode, feeds, state, batch)  # warm up
+        best = float("inf")
+        for _ in range(epochs):
+            start = time.perf_counter()
+            state, loss = _epoch(session, mode, feeds, state, batch)
+            best = min(best, (time.perf_counter() - start) * 1000)
+        results[mode] = {"ms": best, "loss": loss}
+    return results
+
+
+def _epoch(
+    session: onnxruntime.InferenceSession,
+    mode: str,
+    feeds: dict[str, np.ndarray],
+    state: dict[str, np.ndarray],
+    batch: int,
+) -> tuple[dict[str, np.ndarray], float]:
+    """One epoch in order: the exported epoch in one run, or the step batch by batch;
+    the new state and the epoch's mean batch loss."""
+    names = [o.name for o in session.get_outputs()]
+    state = {**state, "loss_sum": np.zeros_like(state["loss_sum"])}
+    rows = len(next(iter(feeds.values())))
+    if mode == "epoch":
+        run = {**feeds, **state, "permutation": np.arange(rows), "batch_size": np.array(batch)}
+        out = dict(zip(names, session.run(None, run)))
+        return {n: out[f"{n}.next"] for n in state}, float(out["batch_losses"].mean())
+    batches = 0
+    for start in range(0, rows, batch):
+        run = {k: v[start : start + batch] for k, v in feeds.items()}
+        out = dict(zip(names, session.run(None, {**run, **state})))
+        state = {n: out[f"{n}.next"] for n in state}
+        batches += 1
+    return state, float(state["loss_sum"]) / batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=20, help="timed epochs per contender")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "WEB.md"))
+    args = parser.parse_args()
+    missing = browser_missing()
+    if missing:
+        sys.exit(f"benchmarks/web.py: {missing}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundles = Path(tmp)
+        for name, build in MODELS.items():
+            build(bundles / name)
+        with serve(WEB, {"/bundles/": bundles}) as site:
+            for name in MODELS:
+                folder = bundles / name
+                manifest = json.loads((folder / "manifest.json").read_text())
+                train_rows = len(json.loads((folder / "data.json").read_text())["train"]["y"])
+                batches = -(-train_rows // manifest["batch_size"])
+                timings: dict[str, dict[str, dict[str, float]]] = {}
+                for threads in (1, 2):
+                    url = f"{site}/index.html?model=/bundles/{name}/&threads={threads}"
+                    script = _PAGE.replace("MODEL", name).replace("EPOCHS", str(args.epochs))
+                    answer = run_page(url, script, timeout_s=600)
+                    if not answer["ok"] or "error" in answer["value"]:
+                        sys.exit(f"{name}, {threads} threads: {answer}")
+                    assert answer["value"]["isolated"] and answer["value"]["threads"] == threads
+                    timings[f"wasm, {threads} thread{'s' * (threads > 1)}"] = answer["value"]
+                    timings[f"native, {threads} thread{'s' * (threads > 1)}"] = native(
+                        folder, args.epochs, threads
+                    )
+                rows.append((name, manifest, train_rows, batches, timings))
+                print(name, json.dumps(timings))
+    Path(args.output).write_text(report(rows, args.epochs))
+    print(f"wrote {args.output}")
+
+
+def report(rows: list, epochs: int) -> str:
+    lines = [
+        "# Training in the browser: onnxruntime-web (wasm) against native onnxruntime",
+        "",
+        f"`python benchmarks/web.py` on {platform.machine()} ({platform.processor() or 'cpu'}), "
+        f"{time.strftime('%Y-%m-%d')}: onnxruntime-web 1.30.0 in headless Chromium "
+        f"(Debian), native onnxruntime {onnxruntime.__version__} in Python "
+        f"{platform.python_version()}. Best of {epochs} epochs after one untimed; microseconds "
+        "per batch; the ratio is to native onnxruntime with the same threads and mode. "
+        "`step`: one run per batch (graphkit-web's `mode: \"step\"`, Python's StepTrainer); "
+        "`epoch`: the exported epoch, one run per epoch (the page's default).",
+        "",
+        "| model | rows, batch | mode | wasm 1 thread | native 1 thread | ratio "
+        "| wasm 2 threads | native 2 threads | ratio | last loss (all agree) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, manifest, train_rows, batches, timings in rows:
+        for mode in ("step", "epoch"):
+            us = {k: v[mode]["ms"] * 1000 / batches for k, v in timings.items()}
+            losses = [v[mode]["loss"] for v in timings.values()]
+            spread = (max(losses) - min(losses)) / abs(np.mean(losses))
+            cells = []
+            for threads in ("1 thread", "2 threads"):
+                wasm, nat = us[f"wasm, {threads}"], us[f"native, {threads}"]
+                cells += [f"{wasm:.0f}", f"{nat:.0f}", f"{wasm / nat:.2f}"]
+            lines.append(
+                f"| {name} ({manifest['optimizer']['name']}) | {train_rows}, "
+                f"{manifest['batch_size']} | {mode} | {' | '.join(cells)} | "
+                f"{np.mean(losses):.6g} (spread {spread:.1e}) |"
+            )
+    lines += [""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
