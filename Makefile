@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test test-native test-plain-torch lint bench zoo-table clean
+.PHONY: demo test test-native test-plain-torch lint bench zoo-table web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,29 @@ $(PLAIN_TORCH_STAMP): pyproject.toml
 	$(PLAIN_TORCH)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(PLAIN_TORCH_STAMP)
 
+# The web export's browser tests and benchmark: onnxruntime-web and playwright-core from
+# web/package-lock.json (npm ci, again whenever the lockfile changes), and Debian's chromium,
+# which playwright-core drives (it never downloads a browser of its own). Without npm, or
+# without root or sudo to install chromium, it says so and goes on: those tests then skip,
+# naming what is missing (tests/browser.py's browser_missing). CHROMIUM=/path overrides.
+WEB_STAMP := web/node_modules/.graphkit-installed
+CHROMIUM  ?= /usr/bin/chromium
+APT_CHROMIUM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium
+
+$(WEB_STAMP): web/package.json web/package-lock.json
+	@if command -v npm >/dev/null; then \
+		npm ci --prefix web --no-audit --no-fund && touch $(WEB_STAMP); \
+	else echo "web-deps: npm not found: install Node.js 18+ and npm; the browser tests skip"; fi
+
+web-deps: $(WEB_STAMP)
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; \
+	elif [ "$$(id -u)" = 0 ]; then SUDO=; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "web-deps: no $(CHROMIUM), and neither root nor sudo to run: $(APT_CHROMIUM);" \
+		"the browser tests skip"; exit 0; fi; \
+	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update -q && $$SUDO env $(APT_CHROMIUM); } \
+	|| echo "web-deps: installing Debian's chromium failed; the browser tests skip"
+
 # Reinstall when the dependency list changes.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
@@ -91,4 +114,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/distributed.py
 
 clean:
-	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) web/node_modules .pytest_cache .ruff_cache .hypothesis
