@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test test-native test-plain-torch lint bench zoo-table web-deps clean
+.PHONY: demo test test-native test-plain-torch lint bench zoo-table web web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,14 @@ web-deps: $(WEB_STAMP)
 	$$SUDO env $(APT_CHROMIUM) || { $$SUDO apt-get update -q && $$SUDO env $(APT_CHROMIUM); } \
 	|| echo "web-deps: installing Debian's chromium failed; the browser tests skip"
 
+# The demo page: the default job's untrained model and rows exported to web/demo/, then
+# web/ served on http://127.0.0.1:8000/ (Ctrl-C stops it); the page trains in the browser.
+WEB_PORT ?= 8000
+web: $(STAMP) web-deps
+	$(BIN)/graphkit-train export --web web/demo --epochs 0 --output out/web-demo --quiet
+	@echo "open http://127.0.0.1:$(WEB_PORT)/ (Ctrl-C stops the server)"
+	$(BIN)/python -m http.server $(WEB_PORT) --bind 127.0.0.1 --directory web
+
 # Reinstall when the dependency list changes.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
@@ -82,7 +90,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/graphkit-train --output out/demo
 
-test: $(STAMP) $(PLAIN_STAMP)
+test: $(STAMP) $(PLAIN_STAMP) web-deps
 	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests
 	$(MAKE) --no-print-directory test-plain-torch
 	$(MAKE) --no-print-directory test-native
@@ -98,7 +106,8 @@ ifeq ($(NEWEST_PYTHON),)
 	@echo "test-native: no CPython 3.13 or later found (pyenv or PATH): the native-only half is skipped"
 else
 	$(MAKE) --no-print-directory $(NATIVE_STAMP)
-	GRAPHKIT_PLAIN_ORT_PYTHON=$(NATIVE)/bin/python $(NATIVE)/bin/python -m pytest tests
+	GRAPHKIT_PLAIN_ORT_PYTHON=$(NATIVE)/bin/python GRAPHKIT_WEB_TESTS=0 \
+	$(NATIVE)/bin/python -m pytest tests
 endif
 
 lint: $(STAMP)

@@ -26,10 +26,10 @@ import numpy as np
 import onnxruntime
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-from browser import WEB, browser_missing, run_page, serve  # noqa: E402
-from web_models import MODELS  # noqa: E402
+from tests.browser import WEB, browser_missing, run_page, serve  # noqa: E402
+from tests.web_models import MODELS  # noqa: E402
 
 # the page's side: the same loop as graphkit-web.mjs's fit, timed per epoch
 _PAGE = """

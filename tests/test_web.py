@@ -16,6 +16,7 @@ this file in its main environment only (``GRAPHKIT_WEB_TESTS=0`` elsewhere).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -25,11 +26,12 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
-from browser import WEB, browser_missing, run_page, serve
-from web_models import MODELS
+from onnx import TensorProto, helper
 
 import graphkit as gk
 from graphkit.step_trainer import StepTrainer
+from tests.browser import WEB, browser_missing, run_page, serve
+from tests.web_models import MODELS
 
 _missing = None if os.environ.get("GRAPHKIT_WEB_TESTS") == "0" else browser_missing()
 pytestmark = [
@@ -259,6 +261,31 @@ def test_manifest_from_another_model(site, bundles):
     error = _error_of(answer)
     assert "manifest.json does not describe" in error and "Export the folder again" in error
     assert any("manifest.json does not describe" in m["text"] for m in answer["console"])
+
+
+def test_operator_onnxruntime_web_lacks(site, bundles):
+    """A folder whose step holds an operator onnxruntime-web has no kernel for (a
+    training-only com.microsoft operator, as onnxruntime-training's own steps hold before
+    graphkit lowers them): the page names the file and, in onnxruntime-web's own words,
+    the operator, instead of failing later or hanging."""
+    lacking = bundles / "lacking"
+    shutil.copytree(bundles / "regressor", lacking)
+    step = onnx.load(lacking / "training_step.onnx")
+    probe = helper.make_node("GeluGrad", ["loss", "loss"], ["probe"], domain="com.microsoft")
+    step.graph.node.append(probe)
+    step.graph.output.append(helper.make_tensor_value_info("probe", TensorProto.FLOAT, []))
+    step.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    blob = step.SerializeToString()
+    (lacking / "training_step.onnx").write_bytes(blob)
+    manifest = json.loads((lacking / "manifest.json").read_text())
+    manifest["files"]["step"]["sha256"] = hashlib.sha256(blob).hexdigest()
+    manifest["operators"]["step"].append("GeluGrad")
+    (lacking / "manifest.json").write_text(json.dumps(manifest))
+    answer = run_page(page(site, "lacking"), in_page("return {};"), timeout_s=60)
+    error = _error_of(answer)
+    assert "cannot load training_step.onnx" in error, error
+    assert "GeluGrad" in error and "is not a registered function/op" in error, error
+    assert any("GeluGrad" in m["text"] for m in answer["console"] if m["type"] == "error")
 
 
 @pytest.mark.parametrize(
