@@ -158,7 +158,8 @@ def _cli_error_cases(tmp_path, data, model):
         ([str(truncated), "--data", str(data), *out], "not a valid ONNX model"),
         ([str(model), "--data", str(data), "--label", "price", *out], "no column 'price'"),
         ([str(model), "--data", str(data), "--loss", "mse2", *out], "Unknown loss 'mse2'"),
-        ([str(model), "--data", str(data), "--epochs", "0", *out], "--epochs: must be >= 1"),
+        ([str(model), "--data", str(data), "--epochs", "0", *out], "--epochs 0 trains nothing"),
+        ([str(model), "--data", str(data), "--epochs", "-1", *out], "--epochs: must be >= 0"),
         ([str(model), "--data", str(data), "--batch-size", "0", *out], "must be >= 1, got 0"),
         ([str(model), "--data", str(data), "--epochs", "x", *out], "'x' is not an integer"),
         (
