@@ -1,0 +1,191 @@
+"""Where a batch's time goes in graphkit's whole-epoch run, on small batches.
+
+    python benchmarks/profile_epoch.py [--output benchmarks/PROFILE.md]
+
+onnxruntime's own profiler costs more than the kernels it times at this size (about 180
+us a batch profiled against 8.5 unprofiled on the MLP 10-10-1), so this script measures
+with a model instead:
+
+1. onnxruntime's fixed costs, from synthetic Scans of 1,000 iterations whose body is a
+   chain of k element-wise kernels on a [10, 10] tensor: the time per iteration is
+   ``scan + k * kernel``, fitted by least squares over k = 1, 2, 4, 8, 16, 32 (``scan``:
+   the Scan's own work per iteration, copying the carried values included; ``kernel``:
+   one kernel launch on a tiny tensor).
+2. graphkit's step for the MLP 10-10-1 at batch 10 (benchmarks/run.py's workload), SGD
+   and Adam, each backend: the kernels in the Scan body after onnxruntime's graph
+   optimizations (the model onnxruntime writes with ``optimized_model_filepath``), and
+   the measured time per batch of ``fit`` (one run per epoch).
+3. The floor the model predicts for that many kernels, ``scan + kernels * kernel``,
+   beside the measured time: what fewer kernels could gain, and what no rewrite of the
+   step can (the Scan's per-iteration cost).
+
+Run it alone (2 cores): it times microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ITERATIONS = 1000
+
+
+def best_of(run, repeat: int = 7) -> float:
+    """The fastest of ``repeat`` calls, in seconds (after one untimed call)."""
+    run()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def synthetic_scan(kernels: int) -> onnx.ModelProto:
+    """A Scan over ITERATIONS rows carrying a [10, 10] tensor through ``kernels`` Adds of
+    each row (the carried value changes every iteration, as a weight does)."""
+    nodes, last = [], "carried_in"
+    for k in range(kernels):
+        out = "carried_out" if k == kernels - 1 else f"t{k}"
+        nodes.append(helper.make_node("Add", [last, "row"], [out]))
+        last = out
+    body = helper.make_graph(
+        nodes,
+        "body",
+        [
+            helper.make_tensor_value_info("carried_in", TensorProto.FLOAT, [10, 10]),
+            helper.make_tensor_value_info("row", TensorProto.FLOAT, [10, 10]),
+        ],
+        [helper.make_tensor_value_info("carried_out", TensorProto.FLOAT, [10, 10])],
+    )
+    scan = helper.make_node("Scan", ["init", "rows"], ["final"], body=body, num_scan_inputs=1)
+    graph = helper.make_graph(
+        [scan],
+        "scan",
+        [
+            helper.make_tensor_value_info("init", TensorProto.FLOAT, [10, 10]),
+            helper.make_tensor_value_info("rows", TensorProto.FLOAT, [ITERATIONS, 10, 10]),
+        ],
+        [helper.make_tensor_value_info("final", TensorProto.FLOAT, [10, 10])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def fixed_costs() -> tuple[float, float, list[tuple[int, float]]]:
+    """(scan, kernel) in microseconds, and the measured points."""
+    points = []
+    rows = np.random.default_rng(0).normal(size=(ITERATIONS, 10, 10)).astype(np.float32) * 1e-3
+    for kernels in (1, 2, 4, 8, 16, 32):
+        session = ort.InferenceSession(
+            synthetic_scan(kernels).SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        feeds = {"init": np.zeros((10, 10), np.float32), "rows": rows}
+        seconds = best_of(lambda s=session, f=feeds: s.run(None, f))
+        points.append((kernels, seconds * 1e6 / ITERATIONS))
+    k = np.array([p[0] for p in points], float)
+    t = np.array([p[1] for p in points])
+    kernel, scan = np.polyfit(k, t, 1)
+    return float(scan), float(kernel), points
+
+
+def optimized_body_kernels(model: onnx.ModelProto) -> collections.Counter:
+    """The kernels of the Scan body once onnxruntime has optimized the model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath)
+    scans = [n for n in optimized.graph.node if n.op_type == "Scan"]
+    body = next(a.g for a in scans[0].attribute if a.name == "body")
+    return collections.Counter(n.op_type for n in body.node)
+
+
+def graphkit_rows(scan: float, kernel: float) -> list[str]:
+    import run as bench
+
+    import graphkit as gk
+    from graphkit import backends
+    from graphkit_train import OrtGradientOptimizer
+
+    workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
+    batches = len(workload.X) // workload.batch_size
+    rows = []
+    for backend in [b.name for b in backends.available() if b.installed]:
+        for optimizer in ("sgd", "adam"):
+            trainer = OrtGradientOptimizer(
+                gk.add_loss_output(workload.model, "squared_error"),
+                max_iter=1,
+                batch_size=workload.batch_size,
+                learning_rate=bench._graphkit_optimizer(optimizer),
+                shuffle=False,
+                warm_start=True,
+                validation_every=0,
+                steps_per_run="epoch",
+                backend=backend,
+            )
+            seconds = best_of(lambda t=trainer: t.fit(workload.X, workload.y))
+            measured = seconds * 1e6 / batches
+            (runner,) = trainer._fused_runners.values()
+            kernels = optimized_body_kernels(runner.scan_model)
+            total = sum(kernels.values())
+            floor = scan + total * kernel
+            listed = ", ".join(f"{op} {n}" for op, n in kernels.most_common())
+            rows.append(
+                f"| {backend} | {optimizer} | {measured:.2f} | {total} | {floor:.2f} | "
+                f"{measured - floor:.2f} | {listed} |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "PROFILE.md"))
+    args = parser.parse_args()
+    scan, kernel, points = fixed_costs()
+    lines = [
+        "# Where a small batch's time goes (benchmarks/profile_epoch.py)",
+        "",
+        f"{time.strftime('%Y-%m-%d')}, onnxruntime {ort.__version__}, Python "
+        f"{platform.python_version()}, {platform.machine()}; microseconds per batch (one "
+        "Scan iteration).",
+        "",
+        "## onnxruntime's fixed costs",
+        "",
+        "A Scan of 1,000 iterations whose body chains k Adds on [10, 10] tensors:",
+        "",
+        "| kernels in the body | us per iteration |",
+        "|---:|---:|",
+        *(f"| {k} | {t:.3f} |" for k, t in points),
+        "",
+        f"Least squares: **{scan:.2f} us per Scan iteration** (the Scan's own work) plus "
+        f"**{kernel:.3f} us per kernel**.",
+        "",
+        "## graphkit's MLP 10-10-1 at batch 10, one run per epoch",
+        "",
+        "| backend | optimizer | measured us/batch | kernels per batch (after onnxruntime's "
+        "optimizations) | floor: Scan + kernels x kernel | the rest (compute, copies) | "
+        "kernels |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *graphkit_rows(scan, kernel),
+        "",
+    ]
+    Path(args.output).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
