@@ -8,14 +8,17 @@ scaling constants). Training a constant gives silently wrong models, so the defa
 graph:
 
     A float initializer is a **parameter** when, possibly through layout operators
-    (Identity, Cast, Transpose, Reshape, Squeeze, Unsqueeze, Flatten), it is read
+    (Identity, Cast, Transpose, Reshape, Squeeze, Unsqueeze, Flatten) and the operators
+    that cut or join pieces (Slice, Split, Concat), it is read
 
     * in a parameter slot of a parametric operator (:data:`PARAMETER_SLOTS`: the
       weights of MatMul, Gemm, Conv, ConvTranspose, Einsum, RNN/GRU/LSTM, the scale and
       bias of BatchNormalization and the other normalizations, the table of an
       embedding ``Gather``, PRelu's slope), or
     * as a **bias**: an operand of ``Add`` whose other operand comes from a linear
-      operator (MatMul, Gemm, Conv, ConvTranspose, Einsum), or
+      operator (MatMul, Gemm, Conv, ConvTranspose, Einsum) or an embedding ``Gather``,
+      possibly through other such Adds (a learned position added to a projection
+      plus its bias, or to a token embedding), or
     * as an **affine scale or shift**: an operand of ``Mul`` or ``Add`` after a
       normalization (:data:`NORMALIZATIONS`): torch's GroupNorm exports as
       InstanceNormalization over the groups, then ``Mul`` and ``Add`` by its weight and
@@ -82,6 +85,19 @@ LAYOUT_OPS: dict[str, tuple[int, ...]] = {
 }
 """Operators that move a tensor without changing what it is (the data input only)."""
 
+PIECE_OPS: dict[str, tuple[int, ...]] = {
+    "Slice": (0,),
+    "Split": (0,),
+    "Concat": tuple(range(64)),
+}
+"""Operators that cut a tensor into pieces or join pieces: a parameter's role flows
+through them (torch's TorchScript exporter, without constant folding, reorders an LSTM's
+gate weights with Slice and Concat before the LSTM reads them)."""
+
+EMBEDDINGS = frozenset({"Gather"})
+"""Operators whose output, like a linear operator's, a learned shift may be added to (a
+learned position added to a token embedding)."""
+
 
 class _Uses:
     """Where each tensor is read and what produces it, in the main graph and in its
@@ -134,7 +150,10 @@ class _Uses:
     ) -> list[tuple[str, onnx.NodeProto, int]]:
         """The roles reached through one reader edge (layout operators are followed)."""
         standard = node.domain in ("", "ai.onnx")
-        if standard and position in LAYOUT_OPS.get(node.op_type, ()):
+        if standard and (
+            position in LAYOUT_OPS.get(node.op_type, ())
+            or position in PIECE_OPS.get(node.op_type, ())
+        ):
             return [found for output in node.output for found in self.roles(output)]
         if standard and position in PARAMETER_SLOTS.get(node.op_type, ()):
             if node.op_type == "InstanceNormalization" and self.feeds_an_affine(node):
@@ -142,10 +161,31 @@ class _Uses:
             return [("parameter", node, position)]
         if standard and node.op_type in ("Add", "Mul") and len(node.input) == 2:
             other = node.input[1 - position]
-            bias = node.op_type == "Add" and self.source_op(other) in LINEAR_OPS
+            bias = node.op_type == "Add" and self.linear(other)
             role = "parameter" if bias or self.normalized(other) else "constant"
             return [(role, node, position)]
         return [("constant", node, position)]
+
+    def linear(self, name: str) -> bool:
+        """Whether ``name`` is a linear operator's or an embedding's output, possibly
+        plus shifts (``Add``s of it): what a learned bias or shift is added to (a
+        projection's bias, then a learned position added to the projection)."""
+        seen = set()
+        while name not in seen:
+            seen.add(name)
+            source = self._source(name)
+            if source is None:
+                return False
+            if source.op_type in LINEAR_OPS or source.op_type in EMBEDDINGS:
+                return True
+            if source.op_type != "Add" or len(source.input) != 2:
+                return False
+            # (x W + b) + p: follow the operand that is not an initializer of its own
+            inputs = [i for i in source.input if i in self.producer]
+            if len(inputs) != 1:
+                return any(self.source_op(i) in LINEAR_OPS for i in source.input)
+            name = inputs[0]
+        return False
 
     def normalized(self, name: str) -> bool:
         """Whether ``name`` is a normalization's output, or its product by a scale: the

@@ -6,9 +6,11 @@ torch's own model, whose outputs must match graphkit's.
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from zoo.models import torch_export
@@ -290,3 +292,59 @@ def test_group_norm_trains_its_weight_and_bias_like_torch(dynamo):
         np.testing.assert_allclose(
             state[name], trained_torch.reshape(start.shape), rtol=1e-4, atol=1e-5, err_msg=name
         )
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["no-folding", "folding"])
+def test_lstm_and_learned_positions_train_like_torch(fold):
+    """torch's TorchScript exporter without constant folding (the README's recipe for a
+    BatchNorm) reorders an LSTM's gate weights with Slice and Concat before the LSTM
+    reads them, and a transformer-style learned position is added to a projection plus
+    its bias: the default rule must call all of them parameters (it called them
+    constants, and the LSTM trained only its head), and training must match torch's."""
+    torch = pytest.importorskip("torch")
+    from graphkit_train import Trainer
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.pos = torch.nn.Parameter(torch.randn(1, 5, 4) * 0.1)
+            self.lstm = torch.nn.LSTM(4, 6, batch_first=True)
+            self.head = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            out, _ = self.lstm(self.proj(x) + self.pos)
+            return self.head(out[:, -1])
+
+    torch.manual_seed(0)
+    net = Net()
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(24, 5, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=24)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net, (torch.from_numpy(X[:2]),), buffer, input_names=["X"], output_names=["Y"],
+            dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}}, do_constant_folding=fold,
+            dynamo=False,
+        )  # fmt: skip
+    onx = onnx.load_from_string(buffer.getvalue())
+    initial = [p.detach().numpy().copy() for p in net.parameters()]
+    trained = gk.get_train_initializer(onx)
+    roles = gk.parameters.explain(onx)
+    assert len(trained) == len(initial) - fold, roles  # folding merges the LSTM's biases
+    settings = dict(optimizer="sgd", max_iter=2, batch_size=8, shuffle=False, backend="native")
+    fitted = Trainer(onx, loss="cross_entropy", **settings).fit(X, y)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(2):
+        for start in range(0, 24, 8):
+            sgd.zero_grad()
+            logits = net(torch.from_numpy(X[start : start + 8]))
+            torch.nn.functional.cross_entropy(
+                logits, torch.from_numpy(y[start : start + 8])
+            ).backward()
+            sgd.step()
+    with torch.no_grad():
+        expected = net(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(fitted._predict_outputs(X), expected, rtol=1e-4, atol=1e-5)
