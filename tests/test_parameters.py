@@ -242,6 +242,22 @@ def test_a_scalar_weight_named_explicitly_trains(kind, rng):
     np.testing.assert_allclose(state["W"][:, 0], 0.3 - 0.1 * grad_w, rtol=1e-5)
 
 
+def _torch_sgd(net, X: np.ndarray, y: np.ndarray, epochs: int = 2, batch: int = 8) -> None:
+    """torch's SGD (lr 0.01, cross entropy) over the rows in order: the reference that
+    graphkit's ``Trainer(optimizer="sgd", shuffle=False)`` must match."""
+    import torch
+
+    sgd = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(epochs):
+        for start in range(0, len(X), batch):
+            sgd.zero_grad()
+            logits = net(torch.from_numpy(X[start : start + batch]))
+            torch.nn.functional.cross_entropy(
+                logits, torch.from_numpy(y[start : start + batch])
+            ).backward()
+            sgd.step()
+
+
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_group_norm_trains_its_weight_and_bias_like_torch(dynamo):
     """Both exporters write nn.GroupNorm as InstanceNormalization over the groups (its
@@ -270,15 +286,7 @@ def test_group_norm_trains_its_weight_and_bias_like_torch(dynamo):
     # onnxruntime-training has no gradient for InstanceNormalization: the native backend
     settings = dict(optimizer="sgd", max_iter=2, batch_size=8, shuffle=False, backend="native")
     fitted = Trainer(onx, loss="cross_entropy", **settings).fit(X, y)
-    sgd = torch.optim.SGD(net.parameters(), lr=0.01)
-    for _ in range(2):
-        for start in range(0, 24, 8):
-            sgd.zero_grad()
-            logits = net(torch.from_numpy(X[start : start + 8]))
-            torch.nn.functional.cross_entropy(
-                logits, torch.from_numpy(y[start : start + 8])
-            ).backward()
-            sgd.step()
+    _torch_sgd(net, X, y)
     # each exported weight is the torch parameter it started equal to
     state = fitted.get_state()
     for name, start in trained.items():
@@ -336,15 +344,7 @@ def test_lstm_and_learned_positions_train_like_torch(fold):
     assert len(trained) == len(initial) - fold, roles  # folding merges the LSTM's biases
     settings = dict(optimizer="sgd", max_iter=2, batch_size=8, shuffle=False, backend="native")
     fitted = Trainer(onx, loss="cross_entropy", **settings).fit(X, y)
-    sgd = torch.optim.SGD(net.parameters(), lr=0.01)
-    for _ in range(2):
-        for start in range(0, 24, 8):
-            sgd.zero_grad()
-            logits = net(torch.from_numpy(X[start : start + 8]))
-            torch.nn.functional.cross_entropy(
-                logits, torch.from_numpy(y[start : start + 8])
-            ).backward()
-            sgd.step()
+    _torch_sgd(net, X, y)
     with torch.no_grad():
         expected = net(torch.from_numpy(X)).numpy()
     np.testing.assert_allclose(fitted._predict_outputs(X), expected, rtol=1e-4, atol=1e-5)

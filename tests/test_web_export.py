@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 
 import numpy as np
 import onnx
@@ -23,6 +22,7 @@ from graphkit.training_info import initial_state
 from graphkit_train import ForwardBackwardTrainer, Trainer
 from graphkit_train.cli import main
 from graphkit_train.web import MANIFEST, MODULE, export_web
+from tests.web_models import iris_classifier
 
 
 def _state(folder, manifest) -> dict[str, np.ndarray]:
@@ -104,16 +104,7 @@ def test_template_plus_weights_is_the_trained_model(fitted, tmp_path):
 
 
 def test_classifier_drops_zipmap_and_says_how_to_predict(tmp_path):
-    from skl2onnx import to_onnx
-    from sklearn.datasets import load_iris
-    from sklearn.linear_model import LogisticRegression
-
-    X, y = load_iris(return_X_y=True)
-    X = X.astype(np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fitted = LogisticRegression(max_iter=5).fit(X, y)
-    model = gk.add_loss_output(to_onnx(fitted, X[:1]), "log", weight_name="weight")
+    model, _, _ = iris_classifier()
     manifest = export_web(Trainer(model, batch_size=16), tmp_path)
     predict = onnx.load(tmp_path / "predict.onnx")
     assert "ZipMap" not in {n.op_type for n in predict.graph.node}

@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -29,9 +30,9 @@ def regressor(folder: Path) -> None:
         raise RuntimeError(f"graphkit-train export --web failed (exit code {code})")
 
 
-def classifier(folder: Path) -> None:
-    """skl2onnx's LogisticRegression on iris (ZipMap kept: the export drops it), log loss
-    with sample weights, SGD with an exponentially decaying rate."""
+def iris_classifier() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    """skl2onnx's LogisticRegression on iris (its ZipMap kept) with a log loss reading
+    sample weights ``weight``, and the data."""
     from skl2onnx import to_onnx
     from sklearn.datasets import load_iris
     from sklearn.linear_model import LogisticRegression
@@ -41,7 +42,13 @@ def classifier(folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fitted = LogisticRegression(max_iter=5).fit(X, y)
-    model = gk.add_loss_output(to_onnx(fitted, X[:1]), "log", weight_name="weight")
+    return gk.add_loss_output(to_onnx(fitted, X[:1]), "log", weight_name="weight"), X, y
+
+
+def classifier(folder: Path) -> None:
+    """skl2onnx's LogisticRegression on iris (ZipMap kept: the export drops it), log loss
+    with sample weights, SGD with an exponentially decaying rate."""
+    model, X, y = iris_classifier()
     # the step counter drives the schedule: the page must carry it as Python does
     schedule = gk.schedules.SCHEDULES.factory("exponential")(eta0=0.1, gamma=0.97)
     trainer = Trainer(model, optimizer="sgd", schedule=schedule, batch_size=16)
