@@ -1,0 +1,67 @@
+"""graphkit's contenders (the driver's environment, ``.venv``): the workload's ONNX graph
+trained by
+
+* ``full``: full training, one run per epoch (the whole epoch in one ONNX ``Scan``),
+  ``OrtGradientOptimizer(steps_per_run="epoch")``;
+* ``forward_backward``: ``OrtGradientForwardBackwardOptimizer`` (a forward and a
+  backward call per batch);
+
+each on a backend of ``graphkit.backends``: ``ort_training`` or ``native``
+(``<kind>:<backend>``). Both trainers compute every batch's loss; the epoch returns the
+mean of the last epoch's batch losses.
+"""
+
+from __future__ import annotations
+
+import onnx
+from spec import Spec
+
+import graphkit as gk
+from graphkit import optimizers
+from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for package in ("onnxruntime-training-cpu", "onnxruntime", "onnx-ad"):
+        try:
+            found.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+VERSION = _version()
+
+
+def make(kind: str, spec: Spec):
+    mode, backend = kind.split(":")
+    model = onnx.load(spec.model_path)
+    loss = "squared_error" if spec.loss == "mse" else "cross_entropy"
+    if spec.optimizer == "sgd":
+        rate = optimizers.sgd(learning_rate=spec.lr)
+    else:
+        rate = optimizers.adamw(weight_decay=spec.weight_decay, learning_rate=spec.lr)
+    common = dict(
+        max_iter=1,
+        batch_size=spec.batch_size,
+        learning_rate=rate,
+        shuffle=False,
+        warm_start=True,
+        validation_every=0,
+        backend=backend,
+    )
+    if mode == "full":
+        trainer = OrtGradientOptimizer(
+            gk.add_loss_output(model, loss), steps_per_run="epoch", **common
+        )
+    else:
+        trainer = OrtGradientForwardBackwardOptimizer(model, learning_loss=loss, **common)
+
+    def epoch() -> float:
+        trainer.fit(spec.X, spec.y)
+        return trainer.train_losses_[-1]
+
+    return epoch
