@@ -54,6 +54,9 @@ LR = {"sgd": 0.01, "adamw": 0.001}
 WEIGHT_DECAY = 0.01
 THREADS = os.cpu_count() or 1
 TURN = 2  # epochs a contender runs in a row, the first untimed (see run.py)
+PAUSE = 0.25  # seconds between two contenders' turns: spinning thread pools (OpenMP's
+# spin for 200 ms after a parallel region, onnxruntime's too) of the process whose turn
+# ended go idle before the next process starts
 TOLERANCE = {"sgd": 1e-5, "adamw": 1e-3}  # relative, on the last epoch's mean loss
 
 # -- contenders ------------------------------------------------------------------------
@@ -131,9 +134,10 @@ class Workload:
 
 
 def sequential_model(layers: list[dict], weights, input_shape: list) -> onnx.ModelProto:
-    """The ONNX graph of dense / conv / relu / maxpool / flatten layers: Gemm (W stored
-    (in, out)), Conv, Relu, MaxPool, Flatten."""
+    """The ONNX graph of dense / conv / relu / maxpool / flatten layers ending with a
+    dense one: Gemm (W stored (in, out)), Conv, Relu, MaxPool, Flatten."""
     nodes, last = [], "X"
+    outputs = weights[layers[-1]["W"]].shape[1]
     for i, layer in enumerate(layers):
         out = "Y" if i == len(layers) - 1 else f"h{i}"
         op = layer["op"]
@@ -157,7 +161,7 @@ def sequential_model(layers: list[dict], weights, input_shape: list) -> onnx.Mod
         nodes,
         "sequential",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", *input_shape])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", outputs])],
         [numpy_helper.from_array(v, k) for k, v in weights.items()],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
@@ -388,6 +392,7 @@ def run_workload(w: Workload, optimizer: str, repeat: int, folder: Path) -> dict
     epochs = 0
     for _ in range(turns):
         for name, process in list(running.items()):
+            time.sleep(PAUSE)
             for i in range(TURN):
                 reply = process.ask("epoch")
                 if "error" in reply:

@@ -11,7 +11,9 @@ written as a JAX expert would:
 optax's ``adamw`` is torch's AdamW: ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``
 with bias-corrected moments and the decay taken from the weights before the step, which
 is torch's ``p *= 1 - lr wd`` followed by its Adam step. The functions below compute the
-workloads' modules (``torch_models.py``) from the same weights, by name.
+workloads' modules (``torch_models.py``) from the same weights, by name. ReLU is
+``jax.nn.relu``, whose derivative at 0 is 0 as torch's and ONNX's (``jnp.maximum(x, 0)``
+splits it, 0.5: a zero-padded convolution with a zero bias meets x = 0 often).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def sequential(arch: dict):
                 )
                 x = x + p[layer["c"]][None, :, None, None]
             elif op == "relu":
-                x = jnp.maximum(x, 0)
+                x = jax.nn.relu(x)
             elif op == "maxpool":
                 size = (1, 1, layer["size"], layer["size"])
                 x = lax.reduce_window(x, -jnp.inf, lax.max, size, size, "VALID")
@@ -144,7 +146,7 @@ def transformer(arch: dict):
             attention = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2) * (1.0 / head**0.5), axis=-1)
             a = (attention @ v).transpose(0, 2, 1, 3).reshape(-1, seq, d)
             h = _layer_norm(p, f"{name}.norm1", h + _linear(p, f"{name}.out", a))
-            ff = _linear(p, f"{name}.ff2", jnp.maximum(_linear(p, f"{name}.ff1", h), 0))
+            ff = _linear(p, f"{name}.ff2", jax.nn.relu(_linear(p, f"{name}.ff1", h)))
             h = _layer_norm(p, f"{name}.norm2", h + ff)
         return _linear(p, "head", h.mean(axis=1))
 
