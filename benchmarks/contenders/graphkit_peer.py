@@ -9,6 +9,11 @@ trained by
 each on a backend of ``graphkit.backends``: ``ort_training`` or ``native``
 (``<kind>:<backend>``). Both trainers compute every batch's loss; the epoch returns the
 mean of the last epoch's batch losses.
+
+The weights to train are named (the workload's weights, those the peers train):
+graphkit's default rule (``graphkit.parameters``) takes an initializer read by ``Add``
+input 1 (the transformer's learned positions) or by ``Slice`` (torch's export of an LSTM
+reorders its gate weights with Slice + Concat) for a constant, and would leave them out.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ VERSION = _version()
 def make(kind: str, spec: Spec):
     mode, backend = kind.split(":")
     model = onnx.load(spec.model_path)
+    weights = list(spec.weights)
     loss = "squared_error" if spec.loss == "mse" else "cross_entropy"
     if spec.optimizer == "sgd":
         rate = optimizers.sgd(learning_rate=spec.lr)
@@ -55,10 +61,10 @@ def make(kind: str, spec: Spec):
     )
     if mode == "full":
         trainer = OrtGradientOptimizer(
-            gk.add_loss_output(model, loss), steps_per_run="epoch", **common
+            gk.add_loss_output(model, loss), weights, steps_per_run="epoch", **common
         )
     else:
-        trainer = OrtGradientForwardBackwardOptimizer(model, learning_loss=loss, **common)
+        trainer = OrtGradientForwardBackwardOptimizer(model, weights, learning_loss=loss, **common)
 
     def epoch() -> float:
         trainer.fit(spec.X, spec.y)
