@@ -1,7 +1,8 @@
 """Time graphkit against its strongest peers on the same training work, in one run.
 
     make bench-envs   # once: .venv-bench-jax (JAX + optax), .venv-bench-torch (torch + onnx2torch)
-    python benchmarks/peers.py [--quick] [--repeat 5] [--only WORD] [--output FILE]
+    python benchmarks/peers.py [--quick] [--repeat 5] [--only WORD] [--contender WORD]
+                               [--optimizer sgd|adamw] [--output FILE]
 
 Contenders, each in a process of its own and in an environment of its own
 (``benchmarks/contenders/``): graphkit full training (the whole epoch in one run) and
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,17 +265,19 @@ def exported(name: str, arch: dict, X: np.ndarray, y: np.ndarray, batch_size: in
     weights = {k: v.detach().numpy().copy() for k, v in module.state_dict().items()}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.onnx")
-        torch.onnx.export(
-            module,
-            (torch.from_numpy(X[:batch_size]),),
-            path,
-            dynamo=False,
-            opset_version=17,
-            do_constant_folding=False,
-            input_names=["X"],
-            output_names=["Y"],
-            dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
-        )
+        with warnings.catch_warnings():  # the TorchScript exporter's deprecation, RNN's
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                module,
+                (torch.from_numpy(X[:batch_size]),),
+                path,
+                dynamo=False,
+                opset_version=17,
+                do_constant_folding=False,
+                input_names=["X"],
+                output_names=["Y"],
+                dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+            )
         model = onnx.load(path)
     model.ir_version = min(model.ir_version, 9)
     names = {i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT}
@@ -455,8 +459,11 @@ def table(w: Workload, optimizer: str, outcomes: dict[str, Outcome]) -> tuple[li
             f"(+{o.extra / 2**20:4.0f})  loss {loss}"
         )
     lines.append("")
-    row = {n: o.best / best_peer for n, o in outcomes.items() if o.times}
+    row: dict = {n: o.best / best_peer for n, o in outcomes.items() if o.times}
     row["fastest peer"] = f"{fastest} ({best_peer / w.batches * 1e6:.1f} µs)" if fastest else "—"
+    gaps = {n: abs(o.loss - reference) / abs(reference) for n, o in outcomes.items() if o.times}
+    apart = [n for n, gap in gaps.items() if gap > TOLERANCE[optimizer]]
+    row["losses"] = f"≠ {', '.join(apart)}" if apart else f"{max(gaps.values()):.0e}"
     return lines, {title: row}
 
 
@@ -465,12 +472,17 @@ def summary(rows: dict[str, dict]) -> list[str]:
     lines = [
         "## Summary: time per batch relative to the fastest peer (lower is faster)",
         "",
-        "| workload | " + " | ".join(graphkit) + " | fastest peer |",
-        "|---|" + "---:|" * len(graphkit) + "---|",
+        "*losses*: the largest relative difference of a contender's last loss from PyTorch "
+        "eager's, or the contenders whose loss differs by more than the tolerance.",
+        "",
+        "| workload | " + " | ".join(graphkit) + " | fastest peer | losses |",
+        "|---|" + "---:|" * len(graphkit) + "---|---:|",
     ]
     for title, row in rows.items():
         cells = [f"{row[n]:.2f}" if n in row else "—" for n in graphkit]
-        lines.append(f"| {title} | " + " | ".join(cells) + f" | {row['fastest peer']} |")
+        lines.append(
+            f"| {title} | " + " | ".join(cells) + f" | {row['fastest peer']} | {row['losses']} |"
+        )
     return lines + [""]
 
 
@@ -479,10 +491,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few batches (a smoke run)")
     parser.add_argument("--repeat", type=int, default=5, help="timed epochs per contender")
     parser.add_argument("--only", action="append", help="workloads whose name has this word")
+    parser.add_argument("--contender", action="append", help="contenders whose name has this")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], action="append")
     parser.add_argument("--output", default=str(HERE / "RESULTS_PEERS.md"))
     args = parser.parse_args()
     repeat = 1 if args.quick else args.repeat
+    if args.contender:
+        CONTENDERS[:] = [c for c in CONTENDERS if any(x in c.name for x in args.contender)]
 
     started = time.perf_counter()
     sections, rows, versions = [], {}, {}
