@@ -86,12 +86,9 @@ CONTENDERS = [
     Contender("graphkit full, ort_training", "graphkit", "graphkit_peer", "full:ort_training"),
     Contender("graphkit full, native", "graphkit", "graphkit_peer", "full:native"),
     Contender(
-        "graphkit fwd/bwd, ort_training",
-        "graphkit",
-        "graphkit_peer",
-        "forward_backward:ort_training",
+        "graphkit fwd/bwd, ort_training", "graphkit", "graphkit_peer", "fwd_bwd:ort_training"
     ),
-    Contender("graphkit fwd/bwd, native", "graphkit", "graphkit_peer", "forward_backward:native"),
+    Contender("graphkit fwd/bwd, native", "graphkit", "graphkit_peer", "fwd_bwd:native"),
     Contender("PyTorch eager", "torch", "torch_peer", "eager"),
     Contender("torch.compile", "torch", "torch_peer", "compile"),
     Contender("onnx2torch + torch", "torch", "torch_peer", "onnx2torch"),
@@ -499,7 +496,7 @@ def main() -> None:
     if args.contender:
         CONTENDERS[:] = [c for c in CONTENDERS if any(x in c.name for x in args.contender)]
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()[0]
     sections, rows, versions = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="graphkit-peers-") as tmp:
         for index, w in enumerate(workloads(args.quick)):
@@ -535,7 +532,11 @@ def main() -> None:
         "beyond what it held once imports and data were loaded.",
         "",
     ]
-    tail = [f"Total run: {time.perf_counter() - started:.0f} s."]
+    tail = [
+        f"Total run: {time.perf_counter() - started:.0f} s; load average (1 min) "
+        f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this run's own "
+        "processes count about 1: more means another program shared the cores)."
+    ]
     text = "\n".join(head + summary(rows) + ["## Every contender", ""] + sections + tail)
     Path(args.output).write_text(text + "\n")
     print(f"wrote {args.output}")

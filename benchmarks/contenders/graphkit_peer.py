@@ -3,7 +3,7 @@ trained by
 
 * ``full``: full training, one run per epoch (the whole epoch in one ONNX ``Scan``),
   ``OrtGradientOptimizer(steps_per_run="epoch")``;
-* ``forward_backward``: ``OrtGradientForwardBackwardOptimizer`` (a forward and a
+* ``fwd_bwd``: ``OrtGradientForwardBackwardOptimizer`` (a forward and a
   backward call per batch);
 
 each on a backend of ``graphkit.backends``: ``ort_training`` or ``native``
@@ -63,8 +63,10 @@ def make(kind: str, spec: Spec):
         trainer = OrtGradientOptimizer(
             gk.add_loss_output(model, loss), weights, steps_per_run="epoch", **common
         )
-    else:
+    elif mode == "fwd_bwd":
         trainer = OrtGradientForwardBackwardOptimizer(model, weights, learning_loss=loss, **common)
+    else:
+        raise ValueError(kind)
 
     def epoch() -> float:
         trainer.fit(spec.X, spec.y)
