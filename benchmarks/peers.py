@@ -461,6 +461,7 @@ def table(w: Workload, optimizer: str, outcomes: dict[str, Outcome]) -> tuple[li
     gaps = {n: abs(o.loss - reference) / abs(reference) for n, o in outcomes.items() if o.times}
     apart = [n for n, gap in gaps.items() if gap > TOLERANCE[optimizer]]
     row["losses"] = f"≠ {', '.join(apart)}" if apart else f"{max(gaps.values()):.0e}"
+    row["outcomes"] = outcomes
     return lines, {title: row}
 
 
@@ -480,6 +481,47 @@ def summary(rows: dict[str, dict]) -> list[str]:
         lines.append(
             f"| {title} | " + " | ".join(cells) + f" | {row['fastest peer']} | {row['losses']} |"
         )
+    return lines + [""]
+
+
+def targets(rows: dict[str, dict]) -> list[str]:
+    """The ratios issue 23's targets name, per workload (lower is better for graphkit).
+    *full* is graphkit's full training on ort_training (native where ort_training does not
+    train the workload); the last column compares peak resident memory, and in brackets
+    the training MB."""
+
+    def ratio(o: dict[str, Outcome], a: str, b: str) -> str:
+        if a not in o or b not in o or not (o[a].times and o[b].times):
+            return "—"
+        return f"{o[a].best / o[b].best:.2f}"
+
+    full, native = "graphkit full, ort_training", "graphkit full, native"
+    fwd, fwd_native = "graphkit fwd/bwd, ort_training", "graphkit fwd/bwd, native"
+    lines = [
+        "## The targets of issue 23 (ratios of time per batch; lower is better for graphkit)",
+        "",
+        "| workload | full ÷ JAX scan | full ÷ torch eager | fwd/bwd ÷ full, ort_training "
+        "| fwd/bwd ÷ full, native | native ÷ ort_training, full | native ÷ ort_training, "
+        "fwd/bwd | peak memory ÷ torch eager's |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for title, row in rows.items():
+        o = row["outcomes"]
+        best = full if o[full].times else native
+        memory = "—"
+        if o[best].times and o[REFERENCE].times:
+            peak = o[best].peak / o[REFERENCE].peak
+            memory = f"{peak:.2f} ({o[best].extra / o[REFERENCE].extra:.2f})"
+        cells = [
+            ratio(o, best, "JAX jit, lax.scan epoch"),
+            ratio(o, best, REFERENCE),
+            ratio(o, fwd, full),
+            ratio(o, fwd_native, native),
+            ratio(o, native, full),
+            ratio(o, fwd_native, fwd),
+            memory,
+        ]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -537,7 +579,9 @@ def main() -> None:
         f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this run's own "
         "processes count about 1: more means another program shared the cores)."
     ]
-    text = "\n".join(head + summary(rows) + ["## Every contender", ""] + sections + tail)
+    text = "\n".join(
+        head + summary(rows) + targets(rows) + ["## Every contender", ""] + sections + tail
+    )
     Path(args.output).write_text(text + "\n")
     print(f"wrote {args.output}")
 
