@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import select
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ PAUSE = 0.25  # seconds between two contenders' turns: spinning thread pools (Op
 # spin for 200 ms after a parallel region, onnxruntime's too) of the process whose turn
 # ended go idle before the next process starts
 TOLERANCE = {"sgd": 1e-5, "adamw": 1e-3}  # relative, on the last epoch's mean loss
+ANSWER_TIMEOUT = 900  # seconds a contender may take to set up or train an epoch
 
 # -- contenders ------------------------------------------------------------------------
 
@@ -352,9 +354,16 @@ class Process:
         )
 
     def ask(self, command: str | None = None) -> dict:
+        """Send a command (None: wait for the setup's answer) and read the answer."""
         if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(command + "\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died: readline says so
+        if not select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT)[0]:
+            self.proc.kill()
+            return {"error": f"no answer within {ANSWER_TIMEOUT} s"}
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
@@ -460,7 +469,7 @@ def table(w: Workload, optimizer: str, outcomes: dict[str, Outcome]) -> tuple[li
     row["fastest peer"] = f"{fastest} ({best_peer / w.batches * 1e6:.1f} µs)" if fastest else "—"
     gaps = {n: abs(o.loss - reference) / abs(reference) for n, o in outcomes.items() if o.times}
     apart = [n for n, gap in gaps.items() if gap > TOLERANCE[optimizer]]
-    row["losses"] = f"≠ {', '.join(apart)}" if apart else f"{max(gaps.values()):.0e}"
+    row["losses"] = f"≠ {', '.join(apart)}" if apart else f"{max(gaps.values(), default=0):.0e}"
     row["outcomes"] = outcomes
     return lines, {title: row}
 
