@@ -11,15 +11,21 @@ PyTorch eager, ``torch.compile`` (inductor) and ``onnx2torch`` + torch (torch 2.
 JAX ``jax.jit`` of one step and ``jax.jit`` of a ``lax.scan`` over the epoch's batches
 (optax's ``sgd`` and ``adamw``). None of them is a dependency of graphkit.
 
-Workloads: those of ``run.py`` (linear regression, MLPs, a softmax classifier and a small
-CNN) and four that users train: the MLP 784-512-512-10 at batch 128, a CNN (two Conv +
-ReLU + MaxPool, then Linear; 28x28 single-channel inputs, batch 64), a transformer
-encoder (2 layers, d_model 64, 4 heads, sequence 32, batch 32) and an LSTM sequence
-classifier. Their data is synthetic (fixed seeds). This process writes each workload once
-(data, initial weights, settings, and the ONNX graph built from the same weights, or
-exported from the same torch module), and every contender reads it: same data, same
-initial weights, same batches in the same order (no shuffling, a short last batch
-included), same updates (SGD; AdamW in torch's form), every batch's loss computed.
+Workloads: those of ``run.py`` (on its data: synthetic regression, scikit-learn's digits)
+and four that users train, 100 batches an epoch of synthetic data (fixed seeds; labels
+from a random linear teacher, 10 classes, cross-entropy): the MLP 784-512-512-10 at
+batch 128; a CNN (Conv 3x3 1->16 and 16->32, each + ReLU + MaxPool 2, then Linear; 28x28
+single-channel inputs, batch 64); a transformer encoder (input Linear 16->64 + learned
+positions, 2 post-norm layers of d_model 64, 4 heads, feed-forward 128, dropout 0; mean
+over the sequence of 32, Linear head; batch 32) exported by torch.onnx.export; an LSTM
+classifier (16 -> 64, sequence 32, last hidden state, Linear head; batch 32), exported
+the same way. ``--quick`` trains 3.5 batches an epoch instead (a smoke run).
+
+This process writes each workload once (data, initial weights, settings, and the ONNX
+graph built from the same weights, or exported from the same torch module), and every
+contender reads it: same data, same initial weights, same batches in the same order (no
+shuffling, a short last batch included), same updates (SGD; AdamW in torch's form),
+every batch's loss computed.
 
 The contenders' processes live side by side and take turns of ``TURN`` epochs (the first
 untimed), as in ``run.py``, so that the machine's slow moments fall on all of them alike.
