@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test test-native test-plain-torch lint bench zoo-table web web-deps clean
+.PHONY: demo test test-native test-plain-torch lint bench bench-envs bench-peers zoo-table web web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -122,5 +122,33 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/forward_backward.py
 	$(BIN)/python benchmarks/distributed.py
 
+# The peers of benchmarks/peers.py, each in an environment of its own (never a dependency
+# of graphkit): JAX + optax, and torch (eager, torch.compile) + onnx2torch. The driver runs
+# in .venv and starts every contender in a process of its own, in its environment.
+BENCH_JAX         := .venv-bench-jax
+BENCH_JAX_STAMP   := $(BENCH_JAX)/.installed
+BENCH_TORCH       := .venv-bench-torch
+BENCH_TORCH_STAMP := $(BENCH_TORCH)/.installed
+
+$(BENCH_JAX_STAMP):
+	$(PYTHON) -m venv $(BENCH_JAX)
+	$(BENCH_JAX)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_JAX)/bin/python -m pip install --quiet jax==0.10.2 jaxlib==0.10.2 optax==0.2.8 numpy
+	touch $(BENCH_JAX_STAMP)
+
+# torch==2.13.0 is the CPU wheel on this machine's disk (an unpinned torch pulls a CUDA
+# build); onnx2torch's torchvision import is stubbed inside its contender's process.
+$(BENCH_TORCH_STAMP):
+	$(PYTHON) -m venv $(BENCH_TORCH)
+	$(BENCH_TORCH)/bin/python -m pip install --quiet --upgrade pip
+	$(BENCH_TORCH)/bin/python -m pip install --quiet torch==2.13.0 onnx2torch==1.5.15 onnx numpy
+	touch $(BENCH_TORCH_STAMP)
+
+bench-envs: $(BENCH_JAX_STAMP) $(BENCH_TORCH_STAMP)
+
+bench-peers: $(STAMP) bench-envs
+	$(BIN)/python benchmarks/peers.py
+
 clean:
-	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) web/node_modules .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) $(BENCH_JAX) $(BENCH_TORCH) web/node_modules \
+	.pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,90 @@
+"""PyTorch contenders (``.venv-bench-torch``: torch 2.13.0 CPU, onnx2torch):
+
+* ``eager``: the workload's module (``torch_models.build``), ``torch.optim`` SGD/AdamW;
+* ``compile``: the same module under ``torch.compile`` (inductor, C++ kernels built with
+  gcc) and the optimizer step compiled too (PyTorch's recipe for compiled optimizers);
+* ``onnx2torch``: the workload's ONNX graph converted by onnx2torch, its weights (which
+  it stores as buffers) turned into Parameters, trained eagerly.
+
+Every batch's loss is read back (``loss.item()``), as a real training loop does.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+from spec import NotApplicable, Spec
+
+VERSION = f"torch {torch.__version__}"
+
+
+def make(kind: str, spec: Spec):
+    torch.manual_seed(0)
+    torch.set_num_threads(spec.threads)
+    if kind == "onnx2torch":
+        net = onnx2torch_module(spec)
+    else:
+        from torch_models import build
+
+        net = build(spec.arch, spec.weights)
+    parameters = list(net.parameters())
+    if spec.optimizer == "sgd":
+        opt = torch.optim.SGD(parameters, lr=spec.lr)
+    else:
+        opt = torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay)
+    criterion = torch.nn.MSELoss() if spec.loss == "mse" else torch.nn.CrossEntropyLoss()
+    forward, update = net, opt.step
+    if kind == "compile":
+        forward = torch.compile(net)
+        update = torch.compile(opt.step)
+    X, y = torch.from_numpy(spec.X), torch.from_numpy(spec.y)
+
+    def epoch() -> float:
+        total = 0.0
+        for batch in spec.slices():
+            opt.zero_grad()
+            loss = criterion(forward(X[batch]), y[batch])
+            loss.backward()
+            update()
+            total += loss.item()
+        return total / spec.batches
+
+    return epoch
+
+
+def onnx2torch_module(spec: Spec) -> torch.nn.Module:
+    """onnx2torch imports torchvision (for NMS and RoiAlign), whose registry wheel does
+    not load beside torch 2.13.0+cpu: a stub module stands in for it in this process
+    only (the workloads use neither operator)."""
+    if "torchvision" not in sys.modules:
+        stub = types.ModuleType("torchvision")
+        stub.ops = types.ModuleType("torchvision.ops")
+        for name in ("nms", "roi_align", "box_convert"):
+            setattr(stub.ops, name, _missing)
+        sys.modules["torchvision"] = stub
+        sys.modules["torchvision.ops"] = stub.ops
+    import onnx
+    from onnx2torch import convert
+
+    try:
+        net = convert(onnx.load(spec.model_path))
+    except Exception as exc:  # an operator onnx2torch does not convert
+        raise NotApplicable(f"onnx2torch cannot convert the graph: {exc}") from exc
+    # initializers that onnx2torch did not fold into a torch layer (Gemm -> Linear,
+    # Conv -> Conv2d, whose weights are Parameters) arrive as buffers of one container:
+    # make the floating-point ones trainable, as graphkit trains every float initializer
+    container = getattr(net, "initializers", None)
+    if container is not None:
+        for name, buffer in list(container.named_buffers(recurse=False)):
+            if buffer.is_floating_point():
+                del container._buffers[name]
+                container.register_parameter(name, torch.nn.Parameter(buffer))
+    if not list(net.parameters()):
+        raise NotApplicable("onnx2torch left no trainable weight")
+    return net
+
+
+def _missing(*args, **kwargs):
+    raise NotImplementedError("torchvision is stubbed in the onnx2torch contender")
