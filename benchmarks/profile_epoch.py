@@ -197,7 +197,6 @@ def hand_written_row(scan: float, kernel: float) -> tuple[str, dict[str, np.ndar
     batch = workload.batch_size
     batches = len(workload.X) // batch
     model = hand_written_sgd_epoch(batch, batches, bench.LR_SGD)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {
         **{k: v.copy() for k, v in workload.weights.items()},
         "loss_sum": np.array(0, np.float32),
@@ -205,7 +204,13 @@ def hand_written_row(scan: float, kernel: float) -> tuple[str, dict[str, np.ndar
         "Xs": workload.X[: batches * batch].reshape(batches, batch, 10),
         "labels": workload.y[: batches * batch].reshape(batches, batch, 1),
     }
-    seconds = best_of(lambda: session.run(None, feeds))
+    # the best of three sessions: one session in two ran 1.6x slower throughout, here
+    seconds = float("inf")
+    for _ in range(3):
+        session = ort.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        seconds = min(seconds, best_of(lambda s=session: s.run(None, feeds)))
     names = [o.name for o in session.get_outputs()]
     after = dict(zip(names, session.run(None, feeds)))
     kernels = optimized_body_kernels(model)
