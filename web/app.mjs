@@ -8,8 +8,8 @@ import * as ort from "./node_modules/onnxruntime-web/dist/ort.wasm.min.mjs";
 
 const params = new URLSearchParams(location.search);
 const folder = new URL(params.get("model") ?? "demo/", location.href);
-// one thread by default: a second one (it needs a cross-origin isolated page) only paid off
-// on the CNN's whole-epoch run, and slowed the small models (benchmarks/WEB.md)
+// one thread by default: a second one needs a cross-origin isolated page, and did not pay
+// off on the models of benchmarks/WEB.md
 const threads = Number(params.get("threads") ?? 1);
 ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
 ort.env.wasm.numThreads = threads;
