@@ -739,3 +739,59 @@ def test_forward_backward_short_batch_session_does_not_spin():
     runs = trainer._agent_runs
     assert set(runs) == {(False, 8), (False, 2)}
     assert spins(runs[(False, 8)].session) and not spins(runs[(False, 2)].session)
+
+
+@requires_ort_training
+def test_embedding_gradient_runs_lowered_and_trains_like_torch():
+    """onnxruntime-training's GatherGrad CPU kernel is 13x its lowering on an embedding
+    table's gradient (17x on a transformer's pick of q, k or v): the step runs the
+    lowering, and an embedding model trains as torch's SGD does."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(50, 32)
+    head = torch.nn.Linear(32, 3)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, size=(64, 4))
+    y = rng.integers(0, 3, size=64)
+    initial = {
+        "table": table.weight.detach().numpy().copy(),
+        "W": head.weight.detach().numpy().T.copy(),
+        "b": head.bias.detach().numpy().copy(),
+        "axes": np.array([1], np.int64),
+    }
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["table", "ids"], ["rows"]),
+            onnx.helper.make_node("ReduceMean", ["rows", "axes"], ["mean"], keepdims=0),
+            onnx.helper.make_node("Gemm", ["mean", "W", "b"], ["Y"]),
+        ],
+        "embedding_bag",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["N", 4])],
+        [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(v, k) for k, v in initial.items()],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)])
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(model, "cross_entropy"),
+        max_iter=2,
+        batch_size=32,  # the table's gradient: 32 x 4 x 32 = 4096 elements, SLOW_FROM
+        learning_rate=0.1,
+        shuffle=False,
+        backend="ort_training",
+    ).fit(ids, y)
+    step = trainer.training_step_.model
+    assert "GatherGrad" in {n.op_type for n in step.graph.node}
+    lowered = lower_slow_cpu_ops(trainer._runner(32).scan_model)
+    assert "GatherGrad" not in {n.op_type for g in all_graphs(lowered.graph) for n in g.node}
+    sgd = torch.optim.SGD([*table.parameters(), *head.parameters()], lr=0.1)
+    for _ in range(2):
+        for start in range(0, 64, 32):
+            sgd.zero_grad()
+            logits = head(table(torch.from_numpy(ids[start : start + 32])).mean(dim=1))
+            torch.nn.functional.cross_entropy(
+                logits, torch.from_numpy(y[start : start + 32])
+            ).backward()
+            sgd.step()
+    state = trainer.get_state()
+    np.testing.assert_allclose(state["table"], table.weight.detach().numpy(), atol=1e-6)
+    np.testing.assert_allclose(state["W"], head.weight.detach().numpy().T, atol=1e-6)
