@@ -190,12 +190,20 @@ class ForwardBackwardTrainer(BaseTrainer):
         self.loss_ = self.learning_loss_.for_prediction(self._prediction_shape)
         self._loss_dtype = dtype
         self._loss_runs: dict[tuple[bool, int | None], LossRun] = {}
-        self.loss_onnx_ = self._loss_run(weighted=False, rows=None).graph
         self.weights_to_train_ = list(fb.weight_names)
         values = {w: fb.weights[w].numpy() for w in fb.weight_names}
         self.update_step_ = build_update_step(
             values, self.learning_rate_, self.learning_penalty_, dtype
         )
+        self._no_input_grads: frozenset[str] = frozenset()
+        self._variant = fb._variant(self._no_input_grads)
+        # known before any loss or update session is made: their threads depend on it
+        self._fuses = self._backend.fusable(
+            self._variant.gradient_model,
+            self.loss_.gradient_model(dtype, False, self._prediction_shape),
+            self.update_step_,
+        )
+        self.loss_onnx_ = self._loss_run(weighted=False, rows=None).graph
         # folded once (its scalar arithmetic on constants, the Identity nodes): the
         # exported "update" graph stays the readable one
         size = sum(v.size for v in values.values())
@@ -207,17 +215,12 @@ class ForwardBackwardTrainer(BaseTrainer):
         self._weight_dtype = np.dtype(dtype)
         self._accepts_sample_weight = True
         self._requires_sample_weight = False
-        self._no_input_grads: frozenset[str] = frozenset()
         self._c_device = engine.ort_device(self._ort_device, self._device_id)
-        self._variant = fb._variant(self._no_input_grads)
         self._feed_sources = fb.feed_sources(self._variant)
         # the weight of each gradient the backward returns, in its order (the same in
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
-        self._fuses = self._backend.fusable(
-            self._variant.gradient_model, self.loss_onnx_, self.update_step_
-        )
         self._agent_runs: dict[tuple[bool, int], Any] = {}
         self._per_sample: Any = None
         self._built = True
@@ -295,6 +298,10 @@ class ForwardBackwardTrainer(BaseTrainer):
         if self.intra_op_num_threads is None and elements is not None:
             if elements < SERIAL_BELOW:
                 return Threads(1, self._threads.mode, spinning=False)
+        if not self._fuses:
+            # four sessions a batch (a backend whose runner does not fuse the loss and
+            # the update): a pool that spins after its run takes the next one's cores
+            return Threads(self._threads.intra_op, self._threads.mode, spinning=False)
         return self._threads
 
     def _bind_scratch(self, binding: Any) -> None:

@@ -6,10 +6,12 @@ the weights (and of the inputs that ask for one). :func:`forward_backward_graphs
 one graph that does both (:func:`.adapter.vector_jacobian_graph`: the outputs' gradients
 are inputs); :func:`cut` divides it where the gradients of the outputs come in:
 
-* the **forward** holds every node that does not depend on them; it outputs the layer's
-  outputs and the tensors the backward reads (activations, masks...);
-* the **backward** holds the others; it takes the gradients of the outputs, what the
-  forward kept, and whatever feeds it reads directly.
+* the **forward** holds the nodes the layer's outputs need; it outputs them and the
+  tensors the backward reads among its own (activations, MaxPool's indices...);
+* the **backward** holds the others (those that depend on the incoming gradients, and
+  what they read that the outputs do not need: a weight's transpose, a ReLU's mask); it
+  takes the gradients of the outputs, what the forward kept, and whatever feeds it
+  reads directly.
 
 Where the forward's outputs themselves depend on the incoming gradients (a rule that
 differentiates an ``If`` in place computes the branch and its derivative in one node),
@@ -82,8 +84,14 @@ def cut(
     seeded = descendants(graph, seeds)
     if seeded & set(outputs):
         return _whole(gradient, feeds, outputs, seeds)
-    forward_nodes = [n for n in graph.node if not seeded.intersection(n.output)]
-    backward_nodes = [n for n in graph.node if seeded.intersection(n.output)]
+    # the forward computes the layer's outputs and nothing else; what the backward needs
+    # besides (a weight's transpose, a ReLU's mask) it computes itself from the kept
+    # activations: computed in the forward, a transpose would be copied there, kept, and
+    # could not fuse with the MatMul that reads it (MLP 784-512-512-10 at batch 128:
+    # forward 2.8 ms, backward 4.1 against 2.7 for the whole fused step)
+    needed = ancestors(graph, outputs)
+    forward_nodes = [n for n in graph.node if needed.intersection(n.output)]
+    backward_nodes = [n for n in graph.node if not needed.intersection(n.output)]
     produced = {o for n in forward_nodes for o in n.output}
     read = set().union(*(outer_reads(n) for n in backward_nodes)) if backward_nodes else set()
     gradients = [o.name for o in graph.output if o.name not in set(outputs)]
