@@ -107,6 +107,7 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
     out = onnx.ModelProto()
     out.CopyFrom(model)
     _merge_opset_imports(out)
+    _declare_io_shapes(out)
     _lower_ir_version(out)
     opset = opset_of(out)
     if opset is None:
@@ -124,6 +125,44 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
     else:
         check_valid(out)
     return out
+
+
+def _declare_io_shapes(model: onnx.ModelProto) -> None:
+    """Give the graph's inputs and outputs that declare an element type but no shape
+    the shape onnx's inference finds (in place): ``onnx.checker`` refuses them ("Field
+    'shape' of 'type' is required but missing"), where onnxruntime runs them.
+
+    Raises:
+        IncompatibleModelError: inference cannot tell the shape of one of them (a graph
+            input always: nothing comes before it).
+    """
+    values = [*model.graph.input, *model.graph.output]
+    missing = [
+        v
+        for v in values
+        if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")
+    ]
+    if not missing:
+        return
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+        known = {v.name: v for v in [*inferred.value_info, *inferred.output]}
+    except Exception:  # the checker below says what is wrong with the model
+        known = {}
+    unknown = []
+    for value in missing:
+        found = known.get(value.name)
+        if found is not None and found.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.CopyFrom(found.type.tensor_type.shape)
+        else:
+            unknown.append(value.name)
+    if unknown:
+        raise IncompatibleModelError(
+            f"The model's inputs or outputs {unknown} declare an element type but no shape, "
+            "which onnx.checker refuses, and onnx's shape inference cannot tell it: declare "
+            "each one's shape, with a name for the batch dimension (onnx.helper."
+            "make_tensor_value_info(name, elem_type, ['N', 4]))."
+        )
 
 
 _BAD_NODE = re.compile(r"Name: (\S*) OpType: (\S+)")

@@ -85,3 +85,33 @@ def test_already_compatible_model_is_unchanged(rng):
     model = model_with(10, 18, rng.normal(size=(2, 1)))
     assert make_compatible(model).SerializeToString() == model.SerializeToString()
     onnx.checker.check_model(make_compatible(model))
+
+
+def test_inputs_and_outputs_without_a_shape():
+    """onnx.checker refuses an input or output that declares its element type but no
+    shape (onnxruntime runs it): an output gets the shape inference gives it, and trains
+    like numpy's SGD; an input, which nothing can tell, is refused naming it."""
+    import graphkit as gk
+    from graphkit_train import Trainer
+
+    W = np.array([[0.5], [-0.25], [1.0]], np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])],
+        "shapeless",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(W, "W")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=8).astype(np.float32)
+    fitted = Trainer(model, loss="squared_error", optimizer="sgd", batch_size=8, max_iter=1)
+    fitted.fit(X, y)
+    gradient = 2 * X.T @ (X @ W - y[:, None]) / 8  # one batch of mean squared error
+    np.testing.assert_allclose(fitted.get_state()["W"], W - 0.01 * gradient, rtol=1e-5)
+
+    graph.input[0].type.tensor_type.ClearField("shape")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(gk.IncompatibleModelError, match=r"\['X', 'Y'\] declare an element type"):
+        gk.add_loss_output(model, "squared_error")
