@@ -127,6 +127,7 @@ def run_page(
     timeout_s: float = 120,
     screenshot: Path | None = None,
     wait_for: str | None = None,
+    download: tuple[str, Path] | None = None,
 ) -> dict[str, Any]:
     """Open ``url`` in headless Chromium, optionally wait and evaluate ``script``; return the JSON.
 
@@ -141,6 +142,9 @@ def run_page(
     ``ok: False`` just before, and node is killed at ``timeout_s`` whatever happens (2 s more at
     most), so a stuck page never hangs a test. RuntimeError when node itself fails or gives no
     answer.
+
+    ``download = (selector, path)``: after the script (and the screenshot), click the element
+    and save the file the page then offers for download at ``path``.
     """
     # drive.mjs's own deadline comes first, leaving it time to report and close Chromium.
     inner_s = max(timeout_s - 5.0, timeout_s * 0.75)
@@ -150,6 +154,9 @@ def run_page(
         "waitFor": wait_for,
         "timeoutMs": round(inner_s * 1000),
         "screenshot": str(Path(screenshot).resolve()) if screenshot is not None else None,
+        "download": (
+            {"click": download[0], "path": str(Path(download[1]).resolve())} if download else None
+        ),
     }
     with tempfile.TemporaryDirectory(prefix="graphkit-drive-") as tmp:
         args = Path(tmp) / "args.json"

@@ -216,9 +216,10 @@ def test_step_and_epoch_modes_agree(site):
     assert epoch == again  # the same seed, the same permutations, bit for bit
 
 
-def test_demo_page_trains_and_shows_the_losses(site, bundles):
-    """The demo page as a user sees it: train, chart, held-out R^2, download offered. The
-    screenshot is the README's (GRAPHKIT_UPDATE_SCREENSHOT=1 writes web/screenshot.png)."""
+def test_demo_page_trains_and_shows_the_losses(site, bundles, tmp_path):
+    """The demo page as a user sees it: train, chart, held-out R^2, then the Download
+    button's file, which predicts in Python as the page did. The screenshot is the
+    README's (GRAPHKIT_UPDATE_SCREENSHOT=1 writes web/screenshot.png)."""
     target = WEB / "screenshot.png" if os.environ.get("GRAPHKIT_UPDATE_SCREENSHOT") else None
     shot = target or bundles / "screenshot.png"
     script = in_page(
@@ -229,10 +230,17 @@ def test_demo_page_trains_and_shows_the_losses(site, bundles):
                  status: document.getElementById("status").textContent,
                  facts: document.getElementById("facts").innerText,
                  download: !document.getElementById("download").disabled,
-                 train: t.trainLosses, heldOut: t.heldOutLosses };
+                 train: t.trainLosses, heldOut: t.heldOutLosses,
+                 predicted: await t.predict(t.data.held_out.X) };
         """
     )
-    answer = run_page(page(site, "regressor", epochs=60), script, screenshot=shot)
+    downloaded = tmp_path / "model.trained.onnx"
+    answer = run_page(
+        page(site, "regressor", epochs=60),
+        script,
+        screenshot=shot,
+        download=("#download", downloaded),
+    )
     assert answer["ok"], answer
     got = answer["value"]
     assert got["result"]["ok"] and got["error"] is None, got
@@ -243,6 +251,14 @@ def test_demo_page_trains_and_shows_the_losses(site, bundles):
     assert r2 > 0.3, got["facts"]  # scikit-learn's MLPRegressor reaches 0.49 in 100 epochs
     assert shot.stat().st_size > 10_000
     assert not [m for m in answer["console"] if m["type"] == "error"], answer["console"]
+    trained = onnx.load(downloaded)
+    onnx.checker.check_model(trained, full_check=True)
+    X_held, y_held = load_rows(bundles / "regressor", "held_out")
+    session = onnxruntime.InferenceSession(str(downloaded))
+    predicted = session.run(None, {"X": X_held})[0].reshape(-1)
+    np.testing.assert_allclose(predicted, got["predicted"], rtol=TOLERANCE)
+    r2_python = 1 - ((y_held - predicted) ** 2).sum() / ((y_held - y_held.mean()) ** 2).sum()
+    assert abs(r2_python - r2) < 1e-4  # the page's R^2, from the downloaded file
 
 
 # -- bad input: a clear error in the page and the console, never a hang -------------------

@@ -18,7 +18,7 @@ import pytest
 from onnx import numpy_helper
 
 import graphkit as gk
-from graphkit.training_info import initial_state
+from graphkit.training_info import check_training_info, initial_state
 from graphkit_train import ForwardBackwardTrainer, Trainer
 from graphkit_train.cli import main
 from graphkit_train.web import MANIFEST, MODULE, export_web
@@ -67,6 +67,12 @@ def test_manifest_describes_the_files(fitted, tmp_path):
     assert manifest["label"]["classes"] is None and manifest["prediction"]["kind"] == "values"
     data = json.loads((tmp_path / "data.json").read_text())
     np.testing.assert_array_equal(np.array(data["train"]["X"], np.float32), X)
+    # the trainable model, for Python: its training info continues from the same weights
+    trainable = onnx.load(tmp_path / manifest["trainable"])
+    check_training_info(trainable)
+    weights = {t.name: numpy_helper.to_array(t) for t in trainable.graph.initializer}
+    for name in manifest["weights"]:
+        np.testing.assert_array_equal(weights[name], trained[name])
 
 
 def test_every_graph_is_standard_onnx_and_opens_in_onnxruntime(fitted, tmp_path):

@@ -14,6 +14,8 @@ back, as :class:`graphkit.step_trainer.StepTrainer` does in Python::
     model.template.onnx      the prediction model without its trained initializers
     state.bin                the resident tensors' current values, 8-byte aligned
     graphkit-web.mjs         the ES module (loadTrainer)
+    model.trainable.onnx     the prediction model carrying the step as a TrainingInfoProto
+                             (graphkit.training.export.export_training_info), for Python
     data.json                optional: rows to train on (the demo page's)
 
 ``exportModel()`` in the browser appends the trained weights to the template as
@@ -40,11 +42,16 @@ from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
 from graphkit.rewrite import META_PREDICTION, metadata, prune
 from graphkit.training.batches import NamedRows
-from graphkit.training.export import export_training_epoch, export_training_step
+from graphkit.training.export import (
+    export_training_epoch,
+    export_training_info,
+    export_training_step,
+)
 from graphkit.training_info import initial_state
 
 MANIFEST = "manifest.json"
 MODULE = "graphkit-web.mjs"
+TRAINABLE = "model.trainable.onnx"
 FORMAT, VERSION = "graphkit-web", 1
 _ALIGN = 8  # a Float64Array or BigInt64Array view needs its offset a multiple of 8
 
@@ -157,6 +164,13 @@ def export_web(
             for key, model in (("step", step), ("epoch", epoch), ("predict", predict))
         },
     }
+    # the same model for Python and other runtimes: the prediction model carrying its
+    # training step as a TrainingInfoProto (the page itself does not read it)
+    try:
+        export_training_info(trainer, out / TRAINABLE)
+        manifest["trainable"] = TRAINABLE
+    except IncompatibleModelError:  # a weight that is not a prediction-graph initializer
+        manifest["trainable"] = None
     if data is not None:
         (out / "data.json").write_text(json.dumps(_rows_json(data)))
         manifest["data"] = "data.json"

@@ -2,7 +2,8 @@
 //
 // Usage: node tests/web/drive.mjs ARGS.json, where ARGS.json holds
 //   {"url": str, "script": str | null, "waitFor": str | null,
-//    "timeoutMs": number, "screenshot": str | null}
+//    "timeoutMs": number, "screenshot": str | null,
+//    "download": {"click": CSS selector, "path": str} | null}
 // Arguments come in a file (never through a shell string) so scripts need no quoting.
 //
 // Prints exactly one JSON line on stdout:
@@ -46,7 +47,7 @@ async function drive() {
     headless: true,
     args: FLAGS,
   });
-  const page = await browser.newPage();
+  const page = await browser.newPage({ acceptDownloads: true });
   page.on('console', (m) => consoleMessages.push({ type: m.type(), text: m.text() }));
   page.on('request', (r) => requests.push(r.url()));
   // An uncaught exception (or unhandled rejection) ends a wait for completion at once:
@@ -79,6 +80,14 @@ async function drive() {
     value = json === undefined ? null : JSON.parse(json);
   }
   if (args.screenshot) await page.screenshot({ path: args.screenshot, fullPage: true });
+  if (args.download) {
+    // what a user gets: click the element, save the file the page offers
+    const [download] = await Promise.all([
+      page.waitForEvent('download', { timeout: 0 }),
+      page.click(args.download.click),
+    ]);
+    await download.saveAs(args.download.path);
+  }
   return { ok: true, value };
 }
 
