@@ -585,10 +585,7 @@ def _report(
 ) -> dict[str, Any]:
     """What ``report.json`` holds, the held-out score included."""
     report: dict[str, Any] = {
-        "dataset": job.dataset,
-        "features": job.names,
-        "rows": {"train": int(len(job.train_rows)), "held_out": int(len(job.test_rows))},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
+        **_job_report(job, args),
         "weights_trained": trainer.weights_to_train_,
         "optimizer": {"name": trainer.optimizer_.name, "params": trainer.optimizer_.params},
         "processes": world_size,
@@ -638,15 +635,22 @@ def _sklearn_reference(X, y, train_rows, test_rows, args) -> dict[str, Any]:  # 
     return {"estimator": "MLPRegressor(32, tanh, adam), scaled X and y", "held_out_r2": score}
 
 
+def _job_report(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
+    """What every report says of the job: the data, its split and the settings."""
+    return {
+        "dataset": job.dataset,
+        "features": job.names,
+        "rows": {"train": int(len(job.train_rows)), "held_out": int(len(job.test_rows))},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
+    }
+
+
 def _export_untrained(job: _Job, args: argparse.Namespace, say: Any) -> dict[str, Any]:
     """``export --web DIR --epochs 0``: the web folder of the untrained model, and a report."""
     trainer = _trainer(job, args, quiet=True)
     folder = _write_web(trainer, job, args.web)
     report = {
-        "dataset": job.dataset,
-        "features": job.names,
-        "rows": {"train": int(len(job.train_rows)), "held_out": int(len(job.test_rows))},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("quiet", "export")},
+        **_job_report(job, args),
         "export": True,
         "files": {"web": folder},
     }

@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphkit._graph import copy_model
 from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
 from graphkit.rewrite import META_PREDICTION, metadata, prune
@@ -182,7 +183,7 @@ def export_web(
 def _forward(trainer: Any, model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
     """``model`` reduced to ``outputs`` (a ZipMap after the probabilities goes: no web
     runtime returns maps), its operators lowered to standard ONNX, checked."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
+    model = copy_model(model)
     kept = [o for o in model.graph.output if o.name in outputs]
     del model.graph.output[:]
     model.graph.output.extend(kept)
@@ -211,7 +212,7 @@ def _template(
     for tensor in trained.graph.initializer:
         if tensor.name in state:
             tensor.CopyFrom(numpy_helper.from_array(state[tensor.name], tensor.name))
-    template = onnx.ModelProto.FromString(trained.SerializeToString())
+    template = copy_model(trained)
     kept = [t for t in template.graph.initializer if t.name not in set(weights)]
     del template.graph.initializer[:]
     template.graph.initializer.extend(kept)
