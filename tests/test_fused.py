@@ -578,6 +578,78 @@ def test_static_reductions_sum_what_numpy_sums(shape, data, keepdims, noop, dtyp
     np.testing.assert_allclose(out, expected, rtol=1e-5 if dtype == np.float32 else 1e-12)
 
 
+_NUMPY_REDUCTIONS = {
+    "ReduceSum": np.sum,
+    "ReduceMean": np.mean,
+    "ReduceMax": np.max,
+    "ReduceL2": lambda x, axis, keepdims: np.sqrt(np.sum(x * x, axis=axis, keepdims=keepdims)),
+}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=st.lists(st.sampled_from([1, 1, 2, 3]), min_size=2, max_size=5),
+    op=st.sampled_from(["Transpose", *_NUMPY_REDUCTIONS]),
+    data=st.data(),
+    keepdims=st.sampled_from([0, 1]),
+)
+def test_transposes_and_reductions_without_unit_axes_compute_numpy(shape, op, data, keepdims):
+    """A Transpose or a reduction run on the tensor without its axes of size 1 (a
+    gradient's seed axis; the size threshold lowered to every size) computes numpy's
+    result, the axes given as an input (ReduceSum) or an attribute (opset 17); the
+    kernel sees only the axes that are not 1 (or that a reduction reduces)."""
+    from unittest import mock
+
+    from graphkit import static_shapes
+
+    rank = len(shape)
+    X = np.random.default_rng(rank).normal(size=shape).astype(np.float32)
+    initializers = []
+    if op == "Transpose":
+        perm = data.draw(st.permutations(range(rank)))
+        node = helper.make_node(op, ["X"], ["Y"], perm=perm)
+        expected = X.transpose(perm)
+        needed = sum(d != 1 for d in shape)
+    else:
+        axes = data.draw(
+            st.lists(
+                st.integers(-rank, rank - 1),
+                min_size=1,
+                max_size=rank,
+                unique_by=lambda a: a % rank,
+            )
+        )
+        inputs = ["X"]
+        attributes = {"keepdims": keepdims}
+        if op == "ReduceSum":
+            initializers.append(numpy_helper.from_array(np.array(axes, np.int64), "axes"))
+            inputs.append("axes")
+        else:
+            attributes["axes"] = axes
+        node = helper.make_node(op, inputs, ["Y"], **attributes)
+        summed = tuple(a % rank for a in axes)
+        expected = _NUMPY_REDUCTIONS[op](X, axis=summed, keepdims=bool(keepdims))
+        needed = sum(d != 1 or a in summed for a, d in enumerate(shape))
+    graph = helper.make_graph(
+        [node],
+        "squeeze",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, list(expected.shape))],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with mock.patch.object(static_shapes, "SQUEEZE_UNITS_FROM", 0):
+        static = static_shapes.simplify_reductions(model)
+    onnx.checker.check_model(static, full_check=True)
+    (out,) = inference_session(static).run(None, {"X": X})
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    shapes = static_shapes.static_shapes(static)
+    for kernel in static.graph.node:
+        if kernel.op_type == op:
+            assert len(shapes[kernel.input[0]]) == needed
+
+
 def test_bias_gradients_are_summed_by_a_matmul():
     """onnxruntime's ReduceSum over the batch axis is slow; the static step uses ones @ G."""
     trainer = OrtGradientOptimizer(gk.add_loss_output(mlp_onnx(4, 5, 1)), learning_rate="SGD")
