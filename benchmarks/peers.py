@@ -57,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "contenders"))
 
+from sections import demoted, write_section  # noqa: E402
 from spec import save  # noqa: E402
 
 LR = {"sgd": 0.01, "adamw": 0.001}
@@ -547,7 +548,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="workloads whose name has this word")
     parser.add_argument("--contender", action="append", help="contenders whose name has this")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], action="append")
-    parser.add_argument("--output", default=str(HERE / "RESULTS_PEERS.md"))
+    parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
     args = parser.parse_args()
     repeat = 1 if args.quick else args.repeat
     if args.contender:
@@ -597,7 +598,7 @@ def main() -> None:
     text = "\n".join(
         head + summary(rows) + targets(rows) + ["## Every contender", ""] + sections + tail
     )
-    Path(args.output).write_text(text + "\n")
+    write_section(args.output, "peers.py", demoted(text))
     print(f"wrote {args.output}")
 
 

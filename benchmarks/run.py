@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from sections import write_section
 
 LR_SGD, LR_ADAM, WEIGHT_DECAY = 0.01, 0.001, 0.01
 THREADS = os.cpu_count() or 1
@@ -647,7 +648,7 @@ def main() -> None:
             )
         lines.append("")
     lines.append(f"Total run: {time.perf_counter() - started:.0f} s.")
-    Path(args.output).write_text("\n".join(lines) + "\n")
+    write_section(args.output, "run.py", "\n".join(lines))
     print(f"wrote {args.output}")
 
 
