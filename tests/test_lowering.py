@@ -257,6 +257,53 @@ def test_conv_grad(attrs, outputs, rng):
     check(model, feeds, rtol=1e-4, atol=1e-5)
 
 
+@requires_ort_training
+@pytest.mark.parametrize("channels", [3, 8])  # 8: dX is a Conv by the flipped weight
+@pytest.mark.parametrize(
+    "attrs,outputs",
+    [
+        ({"pads": [1, 1, 1, 1]}, 3),
+        ({"pads": [0, 1, 2, 0], "dilations": [2, 1]}, 3),
+        ({"pads": [1, 1, 1, 1], "strides": [2, 2]}, 2),  # dX not asked: the first layer
+        ({"pads": [1, 0, 1, 1], "strides": [2, 2]}, 3),
+        ({"pads": [3, 1, 1, 1]}, 3),  # a pad wider than the kernel: dX a ConvTranspose
+    ],
+)
+def test_conv_grad_on_cpu_matches_the_kernel(channels, attrs, outputs, rng):
+    """A CPU session's ConvGrad with static shapes runs as conv_adjoints' forms (dW a
+    product of patches; dX a Conv, or a ConvTranspose): its outputs are the kernel's."""
+    from graphkit.backends.ort_training.lowering import lower_slow_cpu_ops
+
+    x = rng.normal(size=(4, channels, 7, 6)).astype(np.float32)
+    w = rng.normal(size=(5, channels, 3, 2)).astype(np.float32)
+    forward = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)],
+            "conv",
+            [helper.make_tensor_value_info(n, F32, v.shape) for n, v in (("x", x), ("w", w))],
+            [helper.make_tensor_value_info("y", F32, None)],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    dy = rng.normal(size=ReferenceEvaluator(forward).run(None, {"x": x, "w": w})[0].shape)
+    feeds = {"dy": dy.astype(np.float32), "x": x, "w": w}
+    model = one_node("ConvGrad", feeds, 3, **attrs)
+    for value in model.graph.input:  # static shapes, as a specialized step has
+        value.CopyFrom(helper.make_tensor_value_info(value.name, F32, feeds[value.name].shape))
+    if outputs == 2:
+        model.graph.node[0].output[0] = ""
+        del model.graph.output[0]
+    expected, _ = kernel_outputs(model, feeds)
+    lowered = lower_slow_cpu_ops(model)
+    ops = [n.op_type for n in lowered.graph.node]
+    assert "ConvGrad" not in ops and "Concat" in ops, ops  # the patches
+    flipped = channels >= 8 and outputs == 3 and "strides" not in attrs and attrs["pads"][0] < 3
+    assert ("ConvTranspose" in ops) == (outputs == 3 and not flipped), ops
+    got = Runner(lowered.SerializeToString())(feeds)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "attrs",
     [

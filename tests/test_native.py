@@ -470,6 +470,55 @@ def test_conv_and_average_pool_gradients_match_finite_differences(count_include_
     assert_matches_finite_differences(model, ["X"], points[:1])
 
 
+CONV_PATHS = {  # (input shape without the batch, weight shape, Conv attributes, path)
+    # stride 1 and 8 input channels: d/dx is a Conv by the flipped weight
+    "stride 1, dilated, uneven pads": (
+        (8, 7, 6),
+        (3, 8, 3, 2),
+        {"dilations": [2, 1], "pads": [1, 0, 2, 1]},
+        "conv",
+    ),
+    "1-D, stride 1": ((8, 9), (2, 8, 3), {"pads": [2, 0]}, "conv"),
+    # a pad wider than the dilated kernel: ConvTranspose
+    "pads wider than the kernel": ((8, 5, 5), (2, 8, 2, 2), {"pads": [2, 1, 1, 2]}, "transpose"),
+    "3-D, strided": (
+        (2, 5, 4, 4),
+        (2, 2, 2, 2, 2),
+        {"strides": [2, 1, 1], "pads": [1, 0, 0, 0, 1, 1]},
+        "transpose",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_PATHS))
+@pytest.mark.parametrize("patches", [True, False])
+def test_conv_gradient_paths_match_finite_differences(case, patches, monkeypatch):
+    """Each way graphkit's Conv rule writes a gradient (d/dx as a Conv or a
+    ConvTranspose; d/dw as a product of patches, or onnx-ad's convolution by dy when the
+    patches are above ``PATCHES_UP_TO``) equals central differences, batch symbolic."""
+    from graphkit.backends import conv_adjoints
+
+    if not patches:
+        monkeypatch.setattr(conv_adjoints, "PATCHES_UP_TO", 0)
+    sample, kernel, attributes, path = CONV_PATHS[case]
+    nodes = [
+        helper.make_node("Conv", ["X", "W", "B"], ["c"], **attributes),
+        helper.make_node("Tanh", ["c"], ["t"]),
+        helper.make_node("ReduceSumSquare", ["t"], ["loss"], keepdims=0),
+    ]
+    rng = np.random.default_rng(len(case))
+    weights = {"W": rng.normal(size=kernel) * 0.3, "B": rng.normal(size=kernel[0])}
+    model = make_model(nodes, [("X", ["N", *sample])], weights)
+    grad = native_gradient(model, "loss", ["X", "W", "B"])
+    ops = [n.op_type for n in grad.graph.node]
+    assert ("ConvTranspose" in ops) == (path == "transpose"), ops
+    stacked = any("a_patches" in o for n in grad.graph.node for o in n.output)
+    assert stacked == patches, ops
+    points = [{"X": rng.normal(size=(n, *sample))} for n in (1, 2)]
+    assert_matches_finite_differences(model, ["W", "B"], points)
+    assert_matches_finite_differences(model, ["X"], points[:1])
+
+
 CONV_TRANSPOSES = {  # attributes of a ConvTranspose of X (N, 2, 4, 5) by W (2, 3, k, k)
     "strides 2, pads": dict(strides=[2, 2], pads=[1, 0, 0, 1]),
     "output_padding": dict(strides=[2, 3], output_padding=[1, 2]),
@@ -961,3 +1010,81 @@ def test_graphkit_run_runs_a_native_recurrent_gradient():
     expected = backend_runner("native", grad)(feeds)
     for w in weights:
         np.testing.assert_allclose(out[f"{w}_grad"], expected[f"{w}_grad"], rtol=1e-6)
+
+
+# -- the seed axis's plumbing, removed on static shapes -----------------------------------
+
+
+def _plumbed_model() -> onnx.ModelProto:
+    """What onnx-ad emits around a ReLU's rule and a weight's MatMul once shapes are
+    static: the seed axis added by a Reshape and an Unsqueeze, an elementwise product, the
+    axis moved first for a MatMul, and taken off again; plus a product whose reader cannot
+    take a Reshape for free (a graph input beside it), which must stay as it is."""
+    f32 = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Reshape", ["g", "last"], ["g_seeded"]),  # [10, 8] -> [10, 8, 1]
+        helper.make_node("Greater", ["h", "zero"], ["positive"]),
+        helper.make_node("Cast", ["positive"], ["mask"], to=f32),
+        helper.make_node("Unsqueeze", ["mask", "minus_one"], ["mask_seeded"]),
+        helper.make_node("Mul", ["g_seeded", "mask_seeded"], ["a"]),  # [10, 8, 1]
+        helper.make_node("Mul", ["a", "half"], ["a_half"]),  # a constant [1, 8, 1]
+        helper.make_node("Reshape", ["a_half", "first"], ["a_first"]),  # [1, 10, 8]
+        helper.make_node("Transpose", ["x"], ["x_t"], perm=[1, 0]),  # [6, 10]
+        helper.make_node("MatMul", ["x_t", "a_first"], ["w_seeded"]),  # [1, 6, 8]
+        helper.make_node("Reshape", ["w_seeded", "matrix"], ["w_grad"]),  # [6, 8]
+        helper.make_node("Reshape", ["g", "column"], ["g_column"]),  # [80, 1]
+        helper.make_node("Mul", ["g_column", "two"], ["g2"]),
+        helper.make_node("Add", ["g2", "c"], ["kept"]),  # c is an input: g2 stays [80, 1]
+    ]
+    ints = {
+        "last": [10, 8, 1],
+        "minus_one": [-1],
+        "first": [1, 10, 8],
+        "matrix": [6, 8],
+        "column": [80, 1],
+    }
+    initializers = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
+    initializers += [
+        numpy_helper.from_array(np.float32(0), "zero"),
+        numpy_helper.from_array(np.full((1, 8, 1), 0.5, np.float32), "half"),
+        numpy_helper.from_array(np.float32(2), "two"),
+    ]
+    inputs = [("g", [10, 8]), ("h", [10, 8]), ("x", [10, 6]), ("c", [80, 1])]
+    graph = helper.make_graph(
+        nodes,
+        "plumbing",
+        [helper.make_tensor_value_info(n, f32, s) for n, s in inputs],
+        [
+            helper.make_tensor_value_info("w_grad", f32, [6, 8]),
+            helper.make_tensor_value_info("kept", f32, [80, 1]),
+        ],
+        initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_the_seed_axis_plumbing_goes_and_the_values_stay():
+    """simplify (the native backend's fold) sinks the seed axis's Reshapes through the
+    elementwise product and the MatMul until they cancel; the values are numpy's."""
+    from graphkit.backends.native.simplify import simplify
+
+    model = _plumbed_model()
+    simplified = onnx.ModelProto()
+    simplified.CopyFrom(model)
+    assert simplify(simplified)
+    onnx.checker.check_model(simplified, full_check=True)
+    ops = [n.op_type for n in simplified.graph.node]
+    # left: g_column's (its reader Add reads an input too) and the one naming the output
+    assert ops.count("Reshape") + ops.count("Unsqueeze") == 2, ops
+    assert ops.count("Mul") == 3 and "MatMul" in ops and "Add" in ops, ops
+    rng = np.random.default_rng(0)
+    feeds = {
+        "g": rng.normal(size=(10, 8)).astype(np.float32),
+        "h": rng.normal(size=(10, 8)).astype(np.float32),
+        "x": rng.normal(size=(10, 6)).astype(np.float32),
+        "c": rng.normal(size=(80, 1)).astype(np.float32),
+    }
+    w_grad, kept = backend_runner("native", simplified)(feeds).values()
+    masked = feeds["g"] * (feeds["h"] > 0) * 0.5
+    np.testing.assert_allclose(w_grad, feeds["x"].T @ masked, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kept, feeds["g"].reshape(80, 1) * 2 + feeds["c"], rtol=1e-6)

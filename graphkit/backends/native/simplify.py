@@ -9,10 +9,17 @@ rewrites, on the main graph:
 
 * a ``Transpose`` of a ``Transpose``: one ``Transpose`` (none when they cancel);
 * a ``Transpose`` that moves only axes of size 1: a ``Reshape``;
-* a chain of ``Reshape``/``Squeeze``/``Unsqueeze``/``Flatten`` whose intermediate results
-  have no other reader: one ``Reshape`` to the last shape;
+* a ``Reshape``/``Squeeze``/``Unsqueeze``/``Flatten`` of the result of another: one
+  ``Reshape`` of the first one's input (the first stays for its other readers);
 * a ``Reshape`` (or ``Identity``) whose input already has its output's shape: nothing,
-  its readers read the input.
+  its readers read the input;
+* an elementwise operator whose result ends in axes of size 1 (the seed axis), or a
+  ``MatMul`` whose result starts with them (the seed axis moved first), whose inputs
+  were given those axes by a ``Reshape`` (or are constants, or scalars), where the
+  readers of its result take a Reshape for free: the same operator on the inputs
+  without them, one ``Reshape`` after it, which the readers' own ``Reshape`` then
+  cancels (``Reshape -> Mul -> Reshape`` around each elementwise rule);
+* a ``Reshape`` no node reads any more: nothing.
 
 Every rewrite keeps the values: only where data sits in memory changes, never a number.
 It is the native backend's entry in ``constant_folds`` (run by ``specialize``).
@@ -35,10 +42,59 @@ def simplify(model: onnx.ModelProto) -> bool:
     # one shape inference: every rewrite keeps the shape of each tensor it leaves
     shapes = static_shapes(model)
     changed = False
-    for rewrite in (_compose_transposes, _transposes_as_reshapes, _merge_reshapes, _drop_no_ops):
-        while rewrite(model, shapes):
-            changed = True
+    rewrites = (
+        _compose_transposes,
+        _transposes_as_reshapes,
+        _sink_reshapes,
+        _merge_reshapes,
+        _drop_no_ops,
+        _drop_unread_reshapes,
+    )
+    progress = True
+    while progress:  # one rewrite opens the way to another (a sunk Reshape to a merge)
+        progress = False
+        for rewrite in rewrites:
+            while rewrite(model, shapes):
+                changed = progress = True
     return changed
+
+
+_ELEMENTWISE = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Max",
+        "Min",
+        "Sum",
+        "Where",
+        "Greater",
+        "Less",
+        "Equal",
+        "GreaterOrEqual",
+        "LessOrEqual",
+        "And",
+        "Or",
+        "Not",
+        "Neg",
+        "Abs",
+        "Relu",
+        "Sigmoid",
+        "Tanh",
+        "Exp",
+        "Log",
+        "Sqrt",
+        "Reciprocal",
+        "Cast",
+        "Erf",
+        "Sign",
+    }
+)
+"""Operators that compute each element from the elements at the same (broadcast)
+position, whatever the rank: dropping trailing axes of size 1 from the result and from
+every input keeps their values."""
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -122,7 +178,7 @@ def _merge_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) 
         inner = producer.get(node.input[0])
         if inner is None or inner.op_type not in _RESHAPES:
             continue
-        if readers.get(inner.output[0], 0) != 1 or {id(inner), id(node)} & touched:
+        if {id(inner), id(node)} & touched:
             continue
         target = fresh_name(f"{node.output[0]}/shape", taken)
         graph.initializer.append(
@@ -132,10 +188,149 @@ def _merge_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) 
             helper.make_node("Reshape", [inner.input[0], target], list(node.output), name=node.name)
         )
         touched.update((id(inner), id(node)))
-        dropped.append(inner)
+        if readers.get(inner.output[0], 0) == 1:  # else its other readers keep it
+            dropped.append(inner)
     for inner in dropped:
         graph.node.remove(inner)
-    return bool(dropped)
+    return bool(touched)
+
+
+def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    constants = {t.name: t for t in graph.initializer}
+    taken = graph_names(graph)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in outer_reads(node):
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+
+    def lets_through(name: str) -> bool:
+        """Whether a scalar, a constant or a Reshape's result: what an elementwise node
+        can read without its trailing axes at no cost."""
+        source = producer.get(name)
+        return (
+            shapes.get(name) == ()
+            or name in constants
+            or (source is not None and source.op_type in _RESHAPES)
+        )
+
+    def absorbed(name: str) -> bool:
+        """Whether every reader of ``name`` takes a Reshape of it for free: a Reshape
+        (the two merge), or an elementwise node whose other inputs let it sink too."""
+        if name in outputs:
+            return False
+        for reader in readers.get(name, []):
+            if reader.op_type in _RESHAPES:
+                continue
+            others = [i for i in reader.input if i != name]
+            sinks = reader.op_type in _ELEMENTWISE or reader.op_type == "MatMul"
+            if not sinks or not all(map(lets_through, others)):
+                return False
+        return True
+
+    nodes: list[onnx.NodeProto] = []
+    changed = False
+    for node in graph.node:
+        sunk = None
+        if node.output and absorbed(node.output[0]):
+            sunk = _sink_one(graph, node, shapes, producer, constants, taken)
+        if sunk is None:
+            nodes.append(node)
+        else:
+            nodes.extend(sunk)
+            changed = True
+    if changed:
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed
+
+
+def _sink_one(
+    graph: onnx.GraphProto,
+    node: onnx.NodeProto,
+    shapes: dict[str, tuple[int, ...]],
+    producer: dict[str, onnx.NodeProto],
+    constants: dict[str, onnx.TensorProto],
+    taken: set[str],
+) -> list[onnx.NodeProto] | None:
+    """``[Reshapes of its inputs' sources, node on its inputs without the result's unit
+    axes, Reshape]``: the trailing axes of size 1 of an elementwise node, the leading
+    ones of a MatMul (batch axes). None where there are none, or where an input that is
+    neither a constant nor a scalar was not given its shape by a Reshape (it would need
+    one of its own: a kernel more)."""
+    out = shapes.get(node.output[0]) if len(node.output) == 1 else None
+    if not out or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type in _ELEMENTWISE and out[-1] == 1:
+        core = tuple(out)
+        while core and core[-1] == 1:
+            core = core[:-1]
+        units = len(out) - len(core)
+
+        def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
+            return shape[: max(len(shape) - units, 0)]  # broadcasting aligns on the right
+
+    elif node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
+        lead = next(i for i, d in enumerate([*out[:-2], 0]) if d != 1)
+        core = tuple(out[lead:])
+
+        def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
+            # an input's batch axes align on the right with the result's
+            offset = len(out) - len(shape)
+            return shape[max(lead - offset, 0) :] if len(shape) > 2 else shape
+
+    else:
+        return None
+    before: list[onnx.NodeProto] = []
+    inputs = []
+    for name in node.input:
+        shape = shapes.get(name)
+        if shape is None:
+            return None
+        want = kept(shape)
+        if want == shape:  # a scalar, or a matrix under a batch
+            inputs.append(name)
+            continue
+        source = producer.get(name)
+        if source is not None and source.op_type in _RESHAPES:
+            if shapes.get(source.input[0]) == want:
+                inputs.append(source.input[0])
+            else:  # the same elements in the same order: one Reshape for the other
+                viewed = fresh_name(f"{name}/core", taken)
+                target = fresh_name(f"{viewed}/shape", taken)
+                graph.initializer.append(numpy_helper.from_array(np.array(want, np.int64), target))
+                before.append(helper.make_node("Reshape", [source.input[0], target], [viewed]))
+                shapes[viewed] = want
+                inputs.append(viewed)
+        elif name in constants:
+            reshaped = fresh_name(f"{name}/core", taken)
+            value = numpy_helper.to_array(constants[name]).reshape(want)
+            graph.initializer.append(numpy_helper.from_array(value, reshaped))
+            constants[reshaped] = graph.initializer[-1]
+            shapes[reshaped] = want
+            inputs.append(reshaped)
+        else:
+            return None
+    result = fresh_name(f"{node.output[0]}/core", taken)
+    shapes[result] = core
+    moved = onnx.NodeProto()
+    moved.CopyFrom(node)
+    moved.input[:] = inputs
+    moved.output[:] = [result]
+    target = fresh_name(f"{node.output[0]}/shape", taken)
+    graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
+    return [*before, moved, helper.make_node("Reshape", [result, target], list(node.output))]
+
+
+def _drop_unread_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
+    graph = model.graph
+    readers = _readers(graph)
+    unread = [n for n in graph.node if n.op_type in _RESHAPES and readers.get(n.output[0], 0) == 0]
+    for node in unread:
+        graph.node.remove(node)
+    return bool(unread)
 
 
 def _drop_no_ops(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:

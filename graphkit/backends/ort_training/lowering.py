@@ -22,7 +22,8 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, helper
 
-from graphkit._graph import all_graphs, static_shape
+from graphkit._graph import all_graphs, outer_reads, static_shape
+from graphkit.backends import conv_adjoints
 from graphkit.backends.ort_engine import is_float64
 from graphkit.compat import opset_of
 from graphkit.errors import IncompatibleModelError
@@ -727,53 +728,190 @@ def conv_grad(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     if dw_out:
         nodes += _weight_grad(f"{base}/dw", x, dy, w, dw_out, group, pads, strides, dilations)
     if dx_out:
-        end_pads = [0, 0] + [0] * spatial + [0, 0] + [s - 1 for s in strides]
-        axes = list(range(2, 2 + spatial))
-        # one ConvTranspose per group (onnx.reference has no grouped ConvTranspose)
+        nodes += _input_by_conv_transpose(base, dy, x, w, dx_out, group, pads, strides, dilations)
+    return nodes
+
+
+def _input_by_conv_transpose(
+    base: str,
+    dy: str,
+    x: str,
+    w: str,
+    dx_out: str,
+    group: int,
+    pads: list[int],
+    strides: list[int],
+    dilations: list[int],
+) -> list[onnx.NodeProto]:
+    """dX of ConvGrad: ConvTranspose(dY, W) without padding, padded at the end by
+    stride - 1 zeros and cropped to X's size from the leading pads."""
+    spatial = len(strides)
+    nodes: list[onnx.NodeProto] = []
+    end_pads = [0, 0] + [0] * spatial + [0, 0] + [s - 1 for s in strides]
+    axes = list(range(2, 2 + spatial))
+    # one ConvTranspose per group (onnx.reference has no grouped ConvTranspose)
+    if group > 1:
+        nodes += _group_size(f"{base}/dy", dy, group, f"{base}/o_group")
+    parts = []
+    for g in range(group):
+        gb = f"{base}/dx_group{g}"
+        dy_g, w_g = dy, w
         if group > 1:
-            nodes += _group_size(f"{base}/dy", dy, group, f"{base}/o_group")
-        parts = []
-        for g in range(group):
-            gb = f"{base}/dx_group{g}"
-            dy_g, w_g = dy, w
-            if group > 1:
-                dy_g, w_g = f"{gb}/dy_part", f"{gb}/w_part"
-                nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, dy_g)
-                nodes += _channel_slice(f"{gb}/w", w, f"{base}/o_group", g, w_g, axis=0)
-            parts.append(f"{gb}/out")
-            nodes.append(
-                make(
-                    "ConvTranspose",
-                    [dy_g, w_g],
-                    [parts[-1]],
-                    strides=strides,
-                    dilations=dilations,
-                )
+            dy_g, w_g = f"{gb}/dy_part", f"{gb}/w_part"
+            nodes += _channel_slice(f"{gb}/dy", dy, f"{base}/o_group", g, dy_g)
+            nodes += _channel_slice(f"{gb}/w", w, f"{base}/o_group", g, w_g, axis=0)
+        parts.append(f"{gb}/out")
+        nodes.append(
+            make(
+                "ConvTranspose",
+                [dy_g, w_g],
+                [parts[-1]],
+                strides=strides,
+                dilations=dilations,
             )
-        if group > 1:
-            nodes.append(make("Concat", parts, [f"{base}/dx_full"], axis=1))
+        )
+    if group > 1:
+        nodes.append(make("Concat", parts, [f"{base}/dx_full"], axis=1))
+    else:
+        nodes.append(make("Identity", parts, [f"{base}/dx_full"]))
+    nodes += [
+        _ints(f"{base}/end_pads", end_pads),
+        make("Pad", [f"{base}/dx_full", f"{base}/end_pads"], [f"{base}/dx_padded"]),
+        make("Shape", [x], [f"{base}/x_dims"]),
+        _ints(f"{base}/spatial_start", [2]),
+        _ints(f"{base}/spatial_end", [2 + spatial]),
+        make(
+            "Slice",
+            [f"{base}/x_dims", f"{base}/spatial_start", f"{base}/spatial_end"],
+            [f"{base}/size"],
+        ),
+        _ints(f"{base}/begin", pads[:spatial]),
+        make("Add", [f"{base}/begin", f"{base}/size"], [f"{base}/end"]),
+        _ints(f"{base}/axes", axes),
+        make(
+            "Slice",
+            [f"{base}/dx_padded", f"{base}/begin", f"{base}/end", f"{base}/axes"],
+            [dx_out],
+        ),
+    ]
+    return nodes
+
+
+def conv_grad_on_cpu(
+    node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]
+) -> list[onnx.NodeProto] | None:
+    """ConvGrad(dY, X, W) -> (dX, dW, dB) for a CPU session, its shapes static, in the
+    forms of :mod:`graphkit.backends.conv_adjoints`: dW a product of patches, dX (stride
+    1) a Conv of dY by the flipped weight, else :func:`conv_grad`'s ConvTranspose. None
+    (the kernel stays) for a group, unknown shapes, or patches too large (then the
+    kernel is faster than :func:`conv_grad`'s dW)."""
+    geometry = _conv_geometry(node)
+    if geometry is None:
+        return None
+    group, pads, strides, dilations = geometry
+    dy, x, w = node.input[0], node.input[1], node.input[2]
+    dx_out, dw_out, db_out = (list(node.output) + ["", "", ""])[:3]
+    xs, ys, ws = shapes.get(x), shapes.get(dy), shapes.get(w)
+    if group != 1 or xs is None or ys is None or ws is None:
+        return None
+    if dw_out and not conv_adjoints.patches_fit(xs[1], ws[2:], ys[2:]):
+        return None
+    base, spatial = _base(node), len(strides)
+    nodes = _bias_grad(base, dy, db_out, spatial)
+    if dw_out:
+        nodes += _weight_by_patches(f"{base}/dw", x, dy, dw_out, xs, ys, ws, geometry)
+    if dx_out:
+        flipped = conv_adjoints.input_adjoint_pads(ws, group, strides, dilations, pads)
+        if flipped is None:
+            nodes += _input_by_conv_transpose(
+                base, dy, x, w, dx_out, group, pads, strides, dilations
+            )
         else:
-            nodes.append(make("Identity", parts, [f"{base}/dx_full"]))
+            axes = list(range(2, 2 + spatial))
+            nodes += [
+                make("Transpose", [w], [f"{base}/w_t"], perm=[1, 0, *axes]),
+                _ints(f"{base}/flip_starts", [-1] * spatial),
+                _ints(f"{base}/flip_ends", [conv_adjoints.REVERSED_END] * spatial),
+                _ints(f"{base}/flip_axes", axes),
+                _ints(f"{base}/flip_steps", [-1] * spatial),
+                make(
+                    "Slice",
+                    [
+                        f"{base}/w_t",
+                        f"{base}/flip_starts",
+                        f"{base}/flip_ends",
+                        f"{base}/flip_axes",
+                        f"{base}/flip_steps",
+                    ],
+                    [f"{base}/w_flipped"],
+                ),
+                make(
+                    "Conv", [dy, f"{base}/w_flipped"], [dx_out], dilations=dilations, pads=flipped
+                ),
+            ]
+    return nodes
+
+
+def _weight_by_patches(
+    base: str,
+    x: str,
+    dy: str,
+    out: str,
+    xs: tuple[int, ...],
+    ys: tuple[int, ...],
+    ws: tuple[int, ...],
+    geometry: tuple[int, list[int], list[int], list[int]],
+) -> list[onnx.NodeProto]:
+    """``out`` = dW as one batched product of patches, summed over the batch by a
+    product with ones (onnxruntime's ReduceSum over a leading axis is the slower)."""
+    _, pads, strides, dilations = geometry
+    spatial = len(strides)
+    batch, channels, outputs = xs[0], xs[1], ys[1]
+    positions = math.prod(ys[2:])
+    windows = conv_adjoints.patch_windows(ws[2:], ys[2:], strides, dilations)
+    width = channels * len(windows)
+    nodes = [
+        _ints(f"{base}/axes", list(range(2, 2 + spatial))),
+        _ints(f"{base}/steps", strides),
+        _ints(f"{base}/two", [2]),
+    ]
+    padded = x
+    if any(pads):
+        padded = f"{base}/padded"
         nodes += [
-            _ints(f"{base}/end_pads", end_pads),
-            make("Pad", [f"{base}/dx_full", f"{base}/end_pads"], [f"{base}/dx_padded"]),
-            make("Shape", [x], [f"{base}/x_dims"]),
-            _ints(f"{base}/spatial_start", [2]),
-            _ints(f"{base}/spatial_end", [2 + spatial]),
-            make(
-                "Slice",
-                [f"{base}/x_dims", f"{base}/spatial_start", f"{base}/spatial_end"],
-                [f"{base}/size"],
-            ),
-            _ints(f"{base}/begin", pads[:spatial]),
-            make("Add", [f"{base}/begin", f"{base}/size"], [f"{base}/end"]),
-            _ints(f"{base}/axes", axes),
-            make(
-                "Slice",
-                [f"{base}/dx_padded", f"{base}/begin", f"{base}/end", f"{base}/axes"],
-                [dx_out],
-            ),
+            _ints(f"{base}/pads", [0, 0, *pads[:spatial], 0, 0, *pads[spatial:]]),
+            make("Pad", [x, f"{base}/pads"], [padded]),
         ]
+    pieces = []
+    for i, (starts, ends) in enumerate(windows):
+        pieces.append(f"{base}/piece{i}")
+        nodes += [
+            _ints(f"{base}/starts{i}", starts),
+            _ints(f"{base}/ends{i}", ends),
+            make(
+                "Slice",
+                [padded, f"{base}/starts{i}", f"{base}/ends{i}", f"{base}/axes", f"{base}/steps"],
+                [f"{base}/patch{i}"],
+            ),
+            make("Unsqueeze", [f"{base}/patch{i}", f"{base}/two"], [pieces[-1]]),
+        ]
+    ones = helper.make_tensor(f"{base}/ones_value", TensorProto.FLOAT, [batch], [1.0] * batch)
+    nodes += [
+        make("Concat", pieces, [f"{base}/stacked"], axis=2),  # [N, C, K, out...]
+        _ints(f"{base}/columns_shape", [batch, width, positions]),
+        make("Reshape", [f"{base}/stacked", f"{base}/columns_shape"], [f"{base}/columns"]),
+        make("Transpose", [f"{base}/columns"], [f"{base}/rows"], perm=[0, 2, 1]),
+        _ints(f"{base}/dy_shape", [batch, outputs, positions]),
+        make("Reshape", [dy, f"{base}/dy_shape"], [f"{base}/dy_flat"]),
+        make("MatMul", [f"{base}/dy_flat", f"{base}/rows"], [f"{base}/product"]),
+        _ints(f"{base}/per_sample", [batch, outputs * width]),
+        make("Reshape", [f"{base}/product", f"{base}/per_sample"], [f"{base}/samples"]),
+        make("Constant", [], [f"{base}/ones_float"], value=ones),
+        make("CastLike", [f"{base}/ones_float", dy], [f"{base}/ones"]),
+        make("MatMul", [f"{base}/ones", f"{base}/samples"], [f"{base}/summed"]),
+        _ints(f"{base}/w_shape", list(ws)),
+        make("Reshape", [f"{base}/summed", f"{base}/w_shape"], [out]),
+    ]
     return nodes
 
 
@@ -824,6 +962,10 @@ GatherGrad (a ScatterND adding rows into zeros), measured where models use it: a
 embedding table's gradient, [1000, 64] from [32, 16] ids, 1014 -> 75; the pick of q, k
 or v from a fused projection, [32, 3, 4, 32, 16] at a scalar index, 2647 -> 155 (it made
 a transformer encoder's full training 3x slower than its forward/backward training)."""
+
+# ConvGrad is not in SLOW_ON_CPU: where its shapes are static (a specialized step), a CPU
+# session runs conv_grad_on_cpu's forms instead, the kernel elsewhere (conv_grad's own
+# weight gradient, a convolution by dY, is slower than the kernel's: 4948 us against 2082).
 
 NO_CPU_KERNEL = frozenset({"ConvTransposeGrad"})
 """Gradient operators onnxruntime-training 1.19.2 emits but has no CPU kernel for, in
@@ -889,7 +1031,8 @@ def _has_no_cpu_kernel(node: onnx.NodeProto) -> bool:
 
 def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for a session on the CPU: the operators of :data:`NO_CPU_KERNEL` lowered
-    always, those of :data:`SLOW_ON_CPU` where they are slow, in every subgraph (a copy;
+    always, those of :data:`SLOW_ON_CPU` where they are slow, ConvGrad as
+    :func:`conv_grad_on_cpu` where its shapes are static, in every subgraph (a copy;
     ``model`` itself when there is nothing to lower).
 
     Slow kernels of float64 graphs are kept (their float32-only operators are lowered
@@ -901,7 +1044,7 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     slow = (
         (opset_of(model) or 0) >= 15
         and not is_float64(model)
-        and any(_is_slow_on_cpu(n) for n in nodes)
+        and any(_is_slow_on_cpu(n) or n.op_type == "ConvGrad" for n in nodes)
     )
     if not (missing or slow):
         return model
@@ -911,9 +1054,37 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     # innermost first: rewriting a graph copies its nodes, subgraphs included
     for graph in reversed(list(all_graphs(lowered.graph))):
         _state_spatial_rank(graph, ranks)
+        if slow:
+            _lower_conv_grads(graph)
         slow_here = _slow_here(graph) if slow else (lambda node: False)
         _rewrite_graph(graph, lambda node, s=slow_here: _has_no_cpu_kernel(node) or s(node))
     return lowered
+
+
+def _lower_conv_grads(graph: onnx.GraphProto) -> None:
+    """Each ConvGrad of ``graph`` whose shapes are static, as :func:`conv_grad_on_cpu`
+    (where it applies), in place."""
+    if not any(n.op_type == "ConvGrad" for n in graph.node):
+        return
+    shapes = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        dims = static_shape(value)
+        if dims is not None and all(isinstance(d, int) for d in dims):
+            shapes[value.name] = tuple(dims)
+    shapes.update({t.name: tuple(t.dims) for t in graph.initializer})
+    read = {name for n in graph.node for name in outer_reads(n)}
+    read.update(o.name for o in graph.output)
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        lowered = None
+        if node.op_type == "ConvGrad" and node.domain in ("", RUNTIME_DOMAIN):
+            wanted = onnx.NodeProto()
+            wanted.CopyFrom(node)  # a gradient nothing reads is not computed
+            wanted.output[:] = [o if o in read else "" for o in node.output]
+            lowered = conv_grad_on_cpu(wanted, shapes)  # type: ignore[arg-type]
+        nodes.extend([node] if lowered is None else lowered)
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _inferred(model: onnx.ModelProto) -> onnx.GraphProto:
