@@ -427,13 +427,8 @@ def test_a_failed_batch_keeps_the_weights_of_the_last_good_one(backend, data, mo
 
         return call
 
-    if backend == "ort_training":
-        from graphkit.backends.ort_training.agent_step import AgentRun
-
-        monkeypatch.setattr(AgentRun, "__call__", failing(AgentRun.__call__))
-    else:
-        chosen = backends.get(backend)
-        monkeypatch.setattr(chosen, "run_backward", failing(chosen.run_backward))
+    run = backends.get(backend).AgentRun  # the fused batch (its own class per backend)
+    monkeypatch.setattr(run, "__call__", failing(run.__call__))
     trainer = OrtGradientForwardBackwardOptimizer(
         zero_linear(),
         max_iter=1,

@@ -268,6 +268,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             {w: w for w in fb.weight_names},
             variant.grad_of,
             fb.input_names,
+            seeds=variant.seeds,
         )
 
     def _agent_run(self, weighted: bool, rows: int | None) -> Any:

@@ -24,7 +24,7 @@ import onnx
 
 from graphkit.backends import activations, ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.native import adapter, agent, simplify, split
+from graphkit.backends.native import adapter, agent, fused_step, simplify, split
 
 
 class NativeBackend:
@@ -113,7 +113,12 @@ class NativeBackend:
     run_forward = staticmethod(agent.run_forward)
     run_backward = staticmethod(agent.run_backward)
     values_vector = staticmethod(agent.values_vector)
-    fusable = staticmethod(agent.fusable)
+
+    # a forward/backward trainer's batch with the loss and the update fused in: one
+    # session call (see :mod:`.fused_step`)
+    AgentRun = fused_step.FusedRun
+    fusable = staticmethod(fused_step.fusable)
+    agent_step = staticmethod(fused_step.fused_step)
 
     def __repr__(self) -> str:
         return f"<graphkit backend {self.name!r}: {self.description}>"

@@ -98,10 +98,4 @@ def values_vector(values: Sequence[Any]) -> list[Any]:
     return list(values)
 
 
-def fusable(*_: Any) -> bool:
-    """The native runner does not fuse the loss and the update into its graphs: the
-    trainers run forward, loss, backward and update as four sessions."""
-    return False
-
-
-__all__ = ["SplitAgent", "fusable", "run_backward", "run_forward", "values_vector"]
+__all__ = ["SplitAgent", "run_backward", "run_forward", "values_vector"]

@@ -23,7 +23,7 @@ what it is fed, which keeps every node after the yield in the backward call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,7 @@ def agent_step(
     internal: dict[str, str],
     gradient_of: dict[str, str],
     features: Sequence[str],
+    seeds: Mapping[str, str] | None = None,
 ) -> AgentStep:
     """The gradient graph of a ``TrainingAgent`` with the loss and the update fused in.
 
@@ -92,6 +93,8 @@ def agent_step(
         gradient_of: gradient output of ``gradient`` -> public weight name.
         features: the feature inputs of ``gradient`` (the model's inputs, in the order
             :class:`AgentRun` is given their arrays).
+        seeds: unused (the agent's output gradient comes in at its ``YieldOp``); the
+            native backend's fused step takes the same arguments and needs them.
     """
     model = copy_model(gradient)
     graph = model.graph
