@@ -13,8 +13,9 @@ rewrites, on the main graph:
   ``Reshape`` of the first one's input (the first stays for its other readers);
 * a ``Reshape`` (or ``Identity``) whose input already has its output's shape: nothing,
   its readers read the input;
-* an elementwise operator whose result ends in axes of size 1 (the seed axis), or a
-  ``MatMul`` whose result starts with them (the seed axis moved first), whose inputs
+* an elementwise operator whose result ends in axes of size 1 (the seed axis), a
+  reduction whose input does and that does not reduce them, or a ``MatMul`` whose
+  result starts with them (the seed axis moved first), whose inputs
   were given those axes by a ``Reshape`` (or are constants, or scalars), where the
   readers of its result take a Reshape for free: the same operator on the inputs
   without them, one ``Reshape`` after it, which the readers' own ``Reshape`` then
@@ -95,6 +96,23 @@ _ELEMENTWISE = frozenset(
 """Operators that compute each element from the elements at the same (broadcast)
 position, whatever the rank: dropping trailing axes of size 1 from the result and from
 every input keeps their values."""
+
+_REDUCTIONS = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+    }
+)
+"""Reductions: trailing axes of size 1 they do not reduce can go from their input and
+result alike."""
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -207,26 +225,28 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
     outputs = {o.name for o in graph.output}
 
     def lets_through(name: str) -> bool:
-        """Whether a scalar, a constant or a Reshape's result: what an elementwise node
-        can read without its trailing axes at no cost."""
+        """Whether a scalar, a constant, a Reshape's result, or the result of a node that
+        can sink itself: what a node can read without its unit axes at no cost."""
         source = producer.get(name)
         return (
             shapes.get(name) == ()
             or name in constants
             or (source is not None and source.op_type in _RESHAPES)
+            or (source is not None and _unit_axes(source, shapes, constants) is not None)
         )
 
     def absorbed(name: str) -> bool:
         """Whether every reader of ``name`` takes a Reshape of it for free: a Reshape
-        (the two merge), or an elementwise node whose other inputs let it sink too."""
+        (the two merge), or a node that sinks too, its other inputs letting it."""
         if name in outputs:
             return False
         for reader in readers.get(name, []):
             if reader.op_type in _RESHAPES:
                 continue
-            others = [i for i in reader.input if i != name]
-            sinks = reader.op_type in _ELEMENTWISE or reader.op_type == "MatMul"
-            if not sinks or not all(map(lets_through, others)):
+            if _unit_axes(reader, shapes, constants) is None:
+                return False
+            data = reader.input[:1] if reader.op_type in _REDUCTIONS else reader.input
+            if not all(lets_through(i) for i in data if i != name):
                 return False
         return True
 
@@ -247,6 +267,63 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
     return changed
 
 
+def _unit_axes(
+    node: onnx.NodeProto,
+    shapes: dict[str, tuple[int, ...]],
+    constants: dict[str, onnx.TensorProto],
+) -> tuple[str, int, list[int] | None] | None:
+    """How ``node`` can run without unit axes: ``("trailing", k, None)`` for an
+    elementwise node whose result ends in k axes of size 1; ``("leading", k, None)`` for
+    a MatMul whose result starts with k (batch axes); ``("reduce", k, axes)`` for a
+    reduction (constant axes, made non-negative) whose input ends in k axes of size 1 it
+    does not reduce. None where none of these holds."""
+    if node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+        return None
+    out = shapes.get(node.output[0])
+    if not out:
+        return None
+    if node.op_type in _ELEMENTWISE and out[-1] == 1:
+        return "trailing", len(out) - len(_without_trailing_units(out)), None
+    if node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
+        return "leading", next(i for i, d in enumerate([*out[:-2], 0]) if d != 1), None
+    if node.op_type in _REDUCTIONS:
+        shape = shapes.get(node.input[0])
+        axes = _reduction_axes(node, constants)
+        if not shape or axes is None:
+            return None
+        axes = sorted({a % len(shape) for a in axes} if axes else range(len(shape)))
+        units = 0
+        for axis in reversed(range(len(shape))):
+            if shape[axis] != 1 or axis in axes:
+                break
+            units += 1
+        return ("reduce", units, axes) if units else None
+    return None
+
+
+def _without_trailing_units(shape: tuple[int, ...]) -> tuple[int, ...]:
+    while shape and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
+
+
+def _reduction_axes(
+    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+) -> list[int] | None:
+    """A reduction's axes ([] for all of them), None when they are not constant (or
+    ``noop_with_empty_axes`` makes an empty list an identity)."""
+    if any(a.name == "noop_with_empty_axes" and a.i for a in node.attribute):
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        if node.input[1] not in constants:
+            return None
+        return [int(a) for a in numpy_helper.to_array(constants[node.input[1]]).ravel()]
+    for attribute in node.attribute:
+        if attribute.name == "axes":
+            return list(attribute.ints)
+    return []
+
+
 def _sink_one(
     graph: onnx.GraphProto,
     node: onnx.NodeProto,
@@ -255,69 +332,71 @@ def _sink_one(
     constants: dict[str, onnx.TensorProto],
     taken: set[str],
 ) -> list[onnx.NodeProto] | None:
-    """``[Reshapes of its inputs' sources, node on its inputs without the result's unit
-    axes, Reshape]``: the trailing axes of size 1 of an elementwise node, the leading
-    ones of a MatMul (batch axes). None where there are none, or where an input that is
-    neither a constant nor a scalar was not given its shape by a Reshape (it would need
-    one of its own: a kernel more)."""
-    out = shapes.get(node.output[0]) if len(node.output) == 1 else None
-    if not out or node.domain not in ("", "ai.onnx"):
+    """``[Reshapes of its inputs' sources, node on its inputs without the unit axes of
+    :func:`_unit_axes`, Reshape]``, or None where there are none, or where an input that
+    is neither a constant nor a scalar was not given its shape by a Reshape (it would
+    need one of its own: a kernel more)."""
+    how = _unit_axes(node, shapes, constants)
+    if how is None:
         return None
-    if node.op_type in _ELEMENTWISE and out[-1] == 1:
-        core = tuple(out)
-        while core and core[-1] == 1:
-            core = core[:-1]
-        units = len(out) - len(core)
-
-        def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
-            return shape[: max(len(shape) - units, 0)]  # broadcasting aligns on the right
-
-    elif node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
-        lead = next(i for i, d in enumerate([*out[:-2], 0]) if d != 1)
-        core = tuple(out[lead:])
+    kind, units, axes = how
+    out = shapes[node.output[0]]
+    moved = onnx.NodeProto()
+    moved.CopyFrom(node)
+    if kind == "leading":
+        core = tuple(out[units:])
 
         def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
             # an input's batch axes align on the right with the result's
             offset = len(out) - len(shape)
-            return shape[max(lead - offset, 0) :] if len(shape) > 2 else shape
+            return shape[max(units - offset, 0) :] if len(shape) > 2 else shape
 
     else:
-        return None
+        core = tuple(out[: len(out) - units])
+
+        def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
+            return shape[: max(len(shape) - units, 0)]  # broadcasting aligns on the right
+
+    data = list(node.input)
+    if kind == "reduce":  # the same non-negative axes: those it drops follow them all
+        data = data[:1]
+        if len(node.input) > 1 and node.input[1]:
+            name = fresh_name(f"{node.output[0]}/axes", taken)
+            graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), name))
+            constants[name] = graph.initializer[-1]
+            moved.input[1] = name
+        else:
+            for attribute in moved.attribute:
+                if attribute.name == "axes":
+                    attribute.ints[:] = axes
     before: list[onnx.NodeProto] = []
-    inputs = []
-    for name in node.input:
+    for position, name in enumerate(data):
         shape = shapes.get(name)
         if shape is None:
             return None
         want = kept(shape)
         if want == shape:  # a scalar, or a matrix under a batch
-            inputs.append(name)
             continue
         source = producer.get(name)
         if source is not None and source.op_type in _RESHAPES:
             if shapes.get(source.input[0]) == want:
-                inputs.append(source.input[0])
-            else:  # the same elements in the same order: one Reshape for the other
-                viewed = fresh_name(f"{name}/core", taken)
-                target = fresh_name(f"{viewed}/shape", taken)
-                graph.initializer.append(numpy_helper.from_array(np.array(want, np.int64), target))
-                before.append(helper.make_node("Reshape", [source.input[0], target], [viewed]))
-                shapes[viewed] = want
-                inputs.append(viewed)
+                moved.input[position] = source.input[0]
+                continue
+            viewed = fresh_name(f"{name}/core", taken)  # the same elements, in order
+            target = fresh_name(f"{viewed}/shape", taken)
+            graph.initializer.append(numpy_helper.from_array(np.array(want, np.int64), target))
+            before.append(helper.make_node("Reshape", [source.input[0], target], [viewed]))
         elif name in constants:
-            reshaped = fresh_name(f"{name}/core", taken)
+            viewed = fresh_name(f"{name}/core", taken)
             value = numpy_helper.to_array(constants[name]).reshape(want)
-            graph.initializer.append(numpy_helper.from_array(value, reshaped))
-            constants[reshaped] = graph.initializer[-1]
-            shapes[reshaped] = want
-            inputs.append(reshaped)
+            graph.initializer.append(numpy_helper.from_array(value, viewed))
+            constants[viewed] = graph.initializer[-1]
         else:
             return None
+        shapes[viewed] = want
+        moved.input[position] = viewed
     result = fresh_name(f"{node.output[0]}/core", taken)
     shapes[result] = core
-    moved = onnx.NodeProto()
-    moved.CopyFrom(node)
-    moved.input[:] = inputs
     moved.output[:] = [result]
     target = fresh_name(f"{node.output[0]}/shape", taken)
     graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
