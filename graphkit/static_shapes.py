@@ -126,7 +126,7 @@ class _Simplifier:
         for node in self.graph.node:
             standard = node.domain in ("", "ai.onnx")
             replacement = None
-            if standard and (node.op_type in _REDUCTIONS or node.op_type == "Transpose"):
+            if standard and (node.op_type in REDUCTIONS or node.op_type == "Transpose"):
                 replacement = self.squeeze_units(node)
                 if replacement is not None:
                     inner = replacement[1] if len(replacement) == 3 else None
@@ -332,7 +332,7 @@ class _Simplifier:
 
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div"})
 
-_REDUCTIONS = frozenset(
+REDUCTIONS = frozenset(
     {
         "ReduceSum",
         "ReduceMean",
@@ -346,6 +346,7 @@ _REDUCTIONS = frozenset(
         "ReduceSumSquare",
     }
 )
+"""The reductions (a tensor's values summed, averaged... over some axes)."""
 
 RESHAPE_SCALARS_FROM = 64
 """Elements of the other operand from which a computed scalar is reshaped to its rank:
@@ -431,4 +432,4 @@ def specialize(
     return fixed
 
 
-__all__ = ["Fold", "simplify_reductions", "specialize", "static_shapes"]
+__all__ = ["REDUCTIONS", "Fold", "simplify_reductions", "specialize", "static_shapes"]

@@ -35,12 +35,14 @@ from graphkit import backends
 from graphkit._graph import (
     ELEM_TO_DTYPE,
     elem_type,
+    fresh_name,
     graph_names,
+    renamed_value,
     splice,
     static_shape,
     value_info,
 )
-from graphkit.compat import DSL_OPSET, finalize
+from graphkit.compat import DSL_OPSET, finalize, opset_of
 from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.penalties import Penalty
@@ -67,6 +69,55 @@ def next_name(name: str) -> str:
 
 def grad_name(weight: str) -> str:
     return f"{weight}_grad"
+
+
+def fuses_into(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateStep) -> bool:
+    """Whether the loss and update graphs can join a gradient graph as they are (see
+    :func:`splice_update`): written for an ``ai.onnx`` opset no newer than the gradient
+    graph's (splicing them into an older graph would change what its operators mean)."""
+    host = opset_of(gradient) or 0
+    return all((opset_of(piece) or 0) <= host for piece in (loss, update.model))
+
+
+def splice_update(
+    model: onnx.ModelProto,
+    loss: onnx.ModelProto,
+    update: UpdateStep,
+    internal: Mapping[str, str],
+    gradient_of: Mapping[str, str],
+    loss_value: str,
+    data: Sequence[str],
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Splice ``update`` into a gradient graph ``model`` (in place) after its gradients,
+    and make the graph's inputs ``data`` (the features, then the label [and sample
+    weight] typed as ``loss`` declares them) followed by the resident values in
+    ``update.resident`` order: the fused training batch of a forward/backward trainer,
+    for both backends' runners.
+
+    ``internal`` maps a public weight name to its name in ``model``, ``gradient_of`` a
+    gradient output of ``model`` to the public weight name, ``loss_value`` is the loss's
+    name in ``model``. Returns ``(carried, produced)``: each resident value's input
+    name, and each output of ``update`` under its name in ``model``.
+    """
+    graph = model.graph
+    weight_of = {w: g for g, w in gradient_of.items()}
+    taken = graph_names(graph)
+    carried = {r: internal.get(r) or fresh_name(f"gk.update/{r}", taken) for r in update.resident}
+    wiring = {**carried, LOSS: loss_value}
+    wiring.update({grad_name(w): weight_of[w] for w in update.weights})
+    produced = splice(model, update.model, wiring, prefix="gk.update")
+    declared = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
+    inputs = {i.name: i for i in graph.input}
+    labelled = len(loss.graph.input) - 1  # the label [and the sample weight]
+    features, labels = data[: len(data) - labelled], data[len(data) - labelled :]
+    typed = [inputs[f] for f in features]
+    typed += [renamed_value(declared[n], name) for n, name in zip(("label", "weight"), labels)]
+    typed += [
+        inputs.get(carried[r]) or renamed_value(declared[r], carried[r]) for r in update.resident
+    ]
+    del graph.input[:]
+    graph.input.extend(typed)
+    return carried, produced
 
 
 PACKED = "graphkit.packed"

@@ -244,9 +244,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             graph = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
             if rows is not None:
                 data = ["prediction", "label"] + (["weight"] if weighted else [])
-                graph = specialize(
-                    graph, dict.fromkeys(data, rows), self._backend.constant_folds
-                )
+                graph = specialize(graph, dict.fromkeys(data, rows), self._backend.constant_folds)
             per_row = self._prediction_shape[1:]
             known = rows is not None and all(isinstance(d, int) for d in per_row)
             size = rows * math.prod(per_row) if known else None  # type: ignore[operator,arg-type]

@@ -39,8 +39,7 @@ from graphkit._graph import (
 )
 from graphkit.backends import ort_engine
 from graphkit.backends.native.simplify import _rename_reads
-from graphkit.compat import opset_of
-from graphkit.training.step import LOSS, UpdateStep, grad_name, next_name
+from graphkit.training.step import UpdateStep, fuses_into, next_name, splice_update
 
 
 @dataclass
@@ -59,12 +58,9 @@ class FusedStep:
     outputs: list[str]
 
 
-def fusable(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateStep) -> bool:
-    """Whether the loss and update graphs can join ``gradient`` as they are: written for
-    an ``ai.onnx`` opset no newer than the gradient graph's (splicing them into an older
-    graph would change what its operators mean)."""
-    host = opset_of(gradient) or 0
-    return all((opset_of(piece) or 0) <= host for piece in (loss, update.model))
+fusable = fuses_into
+"""Whether the loss and the update can join the gradient graph
+(:func:`graphkit.training.step.fuses_into`)."""
 
 
 def fused_step(
@@ -111,23 +107,8 @@ def fused_step(
 
     # the update, from the gradients
     resident = update.resident
-    weight_of = {w: g for g, w in gradient_of.items()}
-    taken = graph_names(graph)
-    carried = {r: internal.get(r) or fresh_name(f"gk.update/{r}", taken) for r in resident}
-    wiring = {**carried, LOSS: loss_value}
-    wiring.update({grad_name(w): weight_of[w] for w in update.weights})
-    updated = splice(model, update.model, wiring, prefix="gk.update")
-
-    values = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
-    inputs = {i.name: i for i in graph.input}
-    data_inputs = [*(inputs[f] for f in features), renamed_value(values["label"], label)]
-    if weight is not None:
-        data_inputs.append(renamed_value(values["weight"], weight))
-    resident_inputs = [
-        inputs.get(carried[r]) or renamed_value(values[r], carried[r]) for r in resident
-    ]
-    del graph.input[:]
-    graph.input.extend([*data_inputs, *resident_inputs])
+    data = [*features, label, *([weight] if weight is not None else [])]
+    carried, updated = splice_update(model, loss, update, internal, gradient_of, loss_value, data)
     declared = {o.name: o for o in update.model.graph.output}
     taken = graph_names(graph)
     fetched = []
@@ -146,7 +127,7 @@ def fused_step(
     _sort_topologically(graph)
     return FusedStep(
         model=model,
-        data=[i.name for i in data_inputs],
+        data=data,
         resident=list(resident),
         inputs=[carried[r] for r in resident],
         outputs=fetched,

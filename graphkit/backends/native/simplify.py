@@ -33,7 +33,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, outer_reads
-from graphkit.static_shapes import static_shapes
+from graphkit.static_shapes import REDUCTIONS, static_shapes
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
@@ -96,23 +96,6 @@ _ELEMENTWISE = frozenset(
 """Operators that compute each element from the elements at the same (broadcast)
 position, whatever the rank: dropping trailing axes of size 1 from the result and from
 every input keeps their values."""
-
-_REDUCTIONS = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
-    }
-)
-"""Reductions: trailing axes of size 1 they do not reduce can go from their input and
-result alike."""
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -245,7 +228,7 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
                 continue
             if _unit_axes(reader, shapes, constants) is None:
                 return False
-            data = reader.input[:1] if reader.op_type in _REDUCTIONS else reader.input
+            data = reader.input[:1] if reader.op_type in REDUCTIONS else reader.input
             if not all(lets_through(i) for i in data if i != name):
                 return False
         return True
@@ -286,7 +269,7 @@ def _unit_axes(
         return "trailing", len(out) - len(_without_trailing_units(out)), None
     if node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
         return "leading", next(i for i, d in enumerate([*out[:-2], 0]) if d != 1), None
-    if node.op_type in _REDUCTIONS:
+    if node.op_type in REDUCTIONS:
         shape = shapes.get(node.input[0])
         axes = _reduction_axes(node, constants)
         if not shape or axes is None:

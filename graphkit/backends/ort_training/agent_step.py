@@ -42,8 +42,7 @@ from graphkit._graph import (
 )
 from graphkit.backends.ort_engine import c_ortvalue
 from graphkit.backends.ort_training.agent import train_batch, training_agent, values_vector
-from graphkit.compat import opset_of
-from graphkit.training.step import LOSS, UpdateStep, grad_name, next_name
+from graphkit.training.step import UpdateStep, fuses_into, next_name, splice_update
 
 YIELD = "YieldOp"
 
@@ -65,12 +64,9 @@ class AgentStep:
     dloss_shape: tuple[int, ...]  # the yielded loss's: ones of the prediction's rank
 
 
-def fusable(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateStep) -> bool:
-    """Whether the loss and update graphs can join ``gradient`` as they are: the pieces are
-    written for an ``ai.onnx`` opset no newer than the gradient graph's (splicing them
-    into an older graph would change what its operators mean)."""
-    host = opset_of(gradient) or 0
-    return all((opset_of(piece) or 0) <= host for piece in (loss, update.model))
+fusable = fuses_into
+"""Whether the loss and the update can join the gradient graph
+(:func:`graphkit.training.step.fuses_into`)."""
 
 
 def agent_step(
@@ -139,23 +135,8 @@ def agent_step(
 
     # the update, computed by the backward from the gradients
     resident = update.resident
-    weight_of = {w: g for g, w in gradient_of.items()}
-    taken = graph_names(graph)
-    carried = {r: internal.get(r) or fresh_name(f"gk.update/{r}", taken) for r in resident}
-    wiring = {**carried, LOSS: loss_value}
-    wiring.update({grad_name(w): weight_of[w] for w in update.weights})
-    produced = splice(model, update.model, wiring, prefix="gk.update")
-
-    values = {i.name: i for i in [*loss.graph.input, *update.model.graph.input]}
-    inputs = {i.name: i for i in graph.input}
-    data_inputs = [*(inputs[f] for f in features), renamed_value(values["label"], label)]
-    if weight is not None:
-        data_inputs.append(renamed_value(values["weight"], weight))
-    resident_inputs = [
-        inputs.get(carried[r]) or renamed_value(values[r], carried[r]) for r in resident
-    ]
-    del graph.input[:]
-    graph.input.extend([*data_inputs, *resident_inputs])
+    data = [*features, label, *([weight] if weight is not None else [])]
+    _, produced = splice_update(model, loss, update, internal, gradient_of, loss_value, data)
     outputs = {o.name: o for o in update.model.graph.output}
     fetched = _after_yield(graph, dloss, [produced[next_name(r)] for r in resident])
     del graph.output[:]
@@ -164,7 +145,7 @@ def agent_step(
     )
     return AgentStep(
         model=model,
-        data=[i.name for i in data_inputs],
+        data=data,
         resident=list(resident),
         outputs=[o.name for o in graph.output],
         dloss_shape=dloss_shape,
