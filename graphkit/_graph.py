@@ -302,6 +302,30 @@ def rename_tensors(graph: onnx.GraphProto, rename: Callable[[str], str]) -> None
 # -- splicing ------------------------------------------------------------------------------
 
 
+def rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Every read of ``old`` (subgraphs included) reads ``new``."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_reads_in(attribute.g, old, new)
+            for sub in attribute.graphs:
+                _rename_reads_in(sub, old, new)
+
+
+def _rename_reads_in(graph: onnx.GraphProto, old: str, new: str) -> None:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined.update(o for n in graph.node for o in n.output)
+    if old in defined:
+        return  # the subgraph has a tensor of its own by that name
+    if new in defined:  # it would read its own instead of the outer one
+        raise ValueError(f"rename_reads: a subgraph defines {new!r}, which it reads from outside")
+    rename_reads(graph, old, new)
+    for output in graph.output:
+        if output.name == old:
+            output.name = new
+
+
 def splice(
     host: onnx.ModelProto,
     piece: onnx.ModelProto,

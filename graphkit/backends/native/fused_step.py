@@ -34,11 +34,11 @@ from graphkit._graph import (
     fresh_name,
     graph_names,
     outer_reads,
+    rename_reads,
     renamed_value,
     splice,
 )
 from graphkit.backends import ort_engine
-from graphkit.backends.native.simplify import _rename_reads
 from graphkit.training.step import UpdateStep, fuses_into, next_name, splice_update
 
 
@@ -103,7 +103,7 @@ def fused_step(
         wiring["weight"] = weight
     produced = splice(model, loss, wiring, prefix="gk.loss")
     loss_value = produced["loss"]
-    _rename_reads(graph, seed, produced["prediction_grad"])
+    rename_reads(graph, seed, produced["prediction_grad"])
 
     # the update, from the gradients
     resident = update.resident
@@ -138,17 +138,16 @@ def _sort_topologically(graph: onnx.GraphProto) -> None:
     """Order ``graph``'s nodes so that each comes after what it reads (the spliced loss
     was appended after the nodes that read its gradient)."""
     ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    waiting = list(graph.node)
+    waiting = [(node, outer_reads(node)) for node in graph.node]
     ordered: list[onnx.NodeProto] = []
     while waiting:
-        still = [n for n in waiting if not outer_reads(n) <= ready]
-        placed = [n for n in waiting if outer_reads(n) <= ready]
+        placed = [node for node, reads in waiting if reads <= ready]
         if not placed:
             raise ValueError("fused_step: the graph has a cycle or reads an unknown tensor")
+        waiting = [(node, reads) for node, reads in waiting if not reads <= ready]
         for node in placed:
             ordered.append(node)
             ready.update(node.output)
-        waiting = still
     del graph.node[:]
     graph.node.extend(ordered)
 
@@ -170,6 +169,7 @@ class FusedRun:
         self._device = device
         self._bindings: list[tuple[list[Any], list[Any], Any]] = []
         self._run = session._sess.run_with_iobinding
+        self._from_numpy = ort_engine._capi().OrtValue.ortvalue_from_numpy
 
     def _binding(self, resident: list[Any], new: list[Any]) -> Any:
         for held, written, binding in self._bindings:
@@ -197,7 +197,7 @@ class FusedRun:
         arrays = [
             np.ascontiguousarray(a) for a in ((*features, y) if w is None else (*features, y, w))
         ]
-        from_numpy = ort_engine._capi().OrtValue.ortvalue_from_numpy
+        from_numpy = self._from_numpy
         for name, array in zip(self._step.data, arrays):  # borrowed until the run returns
             binding.bind_ortvalue_input(name, from_numpy(array, self._device))
         try:

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import fresh_name, graph_names, outer_reads
+from graphkit._graph import fresh_name, graph_names, outer_reads, rename_reads
 from graphkit.static_shapes import REDUCTIONS, static_shapes
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
@@ -409,32 +409,8 @@ def _drop_no_ops(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> 
             continue
         dropped.append(node)
         graph.node.remove(node)
-        _rename_reads(graph, result, source)
+        rename_reads(graph, result, source)
     return bool(dropped)
-
-
-def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
-    """Every read of ``old`` (subgraphs included) reads ``new``."""
-    for node in graph.node:
-        node.input[:] = [new if name == old else name for name in node.input]
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                _rename_reads_in(attribute.g, old, new)
-            for sub in attribute.graphs:
-                _rename_reads_in(sub, old, new)
-
-
-def _rename_reads_in(graph: onnx.GraphProto, old: str, new: str) -> None:
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined.update(o for n in graph.node for o in n.output)
-    if old in defined:
-        return  # the subgraph has a tensor of its own by that name
-    if new in defined:  # it would read its own instead of the outer one
-        raise ValueError(f"simplify: a subgraph defines {new!r}, which it reads from outside")
-    _rename_reads(graph, old, new)
-    for output in graph.output:
-        if output.name == old:
-            output.name = new
 
 
 __all__ = ["simplify"]

@@ -1066,11 +1066,7 @@ def _lower_conv_grads(graph: onnx.GraphProto) -> None:
     (where it applies), in place."""
     if not any(n.op_type == "ConvGrad" for n in graph.node):
         return
-    shapes = {}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        dims = static_shape(value)
-        if dims is not None and all(isinstance(d, int) for d in dims):
-            shapes[value.name] = tuple(dims)
+    shapes = _static_dims(graph)
     shapes.update({t.name: tuple(t.dims) for t in graph.initializer})
     read = {name for n in graph.node for name in outer_reads(n)}
     read.update(o.name for o in graph.output)
@@ -1122,15 +1118,22 @@ def _state_spatial_rank(graph: onnx.GraphProto, ranks: dict[str, int]) -> None:
             node.attribute.append(helper.make_attribute("strides", [1] * (rank - 2)))
 
 
+def _static_dims(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    """The shape of each input, output and value_info of ``graph`` whose dims are all
+    known."""
+    shapes = {}
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        dims = static_shape(value)
+        if dims is not None and all(isinstance(d, int) for d in dims):
+            shapes[value.name] = tuple(dims)  # type: ignore[arg-type]
+    return shapes
+
+
 def _slow_here(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
     """Whether a node of ``graph`` is slow on the CPU at its size: of SLOW_ON_CPU, on a
     tensor of unknown or at least ``SLOW_FROM`` elements (its second input, the
     activation, has the size of the gradient)."""
-    sizes = {}
-    for value in (*graph.input, *graph.value_info, *graph.output):
-        dims = static_shape(value)
-        if dims is not None and all(isinstance(d, int) for d in dims):
-            sizes[value.name] = math.prod(dims)  # type: ignore[arg-type]
+    sizes = {name: math.prod(dims) for name, dims in _static_dims(graph).items()}
 
     def slow(node: onnx.NodeProto) -> bool:
         if not _is_slow_on_cpu(node):
