@@ -153,6 +153,15 @@ requires_ort_training = pytest.mark.skipif(
 )
 
 
+def four_calls_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every installed backend's forward/backward trainer run a batch as four
+    session calls (forward, loss, backward, update), as distributed training does, instead
+    of its fused step (:func:`graphkit.training.step.fuses_into`)."""
+    for name in INSTALLED_BACKENDS:
+        never = staticmethod(lambda *graphs: False)
+        monkeypatch.setattr(type(backends.get(name)), "fusable", never)
+
+
 def default_backend() -> str:
     """The name of the backend ``backend=None`` means here."""
     return backends.canonical(None)

@@ -14,6 +14,7 @@ from conftest import (
     INSTALLED_BACKENDS,
     append_no_gradient_node,
     export_torch,
+    four_calls_a_batch,
     linear_regression_onnx,
     mlp_onnx,
     names_operator,
@@ -326,26 +327,21 @@ def test_state_pickle_warm_start_and_exports(data, tmp_path):
     assert five.score(X, y, w) == pytest.approx(r2_score(y, five.predict(X), sample_weight=w))
 
 
-def at_opset_17(model):
-    """The same graph declared at opset 17, older than the loss and update graphs (18):
-    the trainer then runs four calls per batch instead of two (see partial.py)."""
-    model.opset_import[0].version = 17
-    return model
-
-
 # two calls per batch: the loss and the update fused into onnxruntime-training's
-# TrainingAgent (its agent step); four: forward, loss, backward, update (every backend)
+# TrainingAgent (its agent step); four: forward, loss, backward, update (every backend,
+# when it does not fuse: four_calls_a_batch)
 FUSED = pytest.param(2, marks=requires_ort_training)
 
 
 def fused_backend(calls: int) -> str | None:
-    """The backend that runs ``calls`` calls per batch: only ort_training fuses."""
+    """The backend of a test of ``calls`` calls per batch (ort_training's fused step,
+    or the default backend's four calls)."""
     return "ort_training" if calls == 2 else None
 
 
 @pytest.mark.parametrize("calls", [FUSED, 4])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls):
+def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls, monkeypatch):
     """Each training batch size gets graphs specialized to it (here 16 and the last 5
     rows); the weights follow SGD on the weighted mean squared error written in numpy:
     g_pred = 2 w (pred - y) / sum(w), backpropagated through tanh; with the loss and
@@ -357,7 +353,7 @@ def test_sample_weighted_mlp_with_a_short_last_batch_matches_numpy(dtype, calls)
     weights = rng.uniform(0.5, 2, size=37).astype(dtype)
     model = mlp_onnx(4, 6, 1, activation="Tanh", dtype=dtype, scale=0.5)
     if calls == 4:
-        model = at_opset_17(model)
+        four_calls_a_batch(monkeypatch)
     lr = 0.05
     trainer = OrtGradientForwardBackwardOptimizer(
         model,
@@ -571,12 +567,13 @@ def test_every_exported_graph_passes_the_checker(torch_net, data):
 @pytest.mark.parametrize(
     "hidden, threads, serial", [(4, None, True), (520, None, False), (4, 2, False)]
 )
-def test_small_loss_and_update_sessions_run_serially(hidden, threads, serial):
+def test_small_loss_and_update_sessions_run_serially(hidden, threads, serial, monkeypatch):
     """Each session owns a thread pool; small ones run on the calling thread so that only
     the TrainingAgent's pool competes for the cores (see partial.SERIAL_BELOW), unless
     the user chose the threads."""
+    four_calls_a_batch(monkeypatch)  # the loss runs separately
     trainer = OrtGradientForwardBackwardOptimizer(
-        at_opset_17(mlp_onnx(480, hidden, 1)),  # four calls: the loss runs separately
+        mlp_onnx(480, hidden, 1),
         batch_size=8,
         max_iter=1,
         intra_op_num_threads=threads,
@@ -602,14 +599,16 @@ def log_cosh(prediction: FLOAT, label: FLOAT) -> FLOAT:
 
 
 @pytest.mark.parametrize("calls", [FUSED, 4])
-def test_custom_loss_matches_numpy(calls):
+def test_custom_loss_matches_numpy(calls, monkeypatch):
     """A custom loss (its gradient built by the backend's gradient source) spliced into
     onnxruntime-training's agent graph (2 calls), or run as its own session (4, the
     default backend): SGD on mean log cosh, whose gradient is tanh(d) / n."""
     rng = np.random.default_rng(0)
     X = rng.normal(size=(40, 3))
     y = X @ np.array([1.0, -2.0, 0.5]) + 0.3
-    model = zero_linear() if calls == 2 else at_opset_17(zero_linear())
+    model = zero_linear()
+    if calls == 4:
+        four_calls_a_batch(monkeypatch)
     trainer = OrtGradientForwardBackwardOptimizer(
         model,
         max_iter=2,

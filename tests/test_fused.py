@@ -11,7 +11,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import linear_regression_onnx, mlp_onnx, requires_ort_training
+from conftest import (
+    INSTALLED_BACKENDS,
+    four_calls_a_batch,
+    linear_regression_onnx,
+    mlp_onnx,
+    requires_ort_training,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
@@ -111,7 +117,7 @@ def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, 
     monkeypatch.setattr(batches, "GATHER_BYTES", gather_bytes)
     X, y, w, model = weighted_rows()
     if calls == 4:
-        model.opset_import[0].version = 17  # older than the loss and update graphs
+        four_calls_a_batch(monkeypatch)
     trainer = OrtGradientForwardBackwardOptimizer(
         model,
         max_iter=3,
@@ -121,6 +127,27 @@ def test_forward_backward_gathers_shuffled_rows_a_piece_at_a_time(gather_bytes, 
         backend="ort_training" if calls == 2 else None,
     ).fit(X, y, sample_weight=w)
     assert bool(trainer._agent_runs) == (calls == 2)
+
+
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_a_model_at_an_older_opset_is_raised_and_its_batches_fuse(backend):
+    """A model exported at opset 17 (torch's TorchScript exporter's default) is raised to
+    opset 18, the loss and update graphs' own, so that they join its gradient graph: one
+    fused step a batch, which trains as SGD in numpy does."""
+    X, y, w, model = weighted_rows()
+    older = onnx.ModelProto()
+    older.CopyFrom(model)
+    older.opset_import[0].version = 17
+    trainer = OrtGradientForwardBackwardOptimizer(
+        older,
+        max_iter=3,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.05),
+        random_state=7,
+        backend=backend,
+    ).fit(X, y, sample_weight=w)
+    assert trainer._agent_runs  # the fused step ran, not four sessions
+    assert_numpy_sgd(trainer, model, X, y, w)
     assert_numpy_sgd(trainer, model, X, y, w)
 
 

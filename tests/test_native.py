@@ -1088,3 +1088,45 @@ def test_the_seed_axis_plumbing_goes_and_the_values_stay():
     masked = feeds["g"] * (feeds["h"] > 0) * 0.5
     np.testing.assert_allclose(w_grad, feeds["x"].T @ masked, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kept, feeds["g"].reshape(80, 1) * 2 + feeds["c"], rtol=1e-6)
+
+
+def test_an_expand_sinks_with_the_seed_axis_and_the_values_stay():
+    """An Expand whose result ends in the seed axis (a mean's gradient spread back over
+    the averaged axis) runs without it, as its elementwise readers do; numpy's values."""
+    from graphkit.backends.native.simplify import simplify
+
+    f32 = TensorProto.FLOAT
+    shapes = {"with_seed": [4, 1, 6, 1], "spread": [4, 3, 6, 1], "out": [4, 3, 6]}
+    nodes = [
+        helper.make_node("Reshape", ["g", "with_seed"], ["g1"]),
+        helper.make_node("Expand", ["g1", "spread"], ["e"]),
+        helper.make_node("Reshape", ["h", "spread"], ["h1"]),
+        helper.make_node("Mul", ["e", "h1"], ["p"]),
+        helper.make_node("Reshape", ["p", "out"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "expand",
+        [
+            helper.make_tensor_value_info("g", f32, [4, 1, 6]),
+            helper.make_tensor_value_info("h", f32, [4, 3, 6]),
+        ],
+        [helper.make_tensor_value_info("y", f32, [4, 3, 6])],
+        [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in shapes.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert simplify(model)
+    onnx.checker.check_model(model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    kinds = {v.name: v for v in inferred.graph.value_info}
+    (expand,) = [n for n in model.graph.node if n.op_type == "Expand"]
+    dims = [d.dim_value for d in kinds[expand.output[0]].type.tensor_type.shape.dim]
+    assert dims == [4, 3, 6]  # no trailing unit axis
+    assert [n.op_type for n in model.graph.node].count("Reshape") <= 1
+    rng = np.random.default_rng(0)
+    feeds = {
+        "g": rng.normal(size=(4, 1, 6)).astype(np.float32),
+        "h": rng.normal(size=(4, 3, 6)).astype(np.float32),
+    }
+    (y,) = backend_runner("native", model)(feeds).values()
+    np.testing.assert_allclose(y, np.broadcast_to(feeds["g"], (4, 3, 6)) * feeds["h"], rtol=1e-6)

@@ -13,13 +13,15 @@ rewrites, on the main graph:
   ``Reshape`` of the first one's input (the first stays for its other readers);
 * a ``Reshape`` (or ``Identity``) whose input already has its output's shape: nothing,
   its readers read the input;
-* an elementwise operator whose result ends in axes of size 1 (the seed axis), a
-  reduction whose input does and that does not reduce them, or a ``MatMul`` whose
-  result starts with them (the seed axis moved first), whose inputs
+* an elementwise operator (or an ``Expand``) whose result ends in axes of size 1 (the
+  seed axis), a reduction whose input does and that does not reduce them, or a
+  ``MatMul`` whose result starts with them (the seed axis moved first), whose inputs
   were given those axes by a ``Reshape`` (or are constants, or scalars), where the
   readers of its result take a Reshape for free: the same operator on the inputs
   without them, one ``Reshape`` after it, which the readers' own ``Reshape`` then
-  cancels (``Reshape -> Mul -> Reshape`` around each elementwise rule);
+  cancels (``Reshape -> Mul -> Reshape`` around each elementwise rule; onnxruntime's
+  broadcasting loops run element by element over a last axis of size 1: a
+  LayerNormalization's gradient in a transformer, 2.2 ms a batch with it);
 * a ``Reshape`` no node reads any more: nothing.
 
 Every rewrite keeps the values: only where data sits in memory changes, never a number.
@@ -96,6 +98,10 @@ _ELEMENTWISE = frozenset(
 """Operators that compute each element from the elements at the same (broadcast)
 position, whatever the rank: dropping trailing axes of size 1 from the result and from
 every input keeps their values."""
+
+
+_ONE_DATA_INPUT = REDUCTIONS | {"Expand"}
+"""Operators whose first input only holds data (the others: axes, a shape)."""
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
@@ -228,7 +234,7 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
                 continue
             if _unit_axes(reader, shapes, constants) is None:
                 return False
-            data = reader.input[:1] if reader.op_type in REDUCTIONS else reader.input
+            data = reader.input[:1] if reader.op_type in _ONE_DATA_INPUT else reader.input
             if not all(lets_through(i) for i in data if i != name):
                 return False
         return True
@@ -267,6 +273,8 @@ def _unit_axes(
         return None
     if node.op_type in _ELEMENTWISE and out[-1] == 1:
         return "trailing", len(out) - len(_without_trailing_units(out)), None
+    if node.op_type == "Expand" and out[-1] == 1:  # its target shape: out's, fixed here
+        return "expand", len(out) - len(_without_trailing_units(out)), None
     if node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
         return "leading", next(i for i, d in enumerate([*out[:-2], 0]) if d != 1), None
     if node.op_type in REDUCTIONS:
@@ -341,6 +349,12 @@ def _sink_one(
             return shape[: max(len(shape) - units, 0)]  # broadcasting aligns on the right
 
     data = list(node.input)
+    if kind == "expand":  # broadcast to the core shape itself
+        data = data[:1]
+        name = fresh_name(f"{node.output[0]}/core_shape", taken)
+        graph.initializer.append(numpy_helper.from_array(np.array(core, np.int64), name))
+        constants[name] = graph.initializer[-1]
+        moved.input[1] = name
     if kind == "reduce":  # the same non-negative axes: those it drops follow them all
         data = data[:1]
         if len(node.input) > 1 and node.input[1]:
