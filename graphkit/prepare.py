@@ -9,6 +9,8 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
   own opset and trains in separate sessions (:func:`compatible_for_training`);
 * skl2onnx's linear models become standard operators whose coefficients are
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
+* gathers that take a tensor apart along an axis (an attention's queries, keys and
+  values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
 * a model exported in training mode is refused (:func:`refuse_training_mode`);
 * the weights to train are chosen (:func:`trainable_weights`: the model's parameters,
   never its constants, unless named);
@@ -27,6 +29,7 @@ from onnx import numpy_helper
 from graphkit import backends
 from graphkit.compat import DSL_OPSET, make_compatible
 from graphkit.errors import IncompatibleModelError, MissingGradientError
+from graphkit.gathers import gathers_as_split
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
@@ -46,7 +49,7 @@ def prepare_for_training(
     exporter's merge of equal initializers) becomes one weight per slot
     (:func:`graphkit.parameters.untie_shared_parameters`).
     """
-    model = linear_models_as_standard_ops(compatible_for_training(model))
+    model = gathers_as_split(linear_models_as_standard_ops(compatible_for_training(model)))
     refuse_training_mode(model)
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)
