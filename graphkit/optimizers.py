@@ -189,7 +189,11 @@ def scale_by_adam(
         update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
         m_new, v_new, c1, c2 = adam_moments(update, m, v, step)
-        return (m_new / c1) / (op.Sqrt(v_new / c2) + op.CastLike(e, update)), m_new, v_new
+        # (m / c1) / (sqrt(v / c2) + eps), its scalars gathered: 4 passes over the
+        # weights, not 5 (each a kernel over all of them)
+        root = op.Sqrt(c2)
+        eps_hat = op.CastLike(e, update) * root
+        return (root / c1) * m_new / (op.Sqrt(v_new) + eps_hat), m_new, v_new
 
     @script()
     def adam_uncorrected(
