@@ -1130,3 +1130,53 @@ def test_an_expand_sinks_with_the_seed_axis_and_the_values_stay():
     }
     (y,) = backend_runner("native", model)(feeds).values()
     np.testing.assert_allclose(y, np.broadcast_to(feeds["g"], (4, 3, 6)) * feeds["h"], rtol=1e-6)
+
+
+def test_the_layer_norm_gradient_reads_the_forward_statistics_and_equals_numpy():
+    """Once shapes are static, the LayerNormalization adjoint reads the mean and
+    1/sqrt(var + eps) the forward node reports instead of computing them again; the
+    gradients are the formula's, in numpy (float64)."""
+    from graphkit.static_shapes import specialize
+
+    f32 = TensorProto.FLOAT
+    rng = np.random.default_rng(5)
+    gamma, beta = rng.normal(size=8), rng.normal(size=8)
+    nodes = [
+        helper.make_node("LayerNormalization", ["X", "gamma", "beta"], ["y"], epsilon=1e-3),
+        helper.make_node("Tanh", ["y"], ["t"]),
+        helper.make_node("ReduceSumSquare", ["t"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "layer_norm",
+        [helper.make_tensor_value_info("X", f32, ["N", 3, 8])],
+        [helper.make_tensor_value_info("loss", f32, [])],
+        [
+            numpy_helper.from_array(gamma.astype(np.float32), "gamma"),
+            numpy_helper.from_array(beta.astype(np.float32), "beta"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    grad = native_gradient(model, "loss", ["X", "gamma", "beta"])
+    static = specialize(grad, {"X": 4}, backends.get("native").constant_folds)
+    onnx.checker.check_model(static, full_check=True)
+    (norm,) = [n for n in static.graph.node if n.op_type == "LayerNormalization"]
+    ops = [n.op_type for n in static.graph.node]
+    assert len(norm.output) == 3 and all(norm.output), norm.output
+    assert "Reciprocal" not in ops and "Sqrt" not in ops, ops
+    X = rng.normal(size=(4, 3, 8)).astype(np.float32)
+    got = backend_runner("native", static)({"X": X})
+    x = X.astype(np.float64)
+    mean = x.mean(-1, keepdims=True)
+    inv = 1 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-3)
+    xhat = (x - mean) * inv
+    t = np.tanh(xhat * gamma + beta)
+    dy = 2 * t * (1 - t**2)
+    dxhat = dy * gamma
+    dx = inv * (
+        dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True)
+    )
+    np.testing.assert_allclose(got["loss"], (t**2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(got["X_grad"], dx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["gamma_grad"], (dy * xhat).sum((0, 1)), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["beta_grad"], dy.sum((0, 1)), rtol=1e-4, atol=1e-5)

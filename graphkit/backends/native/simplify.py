@@ -22,7 +22,10 @@ rewrites, on the main graph:
   cancels (``Reshape -> Mul -> Reshape`` around each elementwise rule; onnxruntime's
   broadcasting loops run element by element over a last axis of size 1: a
   LayerNormalization's gradient in a transformer, 2.2 ms a batch with it);
-* a ``Reshape`` no node reads any more: nothing.
+* a ``Reshape`` no node reads any more: nothing;
+* the mean and ``1 / sqrt(var + eps)`` that onnx-ad's ``LayerNormalization`` adjoint
+  computes again: the forward node's own ``Mean`` and ``InvStdDev`` outputs (a
+  transformer's step, 339 -> 315 kernels).
 
 Every rewrite keeps the values: only where data sits in memory changes, never a number.
 It is the native backend's entry in ``constant_folds`` (run by ``specialize``).
@@ -52,6 +55,7 @@ def simplify(model: onnx.ModelProto) -> bool:
         _merge_reshapes,
         _drop_no_ops,
         _drop_unread_reshapes,
+        _reuse_layer_norm_statistics,
     )
     progress = True
     while progress:  # one rewrite opens the way to another (a sunk Reshape to a merge)
@@ -398,6 +402,83 @@ def _sink_one(
     target = fresh_name(f"{node.output[0]}/shape", taken)
     graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
     return [*before, moved, helper.make_node("Reshape", [result, target], list(node.output))]
+
+
+def _reuse_layer_norm_statistics(
+    model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
+) -> bool:
+    """onnx-ad's ``LayerNormalization`` adjoint computes the input's mean and
+    ``1 / sqrt(var + eps)`` again (``ReduceMean``, ``Sub``, ``Mul``, ``ReduceMean``,
+    ``Add``, ``Sqrt``, ``Reciprocal``); the forward node reports both (its optional outputs
+    ``Mean`` and ``InvStdDev``). Their readers read those: 6 kernels fewer a layer."""
+    graph = model.graph
+    constants = {t.name: t for t in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+
+    def only(name: str, op_type: str, *others: str) -> onnx.NodeProto | None:
+        """The reader of ``name`` of type ``op_type`` whose other inputs are ``others``."""
+        for reader in readers.get(name, []):
+            rest = [i for i in reader.input if i != name] or [name]
+            if reader.op_type == op_type and (not others or sorted(rest) == sorted(others)):
+                return reader
+        return None
+
+    def mean_over(node: onnx.NodeProto | None, axes: list[int], rank: int) -> bool:
+        if node is None or node.op_type != "ReduceMean":
+            return False
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        found = _reduction_axes(node, constants)
+        return bool(keepdims) and found is not None and sorted(a % rank for a in found) == axes
+
+    taken = graph_names(graph)
+    for norm in [n for n in graph.node if n.op_type == "LayerNormalization"]:
+        x = norm.input[0]
+        rank = len(shapes.get(x) or ())
+        attrs = {a.name: a for a in norm.attribute}
+        if norm.domain not in ("", "ai.onnx") or not rank or "stash_type" in attrs:
+            continue
+        axes = list(range(attrs["axis"].i % rank if "axis" in attrs else rank - 1, rank))
+        epsilon = np.float32(attrs["epsilon"].f if "epsilon" in attrs else 1e-5)
+        for mean in [r for r in readers.get(x, []) if mean_over(r, axes, rank)]:
+            centered = only(mean.output[0], "Sub", x)
+            square = centered and only(centered.output[0], "Mul")
+            if square is None or list(square.input) != [centered.output[0]] * 2:
+                continue
+            variance = next(
+                (r for r in readers.get(square.output[0], []) if mean_over(r, axes, rank)), None
+            )
+            shifted = variance and only(variance.output[0], "Add")
+            eps = shifted and next((i for i in shifted.input if i in constants), None)
+            value = numpy_helper.to_array(constants[eps]) if eps else None
+            if value is None or value.dtype != np.float32 or value.size != 1 or value != epsilon:
+                continue
+            root = only(shifted.output[0], "Sqrt")
+            inverse = root and only(root.output[0], "Reciprocal")
+            if inverse is None:
+                continue
+            while len(norm.output) < 3:
+                norm.output.append("")
+            for position, name in ((1, mean.output[0]), (2, inverse.output[0])):
+                if not norm.output[position]:
+                    norm.output[position] = fresh_name(f"{norm.output[0]}/statistic", taken)
+                rename_reads(graph, name, norm.output[position])
+                shapes[norm.output[position]] = shapes.get(name, ())
+            for node in (inverse, root, shifted, variance, square, mean):  # readers first
+                if not _read(graph, node):
+                    graph.node.remove(node)
+            return True  # the maps above are stale now
+    return False
+
+
+def _read(graph: onnx.GraphProto, node: onnx.NodeProto) -> bool:
+    """Whether another node or the graph's outputs read one of ``node``'s outputs."""
+    outputs = {o.name for o in graph.output}
+    return any(
+        o in outputs or any(o in n.input for n in graph.node if n is not node) for o in node.output
+    )
 
 
 def _drop_unread_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
