@@ -27,7 +27,8 @@ rewrites, on the main graph:
   computes again: the forward node's own ``Mean`` and ``InvStdDev`` outputs (a
   transformer's step, 339 -> 315 kernels).
 
-Every rewrite keeps the values: only where data sits in memory changes, never a number.
+Every rewrite keeps the values: only where data sits in memory changes (and, for the
+last, which kernel rounds the statistics), never the formula.
 It is the native backend's entry in ``constant_folds`` (run by ``specialize``).
 """
 
