@@ -318,11 +318,11 @@ class ForwardBackwardTrainer(BaseTrainer):
     def _run_batch(
         self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, static: bool = True
     ) -> None:
-        """Two calls (the agent's forward with the loss, its backward with the update: it
-        reads the current buffer set and writes the other, so a batch that fails leaves
-        the current set as the last good batch left it) or, where the pieces cannot be
-        fused (distributed training, graphs older than the pieces' opset, the native
-        backend), four. ``static``:
+        """The backend's fused step (ort_training: the agent's forward with the loss, its
+        backward with the update; native: one call; it reads the current buffer set and
+        writes the other, so a batch that fails leaves the current set as the last good
+        batch left it) or, where the pieces cannot be fused (distributed training, graphs
+        onnx cannot raise to the pieces' opset), four calls. ``static``:
         through graphs specialized to the batch's size (else the graphs for any size)."""
         if self._fuses:
             key, runs = (w is not None, len(X) if static else None), self._agent_runs
@@ -338,7 +338,7 @@ class ForwardBackwardTrainer(BaseTrainer):
     ) -> None:
         self._run_batch(binding, X, y, w, static=specialized)
 
-    # -- four calls (distributed training, graphs older than the pieces' opset, native) -----
+    # -- four calls (distributed training, graphs older than the pieces' opset) ---------
 
     def _feeds(self, features: list[Any]) -> list[Any]:
         """The forward's C OrtValues in feed order: the features (C OrtValues, one per
