@@ -113,9 +113,11 @@ def _split(
 
 
 def _scalar_constants(graph: onnx.GraphProto) -> dict[str, int]:
-    """The integer scalars of ``graph``'s initializers and ``Constant`` nodes."""
+    """The integer scalars of ``graph``'s initializers (not those a graph input can
+    override) and ``Constant`` nodes."""
     found: dict[str, int] = {}
-    tensors = [(t.name, t) for t in graph.initializer]
+    fed = {i.name for i in graph.input}
+    tensors = [(t.name, t) for t in graph.initializer if t.name not in fed]
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attribute in node.attribute:
