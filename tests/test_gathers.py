@@ -123,3 +123,10 @@ def test_training_through_the_split_follows_numpy_sgd(backend):
             dh = np.concatenate([dy * k, dy * q, np.broadcast_to(dy, q.shape)], axis=1)
             W = W - 0.05 * x.T @ dh
     np.testing.assert_allclose(trainer.get_state()["W"], W, rtol=2e-4, atol=1e-6)
+
+
+def test_an_index_a_graph_input_can_override_is_not_a_constant():
+    """An initializer that is also a graph input can be fed another value at run time."""
+    model = qkv_model()
+    model.graph.input.append(helper.make_tensor_value_info("i_k", TensorProto.INT64, []))
+    assert gathers_as_split(model) is model
