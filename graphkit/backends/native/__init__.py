@@ -25,6 +25,7 @@ import onnx
 from graphkit.backends import activations, ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, fused_step, simplify, split
+from graphkit.training.step import fuses_into
 
 
 class NativeBackend:
@@ -117,7 +118,7 @@ class NativeBackend:
     # a forward/backward trainer's batch with the loss and the update fused in: one
     # session call (see :mod:`.fused_step`)
     AgentRun = fused_step.FusedRun
-    fusable = staticmethod(fused_step.fusable)
+    fusable = staticmethod(fuses_into)
     agent_step = staticmethod(fused_step.fused_step)
 
     def __repr__(self) -> str:

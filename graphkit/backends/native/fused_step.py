@@ -39,7 +39,7 @@ from graphkit._graph import (
     splice,
 )
 from graphkit.backends import ort_engine
-from graphkit.training.step import UpdateStep, fuses_into, next_name, splice_update
+from graphkit.training.step import UpdateStep, next_name, splice_update
 
 
 @dataclass
@@ -56,11 +56,6 @@ class FusedStep:
     resident: list[str]  # the update step's resident names (weights by their public name)
     inputs: list[str]  # the graph input of each resident value, in ``resident`` order
     outputs: list[str]
-
-
-fusable = fuses_into
-"""Whether the loss and the update can join the gradient graph
-(:func:`graphkit.training.step.fuses_into`)."""
 
 
 def fused_step(
@@ -207,4 +202,4 @@ class FusedRun:
             raise RuntimeError(f"training step failed in onnxruntime: {message}") from exc
 
 
-__all__ = ["FusedRun", "FusedStep", "fused_step", "fusable"]
+__all__ = ["FusedRun", "FusedStep", "fused_step"]

@@ -468,18 +468,10 @@ def _reuse_layer_norm_statistics(
                 rename_reads(graph, name, norm.output[position])
                 shapes[norm.output[position]] = shapes.get(name, ())
             for node in (inverse, root, shifted, variance, square, mean):  # readers first
-                if not _read(graph, node):
+                if not any(_readers(graph).get(o) for o in node.output):
                     graph.node.remove(node)
             return True  # the maps above are stale now
     return False
-
-
-def _read(graph: onnx.GraphProto, node: onnx.NodeProto) -> bool:
-    """Whether another node or the graph's outputs read one of ``node``'s outputs."""
-    outputs = {o.name for o in graph.output}
-    return any(
-        o in outputs or any(o in n.input for n in graph.node if n is not node) for o in node.output
-    )
 
 
 def _drop_unread_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:

@@ -38,6 +38,7 @@ from graphkit.backends.ort_training import (
     rewrites,
 )
 from graphkit.backends.ort_training.builders import ModuleGraphs
+from graphkit.training.step import fuses_into
 
 
 class OrtTrainingBackend:
@@ -124,7 +125,7 @@ class OrtTrainingBackend:
     # the loss and the update spliced around the agent's yield: a forward/backward batch
     # in two calls (see :mod:`.agent_step`)
     AgentRun = agent_step.AgentRun
-    fusable = staticmethod(agent_step.fusable)
+    fusable = staticmethod(fuses_into)
     agent_step = staticmethod(agent_step.agent_step)  # (last: it shadows the module here)
 
     def __repr__(self) -> str:

@@ -42,7 +42,7 @@ from graphkit._graph import (
 )
 from graphkit.backends.ort_engine import c_ortvalue
 from graphkit.backends.ort_training.agent import train_batch, training_agent, values_vector
-from graphkit.training.step import UpdateStep, fuses_into, next_name, splice_update
+from graphkit.training.step import UpdateStep, next_name, splice_update
 
 YIELD = "YieldOp"
 
@@ -62,11 +62,6 @@ class AgentStep:
     resident: list[str]  # the update step's resident names (weights by their public name)
     outputs: list[str]
     dloss_shape: tuple[int, ...]  # the yielded loss's: ones of the prediction's rank
-
-
-fusable = fuses_into
-"""Whether the loss and the update can join the gradient graph
-(:func:`graphkit.training.step.fuses_into`)."""
 
 
 def agent_step(
@@ -220,4 +215,4 @@ def _reshape(x: str, shape: tuple[int, ...], out: str, taken: set[str]) -> list[
     return [int_constant(target, list(shape)), helper.make_node("Reshape", [x, target], [out])]
 
 
-__all__ = ["AgentRun", "AgentStep", "agent_step", "fusable"]
+__all__ = ["AgentRun", "AgentStep", "agent_step"]
