@@ -79,6 +79,24 @@ def fuses_into(gradient: onnx.ModelProto, loss: onnx.ModelProto, update: UpdateS
     return all((opset_of(piece) or 0) <= host for piece in (loss, update.model))
 
 
+def splice_loss(
+    model: onnx.ModelProto, loss: onnx.ModelProto, prediction: str
+) -> tuple[dict[str, str], str, str | None]:
+    """Splice ``loss`` into a gradient graph ``model`` (in place, its nodes appended) on
+    the tensor ``prediction``, its ``label`` [and ``weight``] read from fresh names:
+    ``(produced, label, weight)``, ``produced`` naming ``loss`` and ``prediction_grad``
+    in ``model``, ``weight`` None for an unweighted loss. Both backends' fused steps
+    start here."""
+    taken = graph_names(model.graph)
+    label = fresh_name("label", taken)
+    weighted = any(i.name == "weight" for i in loss.graph.input)
+    weight = fresh_name("weight", taken) if weighted else None
+    wiring = {"prediction": prediction, "label": label}
+    if weight is not None:
+        wiring["weight"] = weight
+    return splice(model, loss, wiring, prefix="gk.loss"), label, weight
+
+
 def splice_update(
     model: onnx.ModelProto,
     loss: onnx.ModelProto,

@@ -36,10 +36,9 @@ from graphkit._graph import (
     outer_reads,
     rename_reads,
     renamed_value,
-    splice,
 )
 from graphkit.backends import ort_engine
-from graphkit.training.step import UpdateStep, next_name, splice_update
+from graphkit.training.step import UpdateStep, next_name, splice_loss, splice_update
 
 
 @dataclass
@@ -87,16 +86,9 @@ def fused_step(
     ((prediction, seed),) = seeds.items()
     model = copy_model(gradient)
     graph = model.graph
-    taken = graph_names(graph)
-    label = fresh_name("label", taken)
-    weighted = any(i.name == "weight" for i in loss.graph.input)
-    weight = fresh_name("weight", taken) if weighted else None
 
     # the loss and its gradient, which seeds the vector-Jacobian product
-    wiring = {"prediction": prediction, "label": label}
-    if weight is not None:
-        wiring["weight"] = weight
-    produced = splice(model, loss, wiring, prefix="gk.loss")
+    produced, label, weight = splice_loss(model, loss, prediction)
     loss_value = produced["loss"]
     rename_reads(graph, seed, produced["prediction_grad"])
 

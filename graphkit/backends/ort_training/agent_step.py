@@ -37,12 +37,11 @@ from graphkit._graph import (
     graph_names,
     int_constant,
     renamed_value,
-    splice,
     static_shape,
 )
 from graphkit.backends.ort_engine import c_ortvalue
 from graphkit.backends.ort_training.agent import train_batch, training_agent, values_vector
-from graphkit.training.step import UpdateStep, next_name, splice_update
+from graphkit.training.step import UpdateStep, next_name, splice_loss, splice_update
 
 YIELD = "YieldOp"
 
@@ -97,17 +96,9 @@ def agent_step(
     old_yield = nodes[at]
     prediction, prediction_grad = old_yield.input[0], old_yield.output[0]
     before, after = nodes[:at], nodes[at + 1 :]
-    taken = graph_names(graph)
-    label = fresh_name("label", taken)
-    weighted = any(i.name == "weight" for i in loss.graph.input)
-    weight = fresh_name("weight", taken) if weighted else None
-
     # the loss and its gradient, computed by the forward before it yields the loss
-    wiring = {"prediction": prediction, "label": label}
-    if weight is not None:
-        wiring["weight"] = weight
     count = len(graph.node)
-    produced = splice(model, loss, wiring, prefix="gk.loss")
+    produced, label, weight = splice_loss(model, loss, prediction)
     loss_nodes = list(graph.node[count:])
     loss_value, loss_grad = produced["loss"], produced["prediction_grad"]
     # the loss is yielded with the prediction's rank (all ones): onnxruntime multiplies
