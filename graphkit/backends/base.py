@@ -92,12 +92,12 @@ class GradientSource(Protocol):
 class Engine(Protocol):
     """Sessions and values on a device."""
 
-    def providers_for(self, device: str) -> tuple[list[str], str, int]:
+    def providers_for(self, device: str) -> tuple[list[Any], str, int]:
         """``(providers, device kind, device id)`` for ``"cpu"``, ``"cuda"``, ``"cuda:N"``."""
         ...
 
     def inference_session(
-        self, model: onnx.ModelProto | bytes, providers: Sequence[str], threads: Any = None
+        self, model: onnx.ModelProto | bytes, providers: Sequence[Any], threads: Any = None
     ) -> Any:
         """A session running ``model`` (bound with IOBinding by the runtime)."""
         ...

@@ -24,12 +24,20 @@ import onnx
 from graphkit.errors import IncompatibleModelError
 
 CPU = ("CPUExecutionProvider",)
+# an onnxruntime provider: its name, or (name, options) as InferenceSession takes it
+Provider = str | tuple[str, dict[str, str]]
 
 CUDA_HINT = (
-    "device='cuda' needs a CUDA build of onnxruntime: for the ort_training backend, "
-    "pip uninstall -y onnxruntime-training-cpu && pip install onnxruntime-training==1.19.2 "
-    "(Linux x86_64, CPython <= 3.11)."
+    "device='cuda' needs a CUDA build of onnxruntime and a GPU it can see: for the native "
+    "backend, pip uninstall -y onnxruntime onnxruntime-training-cpu && pip install "
+    "onnxruntime-gpu (its CUDA libraries: pip install 'onnxruntime-gpu[cuda,cudnn]'); for "
+    "the ort_training backend, pip uninstall -y onnxruntime-training-cpu && pip install "
+    "onnxruntime-training==1.19.2 (Linux x86_64, CPython <= 3.11, CUDA 12)."
 )
+# float32 graphs train in float32 on CUDA, as on the CPU: onnxruntime's CUDA provider
+# would otherwise round MatMul/Gemm/Conv inputs to TF32 (10-bit mantissas). A user who
+# wants TF32 passes providers with use_tf32=1 (the forward/backward trainer's providers=).
+CUDA_OPTIONS = {"use_tf32": "0"}
 _NO_KERNEL = re.compile(
     r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'"
 )
@@ -163,7 +171,9 @@ def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
 
 
 def inference_session(
-    model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU, threads: Threads | None = None
+    model: onnx.ModelProto | bytes,
+    providers: Sequence[Provider] = CPU,
+    threads: Threads | None = None,
 ) -> Any:
     """An InferenceSession on ``model`` with :data:`BROKEN_OPTIMIZERS` off; a load
     failure becomes ``IncompatibleModelError``.
@@ -175,7 +185,7 @@ def inference_session(
     ort = onnxruntime()
     disabled = list(_broken_optimizers(model))
     try:
-        return ort.InferenceSession(
+        session = ort.InferenceSession(
             data, session_options(threads), providers=list(providers), disabled_optimizers=disabled
         )
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
@@ -192,12 +202,27 @@ def inference_session(
             raise MissingKernelError(
                 f"onnxruntime {version()} has no kernel for operator {missing.group(1)!r} "
                 f"(node {missing.group(2)!r}) with these element types on "
-                f"{providers[0]}.{advice}",
+                f"{provider_name(providers[0])}.{advice}",
                 missing.group(1),
             ) from exc
         raise IncompatibleModelError(
             f"onnxruntime {version()} cannot load this model: {short_message(exc)}"
         ) from exc
+    _check_providers_loaded(session, providers)
+    return session
+
+
+def _check_providers_loaded(session: Any, providers: Sequence[Provider]) -> None:
+    """onnxruntime falls back to the CPU, with a warning on stderr only, when a provider
+    it was built with does not load (CUDA's libraries missing, no GPU): the session would
+    then train on the CPU while the trainer binds its values on the GPU."""
+    wanted = [provider_name(p) for p in providers]
+    lost = [p for p in wanted if p != "CPUExecutionProvider" and p not in session.get_providers()]
+    if lost:
+        raise RuntimeError(
+            f"onnxruntime {version()} could not start {', '.join(lost)} (its libraries did "
+            "not load or it sees no device; onnxruntime's warning above says which). " + CUDA_HINT
+        )
 
 
 class MissingKernelError(IncompatibleModelError):
@@ -212,7 +237,7 @@ class MissingKernelError(IncompatibleModelError):
 class Runner:
     """A model compiled once into an InferenceSession, called with numpy arrays."""
 
-    def __init__(self, model: onnx.ModelProto | bytes, providers: Sequence[str] = CPU) -> None:
+    def __init__(self, model: onnx.ModelProto | bytes, providers: Sequence[Provider] = CPU) -> None:
         self.session = inference_session(model, providers)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -258,8 +283,11 @@ def run(model: Any, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
 # -- devices, values and bindings ---------------------------------------------------------------
 
 
-def providers_for(device: str) -> tuple[list[str], str, int]:
-    """``(providers, ort device name, device id)`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+def providers_for(device: str) -> tuple[list[Provider], str, int]:
+    """``(providers, ort device name, device id)`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    The CUDA provider comes with its options: the device's index (a session on
+    ``"cuda:1"`` runs there, beside the values bound on it) and float32 arithmetic
+    (:data:`CUDA_OPTIONS`)."""
     if not isinstance(device, str):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {device!r}.")
     if device == "cpu":
@@ -268,8 +296,14 @@ def providers_for(device: str) -> tuple[list[str], str, int]:
         if "CUDAExecutionProvider" not in onnxruntime().get_available_providers():
             raise RuntimeError(CUDA_HINT)
         index = int(device[5:]) if ":" in device else 0
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"], "cuda", index
+        cuda = ("CUDAExecutionProvider", {"device_id": str(index), **CUDA_OPTIONS})
+        return [cuda, "CPUExecutionProvider"], "cuda", index
     raise ValueError(f"Unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'.")
+
+
+def provider_name(provider: Provider) -> str:
+    """``"CUDAExecutionProvider"`` for the name or a ``(name, options)`` pair."""
+    return provider if isinstance(provider, str) else provider[0]
 
 
 def ort_device(kind: str, device_id: int) -> Any:

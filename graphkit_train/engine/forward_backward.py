@@ -77,7 +77,8 @@ class OrtGradientForwardBackward:
         input_names: the graph inputs fed to ``forward``, in order (None: all
             non-initializer inputs in graph order).
         output_names: the outputs ``forward`` returns, in order (None: the float outputs).
-        providers: onnxruntime providers (None: from ``device``).
+        providers: onnxruntime providers, names or ``(name, options)`` pairs (None: from
+            ``device``; CUDA computes float32 in float32, see ``ort_engine.CUDA_OPTIONS``).
         threads: the sessions' thread settings (:class:`graphkit.backends.ort_engine.Threads`).
         backend: the gradient source and its runner (:func:`graphkit.backends.get`;
             None: the default).
@@ -97,7 +98,7 @@ class OrtGradientForwardBackward:
         weights_to_train: Sequence[str] | None = None,
         input_names: Sequence[str] | None = None,
         output_names: Sequence[str] | None = None,
-        providers: Sequence[str] | None = None,
+        providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
         device: str = "cpu",
         inputs_requiring_grad: Iterable[str] = (),
         threads: Threads | None = None,
@@ -172,9 +173,7 @@ class OrtGradientForwardBackward:
             base = self._variant(requiring)
             rows_of = dict.fromkeys(self.input_names, rows)
             gradient = specialize(base.gradient_model, rows_of, self.backend.constant_folds)
-            return self._with_agent(
-                gradient, base.forward_model, None, base.grad_of, base.seeds
-            )
+            return self._with_agent(gradient, base.forward_model, None, base.grad_of, base.seeds)
         inputs = [n for n in self.input_names if n in requiring]
         check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
         graphs = self.backend.forward_backward_graphs(self._model, self.weight_names, inputs)

@@ -75,7 +75,7 @@ class NativeBackend:
     def inference_session(
         self,
         model: onnx.ModelProto | bytes,
-        providers: Sequence[str] = ort_engine.CPU,
+        providers: Sequence[ort_engine.Provider] = ort_engine.CPU,
         threads: ort_engine.Threads | None = None,
     ) -> Any:
         return ort_engine.inference_session(model, providers, threads)
@@ -85,7 +85,7 @@ class NativeBackend:
     def training_agent(
         self,
         gradient: onnx.ModelProto,
-        providers: Sequence[str],
+        providers: Sequence[ort_engine.Provider],
         threads: ort_engine.Threads | None,
         feed_names: Sequence[str],
         fetch_names: Sequence[str],

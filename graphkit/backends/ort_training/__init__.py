@@ -88,7 +88,7 @@ class OrtTrainingBackend:
     def inference_session(
         self,
         model: onnx.ModelProto | bytes,
-        providers: Sequence[str] = ort_engine.CPU,
+        providers: Sequence[ort_engine.Provider] = ort_engine.CPU,
         threads: ort_engine.Threads | None = None,
     ) -> Any:
         """An engine session; on the CPU, a ModelProto runs with the gradient operators
@@ -102,7 +102,7 @@ class OrtTrainingBackend:
     def training_agent(
         self,
         gradient: onnx.ModelProto,
-        providers: Sequence[str],
+        providers: Sequence[ort_engine.Provider],
         threads: ort_engine.Threads | None,
         feed_names: Sequence[str],
         fetch_names: Sequence[str],

@@ -1,0 +1,155 @@
+"""Training on a GPU (``device="cuda"``): the formulas' numbers, in float32.
+
+The training tests run where onnxruntime has its CUDA provider and sees a GPU (a CUDA
+build, ``onnxruntime-gpu`` for the native backend); elsewhere, CI included, they skip
+with the reason. The last two, on the provider list and the refused CPU fallback, run
+everywhere. The references are numpy written from the formulas in float64 (SGD on an MLP,
+from ``test_fused``) and, for AdamW, the same trainer on the CPU, which the optimizer
+tests check against torch's AdamW.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime
+import pytest
+from conftest import mlp_onnx
+from onnx import numpy_helper
+from test_fused import mlp_sgd_numpy
+
+import graphkit as gk
+from graphkit import optimizers
+from graphkit.backends import ort_engine
+from graphkit_train import (
+    OrtGradientForwardBackward,
+    OrtGradientForwardBackwardOptimizer,
+    OrtGradientOptimizer,
+)
+
+HAS_CUDA = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+requires_cuda = pytest.mark.skipif(
+    not HAS_CUDA,
+    reason=f"onnxruntime {onnxruntime.__version__} has no CUDA provider here (no GPU build "
+    "or no GPU): pip install onnxruntime-gpu on a machine with one",
+)
+# float32 on the GPU against float64 numpy: the rounding of 18 steps, not TF32's 1e-3
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def float32_rows():
+    """53 rows at batch 10 (five full batches and a short one), weighted, an MLP 4-5-1."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(53, 4)).astype(np.float32)
+    y = rng.normal(size=(53, 1)).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, size=53).astype(np.float32)
+    return X, y, w, mlp_onnx(4, 5, 1, scale=0.5)
+
+
+def assert_numpy_sgd(state, losses, model, X, y, w):
+    initial = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    expected, expected_losses = mlp_sgd_numpy(initial, X, y, w, 10, 0.05, 3, seed=7)
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+    np.testing.assert_allclose(losses, expected_losses, rtol=RTOL)
+
+
+@requires_cuda
+@pytest.mark.parametrize("steps_per_run", [1, "epoch"])
+def test_full_training_on_cuda_follows_numpy_sgd(steps_per_run):
+    X, y, w, model = float32_rows()
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(model, weight_name="weight"),
+        max_iter=3,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.05),
+        random_state=7,
+        steps_per_run=steps_per_run,
+        device="cuda",
+    ).fit(X, y, sample_weight=w)
+    assert_numpy_sgd(trainer.get_state(), trainer.train_losses_, model, X, y, w)
+
+
+@requires_cuda
+def test_forward_backward_training_on_cuda_follows_numpy_sgd():
+    X, y, w, model = float32_rows()
+    trainer = OrtGradientForwardBackwardOptimizer(
+        model,
+        max_iter=3,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.05),
+        random_state=7,
+        device="cuda",
+    ).fit(X, y, sample_weight=w)
+    assert_numpy_sgd(trainer.get_state(), trainer.train_losses_, model, X, y, w)
+
+
+@requires_cuda
+@pytest.mark.parametrize("steps_per_run", [1, "epoch"])
+def test_adamw_on_cuda_equals_adamw_on_the_cpu(steps_per_run):
+    X, y, _, model = float32_rows()
+    fitted = {}
+    for device in ("cpu", "cuda"):
+        fitted[device] = OrtGradientOptimizer(
+            gk.add_loss_output(model),
+            max_iter=4,
+            batch_size=10,
+            learning_rate=optimizers.adamw(learning_rate=0.01, weight_decay=0.1),
+            random_state=3,
+            steps_per_run=steps_per_run,
+            device=device,
+        ).fit(X, y)
+    cpu, cuda = fitted["cpu"].get_state(), fitted["cuda"].get_state()
+    assert set(cpu) == set(cuda)
+    for name, value in cpu.items():
+        np.testing.assert_allclose(cuda[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(fitted["cuda"].train_losses_, fitted["cpu"].train_losses_, 1e-5)
+
+
+@requires_cuda
+def test_the_weights_live_on_the_gpu_and_matmuls_stay_float32():
+    """The layer's weights are CUDA values, and a product of numbers that TF32 would
+    round (mantissas of 23 bits) comes out as numpy's float32 product."""
+    model = mlp_onnx(64, 64, 1, activation="Identity", scale=1.0)
+    layer = OrtGradientForwardBackward(model, device="cuda")
+    assert {v.device_name() for v in layer.weights.values()} == {"cuda"}
+    X = np.random.default_rng(1).normal(size=(8, 64)).astype(np.float32) + np.float32(1 / 3)
+    (Y,) = layer.forward([X])
+    weights = {k: v.numpy() for k, v in layer.weights.items()}
+    expected = (X.astype(np.float64) @ weights["W1"] + weights["b1"]) @ weights["W2"]
+    expected += weights["b2"]
+    np.testing.assert_allclose(Y.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+class _Runtime:
+    """onnxruntime as a CUDA build reports itself, for the provider list alone."""
+
+    @staticmethod
+    def get_available_providers():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_cuda_providers_name_the_device_and_float32(monkeypatch):
+    monkeypatch.setattr(ort_engine, "onnxruntime", lambda: _Runtime)
+    providers, kind, index = ort_engine.providers_for("cuda:1")
+    assert (kind, index) == ("cuda", 1)
+    assert providers == [
+        ("CUDAExecutionProvider", {"device_id": "1", "use_tf32": "0"}),
+        "CPUExecutionProvider",
+    ]
+
+
+class _SessionOnTheCpu:
+    """A session whose CUDA provider did not start: onnxruntime kept the CPU alone."""
+
+    @staticmethod
+    def get_providers():
+        return ["CPUExecutionProvider"]
+
+
+def test_a_cuda_provider_that_did_not_start_is_an_error_not_a_cpu_session():
+    cuda = ("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "0"})
+    with pytest.raises(
+        RuntimeError, match="could not start CUDAExecutionProvider.*onnxruntime-gpu"
+    ):
+        ort_engine._check_providers_loaded(_SessionOnTheCpu(), [cuda, "CPUExecutionProvider"])
+    ort_engine._check_providers_loaded(_SessionOnTheCpu(), ["CPUExecutionProvider"])
