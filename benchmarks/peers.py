@@ -3,6 +3,7 @@
     make bench-envs   # once: .venv-bench-jax (JAX + optax), .venv-bench-torch (torch + onnx2torch)
     python benchmarks/peers.py [--quick] [--repeat 5] [--only WORD] [--contender WORD]
                                [--optimizer sgd|adamw] [--output FILE]
+                               [--device cpu|cuda] [--one-python]
 
 Contenders, each in a process of its own and in an environment of its own
 (``benchmarks/contenders/``): graphkit full training (the whole epoch in one run) and
@@ -20,6 +21,13 @@ positions, 2 post-norm layers of d_model 64, 4 heads, feed-forward 128, dropout 
 over the sequence of 32, Linear head; batch 32) exported by torch.onnx.export; an LSTM
 classifier (16 -> 64, sequence 32, last hidden state, Linear head; batch 32), exported
 the same way. ``--quick`` trains 3.5 batches an epoch instead (a smoke run).
+
+``--device cuda`` trains every contender on the GPU (graphkit needs a CUDA build of
+onnxruntime: ``onnxruntime-gpu`` for the native backend), in float32 throughout (TF32 off
+in onnxruntime, torch and JAX); ``--one-python`` runs every contender in this Python,
+for a machine whose one environment holds graphkit's needs, torch and JAX (a GPU box's
+image) instead of ``make bench-envs``'s environments. Peak memory is the host's (VmHWM),
+not the GPU's.
 
 This process writes each workload once (data, initial weights, settings, and the ONNX
 graph built from the same weights, or exported from the same torch module), and every
@@ -127,8 +135,9 @@ class Workload:
     def batches(self) -> int:
         return -(-len(self.X) // self.batch_size)
 
-    def write(self, folder: Path) -> None:
+    def write(self, folder: Path, device: str = "cpu") -> None:
         settings = {
+            "device": device,
             "name": self.name,
             "batch_size": self.batch_size,
             "loss": self.loss,
@@ -549,7 +558,11 @@ def main() -> None:
     parser.add_argument("--contender", action="append", help="contenders whose name has this")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], action="append")
     parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--one-python", action="store_true", help="every contender in this Python")
     args = parser.parse_args()
+    if args.one_python:
+        ENVS.update(dict.fromkeys(ENVS, Path(sys.executable)))
     repeat = 1 if args.quick else args.repeat
     if args.contender:
         CONTENDERS[:] = [c for c in CONTENDERS if any(x in c.name for x in args.contender)]
@@ -561,7 +574,7 @@ def main() -> None:
             if args.only and not any(word.lower() in w.name.lower() for word in args.only):
                 continue
             folder = Path(tmp) / str(index)
-            w.write(folder)
+            w.write(folder, args.device)
             for optimizer in args.optimizer or ["sgd", "adamw"]:
                 outcomes = run_workload(w, optimizer, repeat, folder)
                 for c in CONTENDERS:
@@ -574,7 +587,12 @@ def main() -> None:
         "# graphkit against its strongest peers",
         "",
         f"`python benchmarks/peers.py{' --quick' if args.quick else ''}` on "
-        f"{platform.machine()}, {THREADS} cores, CPython {platform.python_version()}; "
+        f"{platform.machine()}, {THREADS} cores, CPython {platform.python_version()}"
+        + (
+            ", every contender on the GPU (`--device cuda`, float32: TF32 off); "
+            if args.device == "cuda"
+            else "; "
+        )
         + "; ".join(f"{env}: {v}" for env, v in versions.items())
         + ". "
         + ("**A smoke run (a few batches): not results.** " if args.quick else "")

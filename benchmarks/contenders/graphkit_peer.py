@@ -7,8 +7,9 @@ trained by
   backward call per batch);
 
 each on a backend of ``graphkit.backends``: ``ort_training`` or ``native``
-(``<kind>:<backend>``). Both trainers compute every batch's loss; the epoch returns the
-mean of the last epoch's batch losses.
+(``<kind>:<backend>``), on the workload's device (``device="cuda"`` needs a CUDA build of
+onnxruntime: ``onnxruntime-gpu`` for the native backend). Both trainers compute every
+batch's loss; the epoch returns the mean of the last epoch's batch losses.
 
 The weights to train are named (the workload's weights, those the peers train):
 graphkit's default rule (``graphkit.parameters``) takes an initializer read by ``Add``
@@ -30,7 +31,7 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     found = []
-    for package in ("onnxruntime-training-cpu", "onnxruntime", "onnx-ad"):
+    for package in ("onnxruntime-training-cpu", "onnxruntime", "onnxruntime-gpu", "onnx-ad"):
         try:
             found.append(f"{package} {version(package)}")
         except PackageNotFoundError:
@@ -58,6 +59,7 @@ def make(kind: str, spec: Spec):
         warm_start=True,
         validation_every=0,
         backend=backend,
+        device=spec.device,
     )
     if mode == "full":
         trainer = OrtGradientOptimizer(

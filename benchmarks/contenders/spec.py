@@ -35,6 +35,7 @@ class Spec:
     lr: float
     weight_decay: float
     threads: int
+    device: str = "cpu"  # "cpu" or "cuda": where every contender trains
 
     @property
     def batches(self) -> int:
@@ -75,4 +76,5 @@ def load(folder: Path, optimizer: str) -> Spec:
         lr=settings["lr"][optimizer],
         weight_decay=settings["weight_decay"] if optimizer == "adamw" else 0.0,
         threads=settings["threads"],
+        device=settings.get("device", "cpu"),
     )

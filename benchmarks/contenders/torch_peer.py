@@ -6,7 +6,11 @@
 * ``onnx2torch``: the workload's ONNX graph converted by onnx2torch, its weights (which
   it stores as buffers) turned into Parameters, trained eagerly.
 
-Every batch's loss is read back (``loss.item()``), as a real training loop does.
+Every batch's loss is read back (``loss.item()``), as a real training loop does. On
+``cuda`` the module and the whole data set move to the GPU once, at setup, and float32
+stays float32 (TF32 off for matmuls and cuDNN, as graphkit's CUDA sessions and the JAX
+contenders compute); cuDNN picks its convolution algorithms by timing them
+(``cudnn.benchmark``), as onnxruntime's CUDA provider does by default.
 """
 
 from __future__ import annotations
@@ -17,18 +21,26 @@ import types
 import torch
 from spec import NotApplicable, Spec
 
-VERSION = f"torch {torch.__version__}"
+VERSION = f"torch {torch.__version__}" + (
+    f" on {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+)
 
 
 def make(kind: str, spec: Spec):
     torch.manual_seed(0)
     torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.benchmark = True
     if kind == "onnx2torch":
         net = onnx2torch_module(spec)
     else:
         from torch_models import build
 
         net = build(spec.arch, spec.weights)
+    net = net.to(device)
     parameters = list(net.parameters())
     if spec.optimizer == "sgd":
         opt = torch.optim.SGD(parameters, lr=spec.lr)
@@ -39,7 +51,7 @@ def make(kind: str, spec: Spec):
     if kind == "compile":
         forward = torch.compile(net)
         update = torch.compile(opt.step)
-    X, y = torch.from_numpy(spec.X), torch.from_numpy(spec.y)
+    X, y = torch.from_numpy(spec.X).to(device), torch.from_numpy(spec.y).to(device)
 
     def epoch() -> float:
         total = 0.0
