@@ -38,7 +38,9 @@ every batch's loss computed.
 The contenders' processes live side by side and take turns of ``TURN`` epochs (the first
 untimed), as in ``run.py``, so that the machine's slow moments fall on all of them alike.
 Each reports the best epoch's time per batch, its first epoch (compilation and session
-building included), the last epoch's mean batch loss and its peak memory (VmHWM).
+building included), the last epoch's mean batch loss and its peak memory (VmHWM). The
+report is written again after every table, so that a run cut short (a time limit)
+keeps what it measured, marked as partial.
 """
 
 from __future__ import annotations
@@ -569,13 +571,17 @@ def main() -> None:
 
     started, load = time.perf_counter(), os.getloadavg()[0]
     sections, rows, versions = [], {}, {}
+    chosen = [
+        w
+        for w in workloads(args.quick)
+        if not args.only or any(word.lower() in w.name.lower() for word in args.only)
+    ]
+    optimizers = args.optimizer or ["sgd", "adamw"]
     with tempfile.TemporaryDirectory(prefix="graphkit-peers-") as tmp:
-        for index, w in enumerate(workloads(args.quick)):
-            if args.only and not any(word.lower() in w.name.lower() for word in args.only):
-                continue
+        for index, w in enumerate(chosen):
             folder = Path(tmp) / str(index)
             w.write(folder, args.device)
-            for optimizer in args.optimizer or ["sgd", "adamw"]:
+            for optimizer in optimizers:
                 outcomes = run_workload(w, optimizer, repeat, folder)
                 for c in CONTENDERS:
                     if outcomes[c.name].version:
@@ -583,41 +589,67 @@ def main() -> None:
                 lines, row = table(w, optimizer, outcomes)
                 sections += lines
                 rows.update(row)
-    head = [
-        "# graphkit against its strongest peers",
-        "",
-        f"`python benchmarks/peers.py{' --quick' if args.quick else ''}` on "
-        f"{platform.machine()}, {THREADS} cores, CPython {platform.python_version()}"
-        + (
-            ", every contender on the GPU (`--device cuda`, float32: TF32 off); "
-            if args.device == "cuda"
-            else "; "
-        )
-        + "; ".join(f"{env}: {v}" for env, v in versions.items())
-        + ". "
-        + ("**A smoke run (a few batches): not results.** " if args.quick else "")
-        + f"Per-batch time of the best of {repeat} timed epochs, the contenders (each in a "
-        f"process of its own) taking turns of {TURN} epochs, the first untimed; "
-        "**x fastest peer** is the ratio to the fastest contender that is not graphkit. "
-        "Same synthetic data (fixed seeds), same initial weights, same batches in the same "
-        "order, same updates (SGD lr 0.01; AdamW lr 0.001, weight decay 0.01, torch's form); "
-        "*loss* is the last epoch's mean batch loss, ≠ marking one that differs from PyTorch "
-        "eager's by more than 1e-5 (SGD) or 1e-3 (AdamW) relative. *first epoch* includes "
-        "compilation (JAX, torch.compile) and building sessions (graphkit). *peak MB* is the "
-        "process's peak resident memory (imports, data and training); *training MB* the peak "
-        "beyond what it held once imports and data were loaded.",
-        "",
-    ]
-    tail = [
-        f"Total run: {time.perf_counter() - started:.0f} s; load average (1 min) "
-        f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this run's own "
-        "processes count about 1: more means another program shared the cores)."
-    ]
-    text = "\n".join(
-        head + summary(rows) + targets(rows) + ["## Every contender", ""] + sections + tail
-    )
-    write_section(args.output, "peers.py", demoted(text))
+                # written after every table, so that a run cut short keeps what it measured
+                done = len(rows) == len(chosen) * len(optimizers)
+                report = Report(args, repeat, started, load, versions, rows, sections)
+                write_section(args.output, "peers.py", demoted(report.text(done)))
     print(f"wrote {args.output}")
+
+
+@dataclass
+class Report:
+    """The markdown of a run, complete or so far."""
+
+    args: argparse.Namespace
+    repeat: int
+    started: float
+    load: float
+    versions: dict[str, str]
+    rows: dict[str, dict]
+    sections: list[str]
+
+    def text(self, done: bool) -> str:
+        args = self.args
+        head = [
+            "# graphkit against its strongest peers",
+            "",
+            f"`python benchmarks/peers.py{' --quick' if args.quick else ''}` on "
+            f"{platform.machine()}, {THREADS} cores, CPython {platform.python_version()}"
+            + (
+                ", every contender on the GPU (`--device cuda`, float32: TF32 off); "
+                if args.device == "cuda"
+                else "; "
+            )
+            + "; ".join(f"{env}: {v}" for env, v in self.versions.items())
+            + ". "
+            + ("**A smoke run (a few batches): not results.** " if args.quick else "")
+            + ("" if done else "**A run under way or cut short: the tables so far.** ")
+            + f"Per-batch time of the best of {self.repeat} timed epochs, the contenders "
+            f"(each in a process of its own) taking turns of {TURN} epochs, the first "
+            "untimed; **x fastest peer** is the ratio to the fastest contender that is not "
+            "graphkit. Same synthetic data (fixed seeds), same initial weights, same batches "
+            "in the same order, same updates (SGD lr 0.01; AdamW lr 0.001, weight decay "
+            "0.01, torch's form); *loss* is the last epoch's mean batch loss, ≠ marking one "
+            "that differs from PyTorch eager's by more than 1e-5 (SGD) or 1e-3 (AdamW) "
+            "relative. *first epoch* includes compilation (JAX, torch.compile) and building "
+            "sessions (graphkit). *peak MB* is the process's peak resident memory (imports, "
+            "data and training); *training MB* the peak beyond what it held once imports "
+            "and data were loaded.",
+            "",
+        ]
+        tail = [
+            f"Total run: {time.perf_counter() - self.started:.0f} s; load average (1 min) "
+            f"{self.load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this run's "
+            "own processes count about 1: more means another program shared the cores)."
+        ]
+        return "\n".join(
+            head
+            + summary(self.rows)
+            + targets(self.rows)
+            + ["## Every contender", ""]
+            + self.sections
+            + tail
+        )
 
 
 if __name__ == "__main__":
