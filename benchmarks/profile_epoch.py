@@ -19,7 +19,8 @@ with a model instead:
    beside the measured time: what fewer kernels could gain, and what no rewrite of the
    step can (the Scan's per-iteration cost).
 4. Forward/backward training (a batch at a time, from Python) against full training on
-   the same workload, and the fixed cost of one session call from Python.
+   run.py's workloads whose batches take tens of microseconds, the trainer's calls for
+   one batch alone, and the fixed cost of one session call from Python.
 5. AdamW's update on a large model (the MLP 784-512-512-10 of ``peers.py``): graphkit's
    AdamW step against its SGD step, and the fewest standard kernels AdamW needs (13
    passes over all the weights, laid end to end), timed alone in a Scan.
@@ -291,59 +292,72 @@ def session_call_cost() -> float:
     return best_of(calls) * 1e6 / ITERATIONS
 
 
-def forward_backward_rows() -> tuple[list[str], list[float]]:
-    """The MLP 10-10-1 at batch 10 (SGD) trained by each backend's forward/backward
-    trainer (one Python-driven batch at a time) and by full training (the epoch in one
-    run): the table's rows, and each backend's full-training us per batch."""
+FORWARD_BACKWARD_WORKLOADS = (
+    "MLP 10-10-1, batch 10",
+    "MLP 10-10-1, batch 1000",
+    "softmax classifier, digits, batch 32",
+    "linear regression 10,000x10, batch 1000",
+    "small CNN, digits 8x8",
+)
+"""run.py's workloads whose batches take tens of microseconds, where a call's own cost
+weighs most: forward/backward against full training on each."""
+
+
+def forward_backward_rows() -> list[str]:
+    """Each of :data:`FORWARD_BACKWARD_WORKLOADS` (SGD) trained by each backend's
+    forward/backward trainer (one Python-driven batch at a time) and by full training
+    (the epoch in one run): the table's rows."""
     import run as bench
 
     import graphkit as gk
     from graphkit import backends
     from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
-    workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
-    batches = len(workload.X) // workload.batch_size
-    common = dict(
-        max_iter=1,
-        batch_size=workload.batch_size,
-        learning_rate=bench._graphkit_optimizer("sgd"),
-        shuffle=False,
-        warm_start=True,
-        validation_every=0,
-    )
-    rows, full_times = [], []
-    for backend in [b.name for b in backends.available() if b.installed]:
-        full = OrtGradientOptimizer(
-            gk.add_loss_output(workload.model, "squared_error"),
-            steps_per_run="epoch",
-            backend=backend,
-            **common,
+    rows = []
+    for workload in bench.workloads(False):
+        if workload.name not in FORWARD_BACKWARD_WORKLOADS:
+            continue
+        batches = -(-len(workload.X) // workload.batch_size)
+        loss = "squared_error" if workload.loss == "mse" else "cross_entropy"
+        common = dict(
+            max_iter=1,
+            batch_size=workload.batch_size,
+            learning_rate=bench._graphkit_optimizer("sgd"),
+            shuffle=False,
+            warm_start=True,
+            validation_every=0,
         )
-        split = OrtGradientForwardBackwardOptimizer(
-            workload.model, learning_loss="squared_error", backend=backend, **common
-        )
-        times = [
-            best_of(lambda t=t: t.fit(workload.X, workload.y)) * 1e6 / batches
-            for t in (full, split)
-        ]
-        # the floor of any batch driven from Python: the trainer's own calls for one
-        # batch, its arrays and buffers ready, repeated (no slicing, no loop around them)
-        (run,) = split._agent_runs.values()
-        X, y = workload.X[: workload.batch_size], workload.y[: workload.batch_size]
-        resident, new = split._agent_sets[split._current]
+        for backend in [b.name for b in backends.available() if b.installed]:
+            full = OrtGradientOptimizer(
+                gk.add_loss_output(workload.model, loss),
+                steps_per_run="epoch",
+                backend=backend,
+                **common,
+            )
+            split = OrtGradientForwardBackwardOptimizer(
+                workload.model, learning_loss=loss, backend=backend, **common
+            )
+            times = [
+                best_of(lambda t=t, w=workload: t.fit(w.X, w.y)) * 1e6 / batches
+                for t in (full, split)
+            ]
+            # the floor of any batch driven from Python: the trainer's own calls for one
+            # batch, its arrays and buffers ready, repeated (no slicing, no loop around)
+            run = split._agent_runs[(False, workload.batch_size)]  # not the short last one
+            X, y = workload.X[: workload.batch_size], workload.y[: workload.batch_size]
+            resident, new = split._agent_sets[split._current]
 
-        def calls(run=run, X=X, y=y, resident=resident, new=new) -> None:
-            for _ in range(batches):
-                run([X], y, None, resident, new)
+            def calls(run=run, X=X, y=y, resident=resident, new=new, n=batches) -> None:
+                for _ in range(n):
+                    run([X], y, None, resident, new)
 
-        floor = best_of(calls) * 1e6 / batches
-        count = 2 if backend == "ort_training" else 1  # the agent's forward and backward
-        rows.append(
-            f"| {backend} | {times[0]:.1f} | {times[1]:.1f} | {times[1] / times[0]:.2f} | "
-            f"{count} | {floor:.1f} | {floor / times[0]:.2f} |"
-        )
-        full_times.append(times[0])
-    return rows, full_times
+            floor = best_of(calls) * 1e6 / batches
+            count = 2 if backend == "ort_training" else 1  # the agent's forward, backward
+            rows.append(
+                f"| {workload.name} | {backend} | {times[0]:.1f} | {times[1]:.1f} | "
+                f"{times[1] / times[0]:.2f} | {count} | {floor:.1f} | {floor / times[0]:.2f} |"
+            )
+    return rows
 
 
 def check_hand_written(weights: dict[str, np.ndarray]) -> None:
@@ -496,7 +510,7 @@ def main() -> None:
     args = parser.parse_args()
     scan, kernel, points = fixed_costs()
     call = session_call_cost()
-    fb_rows, _ = forward_backward_rows()
+    fb_rows = forward_backward_rows()
     hand_row, hand_weights = hand_written_row(scan, kernel)
     check_hand_written(hand_weights)
     adam_rows, adam_size, one_pass, adamw_floor = adamw_rows()
@@ -532,15 +546,15 @@ def main() -> None:
         "each weight's gradient and update one Gemm), its weights after the epoch equal "
         "graphkit's within 1e-5.",
         "",
-        "## Forward/backward training at batch 10",
+        "## Forward/backward training on batches of microseconds",
         "",
         "The forward/backward trainer runs a batch at a time from Python (the ONNX graph "
         "is a layer of a larger program), full training the whole epoch in one run. The "
-        "same MLP 10-10-1, SGD, us per batch:",
+        "workloads of run.py whose batches take tens of microseconds, SGD, us per batch:",
         "",
-        "| backend | full, one run per epoch | forward/backward | ratio | onnxruntime calls "
-        "a batch | the calls alone | ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | backend | full, one run per epoch | forward/backward | ratio | "
+        "onnxruntime calls a batch | the calls alone | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
         *fb_rows,
         "",
         "*The calls alone*: the trainer's onnxruntime calls for one batch, repeated on the "
