@@ -220,8 +220,8 @@ def _check_providers_loaded(session: Any, providers: Sequence[Provider]) -> None
     lost = [p for p in wanted if p != "CPUExecutionProvider" and p not in session.get_providers()]
     if lost:
         raise RuntimeError(
-            f"onnxruntime {version()} could not start {', '.join(lost)} (its libraries did "
-            "not load or it sees no device; onnxruntime's warning above says which). " + CUDA_HINT
+            f"onnxruntime {version()} could not start {', '.join(lost)}: its libraries did "
+            "not load, or it sees no device (onnxruntime logs why on stderr). " + CUDA_HINT
         )
 
 
