@@ -1,20 +1,23 @@
-"""Training on a GPU (``device="cuda"``): the formulas' numbers, in float32.
+"""Training on a GPU (``device="cuda"``): the references' numbers, in float32.
 
 The training tests run where onnxruntime has its CUDA provider and sees a GPU (a CUDA
 build, ``onnxruntime-gpu`` for the native backend); elsewhere, CI included, they skip
-with the reason. The last two, on the provider list and the refused CPU fallback, run
-everywhere. The references are numpy written from the formulas in float64 (SGD on an MLP,
-from ``test_fused``) and, for AdamW, the same trainer on the CPU, which the optimizer
-tests check against torch's AdamW.
+with the reason. The references: numpy written from the formulas in float64 (SGD on an
+MLP, from ``test_fused``); for AdamW, the same trainer on the CPU, which the optimizer
+tests check against torch's AdamW; torch on the CPU for a CNN and for an ONNX layer
+inside a torch model. The tests against torch run on ``"cpu"`` too, so that CI checks
+what they compare before a GPU runs them; the provider list and the refused CPU
+fallback are tested everywhere.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
-from conftest import mlp_onnx
-from onnx import numpy_helper
+from conftest import export_torch, mlp_onnx, requires_torch
+from onnx import TensorProto, helper, numpy_helper
 from test_fused import mlp_sgd_numpy
 
 import graphkit as gk
@@ -34,6 +37,7 @@ requires_cuda = pytest.mark.skipif(
 )
 # float32 on the GPU against float64 numpy: the rounding of 18 steps, not TF32's 1e-3
 RTOL, ATOL = 2e-5, 2e-6
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
 def float32_rows():
@@ -118,6 +122,112 @@ def test_the_weights_live_on_the_gpu_and_matmuls_stay_float32():
     expected = (X.astype(np.float64) @ weights["W1"] + weights["b1"]) @ weights["W2"]
     expected += weights["b2"]
     np.testing.assert_allclose(Y.numpy(), expected, rtol=1e-5, atol=1e-5)
+
+
+def small_cnn(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Conv 3x3 (1 -> 4, padded) + ReLU + MaxPool 2 + Flatten + Gemm (64 -> 3) on 8x8."""
+    weights = {
+        "K": (rng.normal(size=(4, 1, 3, 3)) / 3).astype(np.float32),
+        "c": (rng.normal(size=4) * 0.1).astype(np.float32),
+        "W": (rng.normal(size=(64, 3)) / 8).astype(np.float32),
+        "b": np.zeros(3, np.float32),
+    }
+    nodes = [
+        helper.make_node("Conv", ["X", "K", "c"], ["h"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["h"], ["a"]),
+        helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("Gemm", ["f", "W", "b"], ["Y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 1, 8, 8])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(v, k) for k, v in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return model, weights
+
+
+def torch_cnn_sgd(weights, X, y, epochs: int, batch_size: int, lr: float):
+    """The same CNN in torch on the CPU, SGD on cross-entropy, batches in order."""
+    import torch
+
+    conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+    dense = torch.nn.Linear(64, 3)
+    with torch.no_grad():
+        conv.weight.copy_(torch.from_numpy(weights["K"]))
+        conv.bias.copy_(torch.from_numpy(weights["c"]))
+        dense.weight.copy_(torch.from_numpy(weights["W"].T.copy()))
+        dense.bias.copy_(torch.from_numpy(weights["b"]))
+    net = torch.nn.Sequential(
+        conv, torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), dense
+    )
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    for _ in range(epochs):
+        for start in range(0, len(X), batch_size):
+            optimizer.zero_grad()
+            x, t = (
+                torch.from_numpy(X[start : start + batch_size]),
+                torch.from_numpy(y[start : start + batch_size]),
+            )
+            torch.nn.functional.cross_entropy(net(x), t).backward()
+            optimizer.step()
+    return {
+        "K": conv.weight.detach().numpy(),
+        "c": conv.bias.detach().numpy(),
+        "W": dense.weight.detach().numpy().T,
+        "b": dense.bias.detach().numpy(),
+    }
+
+
+@requires_torch
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_cnn_trains_as_torch_sgd(device):
+    """Conv, MaxPool and their gradients (cuDNN's on a GPU, in float32) against torch."""
+    rng = np.random.default_rng(5)
+    model, weights = small_cnn(rng)
+    X = rng.normal(size=(40, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, size=40).astype(np.int64)
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(model, "cross_entropy"),
+        max_iter=2,
+        batch_size=10,
+        learning_rate=optimizers.sgd(learning_rate=0.1),
+        shuffle=False,
+        device=device,
+    ).fit(X, y)
+    expected = torch_cnn_sgd(weights, X, y, epochs=2, batch_size=10, lr=0.1)
+    state = trainer.get_state()
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@requires_torch
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_onnx_layer_inside_torch_has_torch_gradients(device, tmp_path):
+    """OnnxModule on the device, its tensors passed by DLPack, between torch layers:
+    the gradients of every parameter equal the all-torch twin's on the CPU."""
+    import torch
+
+    from graphkit_train.torch_module import OnnxModule
+
+    torch.manual_seed(0)
+    tail = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1))
+    head = torch.nn.Linear(3, 4)
+    layer = OnnxModule(export_torch(tail, tmp_path / "tail.onnx", 4), device=device)
+    hybrid = torch.nn.Sequential(head, torch.nn.ReLU(), layer).to(device)
+    twin = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), tail)
+    twin[0].load_state_dict(head.state_dict())
+    X, y = torch.randn(16, 3), torch.randn(16, 1)
+    torch.nn.functional.mse_loss(hybrid(X.to(device)), y.to(device)).backward()
+    torch.nn.functional.mse_loss(twin(X), y).backward()
+    for (name, a), b in zip(hybrid.named_parameters(), twin.parameters()):
+        assert a.grad.device.type == device
+        np.testing.assert_allclose(
+            a.grad.cpu().numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name
+        )
 
 
 class _Runtime:
