@@ -22,7 +22,8 @@ from test_fused import mlp_sgd_numpy
 
 import graphkit as gk
 from graphkit import optimizers
-from graphkit.backends import ort_engine
+from graphkit._graph import all_graphs
+from graphkit.backends import cuda_splits, ort_engine
 from graphkit_train import (
     OrtGradientForwardBackward,
     OrtGradientForwardBackwardOptimizer,
@@ -228,6 +229,131 @@ def test_an_onnx_layer_inside_torch_has_torch_gradients(device, tmp_path):
         np.testing.assert_allclose(
             a.grad.cpu().numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name
         )
+
+
+@requires_cuda
+def test_adamw_on_cuda_through_the_long_split_equals_adamw_on_the_cpu():
+    """The packed update of 4,225 weights, whose Split the CUDA sessions run as Slices."""
+    model = mlp_onnx(64, 64, 1, scale=0.2)
+    assert (
+        sum(i.dims[0] * (i.dims[1] if len(i.dims) > 1 else 1) for i in model.graph.initializer)
+        >= cuda_splits.LONG_AXIS
+    )
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(60, 64)).astype(np.float32)
+    y = rng.normal(size=(60, 1)).astype(np.float32)
+    states = {}
+    for device in ("cpu", "cuda"):
+        states[device] = (
+            OrtGradientOptimizer(
+                gk.add_loss_output(model),
+                max_iter=3,
+                batch_size=20,
+                learning_rate=optimizers.adamw(learning_rate=0.01, weight_decay=0.1),
+                shuffle=False,
+                steps_per_run="epoch",
+                device=device,
+            )
+            .fit(X, y)
+            .get_state()
+        )
+    for name, value in states["cpu"].items():
+        np.testing.assert_allclose(states["cuda"][name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def _split_model(sizes: list[int], in_scan: bool) -> onnx.ModelProto:
+    """x (a vector of sum(sizes)) split into len(sizes) outputs by a Split with constant
+    sizes, at the top level or in the body of a Scan over rows of x (2 rows)."""
+    n = sum(sizes)
+    outputs = [f"part{i}" for i in range(len(sizes))]
+    sizes_init = numpy_helper.from_array(np.array(sizes, np.int64), "sizes")
+    split = helper.make_node("Split", ["x", "sizes"], outputs, axis=0)
+    if not in_scan:
+        graph = helper.make_graph(
+            [split],
+            "split",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+            [
+                helper.make_tensor_value_info(o, TensorProto.FLOAT, [s])
+                for o, s in zip(outputs, sizes)
+            ],
+            [sizes_init],
+        )
+    else:
+        body = helper.make_graph(
+            [split],
+            "body",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+            [
+                helper.make_tensor_value_info(o, TensorProto.FLOAT, [s])
+                for o, s in zip(outputs, sizes)
+            ],
+        )
+        scan = helper.make_node(
+            "Scan", ["X"], [f"all_{o}" for o in outputs], body=body, num_scan_inputs=1
+        )
+        graph = helper.make_graph(
+            [scan],
+            "scan",
+            [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, n])],
+            [
+                helper.make_tensor_value_info(f"all_{o}", TensorProto.FLOAT, [2, s])
+                for o, s in zip(outputs, sizes)
+            ],
+            [sizes_init],
+        )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("in_scan", [False, True])
+def test_a_long_split_becomes_slices_with_numpys_values(in_scan):
+    sizes = [1000, 2500, 1, 1499]
+    model = _split_model(sizes, in_scan)
+    rewritten = cuda_splits.split_long_axes_as_slices(model)
+    onnx.checker.check_model(rewritten, full_check=True)
+    ops = [n.op_type for g in all_graphs(rewritten.graph) for n in g.node]
+    assert "Split" not in ops and ops.count("Slice") == len(sizes)
+    x = np.random.default_rng(0).normal(size=(2, sum(sizes))).astype(np.float32)
+    feeds = {"X": x} if in_scan else {"x": x[0]}
+    got = ort_engine.inference_session(rewritten).run(None, feeds)
+    for part, expected in zip(got, np.split(x, np.cumsum(sizes)[:-1], axis=1)):
+        np.testing.assert_array_equal(part, expected if in_scan else expected[0])
+
+
+def test_a_short_split_or_one_of_computed_sizes_stays():
+    short = _split_model([3, 5], in_scan=False)
+    assert cuda_splits.split_long_axes_as_slices(short) is short
+    computed = _split_model([3000, 2000], in_scan=False)
+    computed.graph.node[0].input[1] = "x_sizes"  # not a constant any more
+    computed.graph.node.insert(0, helper.make_node("Identity", ["sizes"], ["x_sizes"]))
+    assert cuda_splits.split_long_axes_as_slices(computed) is computed
+
+
+class _RecordingRuntime:
+    """onnxruntime with CUDA, whose sessions keep the model they were given."""
+
+    SessionOptions = onnxruntime.SessionOptions
+    __version__ = onnxruntime.__version__
+    models: list[onnx.ModelProto] = []
+
+    class InferenceSession:
+        def __init__(self, data, options, providers, disabled_optimizers):
+            _RecordingRuntime.models.append(onnx.load_from_string(data))
+
+        @staticmethod
+        def get_providers():
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_sessions_on_cuda_run_long_splits_as_slices(monkeypatch):
+    monkeypatch.setattr(ort_engine, "onnxruntime", lambda: _RecordingRuntime)
+    model = _split_model([3000, 2000], in_scan=False)
+    cuda = ("CUDAExecutionProvider", {"device_id": "0"})
+    ort_engine.inference_session(model, [cuda, "CPUExecutionProvider"])
+    ort_engine.inference_session(model, ["CPUExecutionProvider"])
+    on_cuda, on_cpu = ([n.op_type for n in m.graph.node] for m in _RecordingRuntime.models[-2:])
+    assert "Split" not in on_cuda and on_cuda.count("Slice") == 2
+    assert on_cpu == ["Split"]
 
 
 class _Runtime:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from graphkit.backends.cuda_splits import split_long_axes_as_slices
 from graphkit.errors import IncompatibleModelError
 
 CPU = ("CPUExecutionProvider",)
@@ -178,9 +179,14 @@ def inference_session(
     """An InferenceSession on ``model`` with :data:`BROKEN_OPTIMIZERS` off; a load
     failure becomes ``IncompatibleModelError``.
 
-    The model runs as it is: a gradient source that wants its graphs rewritten for a
-    device does so in its own ``inference_session`` (ort_training lowers slow kernels).
+    The model runs as it is, but for one rewrite on CUDA that both backends need (long
+    ``Split`` nodes as ``Slice`` nodes, :mod:`graphkit.backends.cuda_splits`): a
+    gradient source that wants its graphs rewritten for a device does so in its own
+    ``inference_session`` (ort_training lowers slow kernels).
     """
+    if providers and provider_name(providers[0]) == "CUDAExecutionProvider":
+        parsed = onnx.load_from_string(model) if isinstance(model, bytes) else model
+        model = split_long_axes_as_slices(parsed)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     disabled = list(_broken_optimizers(model))
