@@ -266,40 +266,28 @@ def _split_model(sizes: list[int], in_scan: bool) -> onnx.ModelProto:
     sizes, at the top level or in the body of a Scan over rows of x (2 rows)."""
     n = sum(sizes)
     outputs = [f"part{i}" for i in range(len(sizes))]
+
+    def vector(name: str, length: int, rows: tuple[int, ...] = ()) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [*rows, length])
+
+    split = helper.make_graph(
+        [helper.make_node("Split", ["x", "sizes"], outputs, axis=0)],
+        "split",
+        [vector("x", n)],
+        [vector(o, s) for o, s in zip(outputs, sizes)],
+    )
     sizes_init = numpy_helper.from_array(np.array(sizes, np.int64), "sizes")
-    split = helper.make_node("Split", ["x", "sizes"], outputs, axis=0)
     if not in_scan:
-        graph = helper.make_graph(
-            [split],
-            "split",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-            [
-                helper.make_tensor_value_info(o, TensorProto.FLOAT, [s])
-                for o, s in zip(outputs, sizes)
-            ],
-            [sizes_init],
-        )
+        split.initializer.append(sizes_init)
+        graph = split
     else:
-        body = helper.make_graph(
-            [split],
-            "body",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
-            [
-                helper.make_tensor_value_info(o, TensorProto.FLOAT, [s])
-                for o, s in zip(outputs, sizes)
-            ],
-        )
-        scan = helper.make_node(
-            "Scan", ["X"], [f"all_{o}" for o in outputs], body=body, num_scan_inputs=1
-        )
+        scanned = [f"all_{o}" for o in outputs]
+        scan = helper.make_node("Scan", ["X"], scanned, body=split, num_scan_inputs=1)
         graph = helper.make_graph(
             [scan],
             "scan",
-            [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, n])],
-            [
-                helper.make_tensor_value_info(f"all_{o}", TensorProto.FLOAT, [2, s])
-                for o, s in zip(outputs, sizes)
-            ],
+            [vector("X", n, (2,))],
+            [vector(o, s, (2,)) for o, s in zip(scanned, sizes)],
             [sizes_init],
         )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
