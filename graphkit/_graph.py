@@ -276,6 +276,21 @@ def ancestors(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
     return needed
 
 
+def constant_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """``(name, tensor)`` of every value ``graph`` fixes: its initializers, but those a
+    graph input of the same name can override at run time, and its ``Constant`` nodes'
+    ``value`` tensors (not those of its subgraphs)."""
+    fed = {i.name for i in graph.input}
+    for tensor in graph.initializer:
+        if tensor.name not in fed:
+            yield tensor.name, tensor
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    yield node.output[0], attribute.t
+
+
 def fresh_name(base: str, taken: set[str]) -> str:
     """``base`` if free, else ``base_1``, ``base_2``...; the result is added to ``taken``."""
     name, i = base, 0

@@ -317,6 +317,14 @@ def test_a_short_split_or_one_of_computed_sizes_stays():
     assert cuda_splits.split_long_axes_as_slices(computed) is computed
 
 
+def test_a_split_whose_sizes_a_graph_input_can_override_stays():
+    """Sizes in an initializer that is also a graph input are not constant: the caller
+    may feed others, which Slice nodes with fixed bounds would ignore."""
+    model = _split_model([3000, 2000], in_scan=False)
+    model.graph.input.append(helper.make_tensor_value_info("sizes", TensorProto.INT64, [2]))
+    assert cuda_splits.split_long_axes_as_slices(model) is model
+
+
 class _RecordingRuntime:
     """onnxruntime with CUDA, whose sessions keep the model they were given."""
 

@@ -23,7 +23,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import all_graphs, copy_model, fresh_name, graph_names, int_constant
+from graphkit._graph import (
+    all_graphs,
+    constant_tensors,
+    copy_model,
+    fresh_name,
+    graph_names,
+    int_constant,
+)
 
 LONG_AXIS = 4096
 """Positions along the split axis from which a ``Split`` becomes ``Slice`` nodes."""
@@ -68,14 +75,16 @@ def split_long_axes_as_slices(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _slices_of(node: onnx.NodeProto, constants: dict[str, np.ndarray]) -> list[tuple[int, int]]:
+def _slices_of(
+    node: onnx.NodeProto, constants: dict[str, onnx.TensorProto]
+) -> list[tuple[int, int]]:
     """``[(start, end)]`` of each output of a long ``Split`` with constant sizes; ``[]``
     for any other node."""
     if node.op_type != "Split" or node.domain not in ("", "ai.onnx"):
         return []
     if len(node.input) < 2 or node.input[1] not in constants:
-        return []  # sizes from the input's shape (equal parts) or computed: left alone
-    sizes = [int(s) for s in constants[node.input[1]].reshape(-1)]
+        return []  # sizes from the input's shape (equal parts), computed or fed: left alone
+    sizes = [int(s) for s in numpy_helper.to_array(constants[node.input[1]]).reshape(-1)]
     if len(sizes) != len(node.output) or sum(sizes) < LONG_AXIS or min(sizes, default=0) < 0:
         return []
     ends = np.cumsum(sizes).tolist()
@@ -86,19 +95,10 @@ def _axis(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Every initializer and ``Constant`` node's tensor value, by name, in the graph and
-    its subgraphs (names are unique across them)."""
-    values: dict[str, np.ndarray] = {}
-    for graph in all_graphs(model.graph):
-        for init in graph.initializer:
-            values[init.name] = numpy_helper.to_array(init)
-        for node in graph.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                attr = next((a for a in node.attribute if a.name == "value"), None)
-                if attr is not None:
-                    values[node.output[0]] = numpy_helper.to_array(attr.t)
-    return values
+def _constants(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    """The constants of the graph and its subgraphs, by name (names are unique across
+    them), as tensors: only a ``Split``'s sizes are ever read into numpy."""
+    return {name: t for g in all_graphs(model.graph) for name, t in constant_tensors(g)}
 
 
 __all__ = ["LONG_AXIS", "split_long_axes_as_slices"]
