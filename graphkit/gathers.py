@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import fresh_name, graph_names
+from graphkit._graph import constant_tensors, fresh_name, graph_names
 from graphkit.compat import opset_of
 
 MIN_OPSET = 13
@@ -113,22 +113,13 @@ def _split(
 
 
 def _scalar_constants(graph: onnx.GraphProto) -> dict[str, int]:
-    """The integer scalars of ``graph``'s initializers (not those a graph input can
-    override) and ``Constant`` nodes."""
-    found: dict[str, int] = {}
-    fed = {i.name for i in graph.input}
-    tensors = [(t.name, t) for t in graph.initializer if t.name not in fed]
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    tensors.append((node.output[0], attribute.t))
-    for name, tensor in tensors:
-        if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and not list(
-            tensor.dims
-        ):
-            found[name] = int(numpy_helper.to_array(tensor))
-    return found
+    """The integer scalars of ``graph``'s constants (:func:`constant_tensors`)."""
+    return {
+        name: int(numpy_helper.to_array(tensor))
+        for name, tensor in constant_tensors(graph)
+        if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+        and not list(tensor.dims)
+    }
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
