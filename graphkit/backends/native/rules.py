@@ -17,6 +17,10 @@ takes any batch size), so these rules replace onnx-ad's for:
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only.
 
+One rule is graphkit's for speed alone: a ``MaxPool`` whose windows tile its input
+sends its gradient back with a ``MaxUnpool``, not onnx-ad's ``ScatterND``
+(:mod:`graphkit.backends.pool_adjoints`).
+
 ``Det`` is refused (onnx-ad takes its derivative for zero). It also completes two
 rules: onnx-ad has no gradient for a ``ConvTranspose``'s weight (an
 autoencoder's decoder), and gives an inference ``BatchNormalization`` no gradient for
@@ -37,7 +41,7 @@ from typing import Any
 import numpy as np
 from onnx import helper
 
-from graphkit.backends import conv_adjoints
+from graphkit.backends import conv_adjoints, pool_adjoints
 
 Rule = Callable[[Any, Any, list], list]
 
@@ -220,6 +224,34 @@ def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
     return [ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))]
 
 
+def max_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx of ``y = MaxPool(x)`` whose windows tile ``x`` without overlapping: ``dy``
+    put back at each window's maximum by a ``MaxUnpool``
+    (:mod:`graphkit.backends.pool_adjoints`), onnx-ad's scatter elsewhere."""
+    from onnx_ad import rules as ad
+
+    x, y = node.input[0], node.output[0]
+    shape = ctx.shapes.shape(x)
+    unpool = None
+    if ctx.opset >= 11 and ad.attribute(node, "storage_order", 0) == 0 and shape is not None:
+        attrs, _ = ad._pool_attributes(ctx, node, reverse=False)
+        unpool = pool_adjoints.unpooling(
+            attrs["kernel_shape"],
+            attrs["strides"],
+            attrs["pads"],
+            attrs["dilations"],
+            ad.attribute(node, "ceil_mode", 0),
+            list(shape[2:]),
+        )
+    if unpool is None:
+        return ad._max_pool_reverse(ctx, node, grads)
+    # graphkit seeds one direction: the seed axis has size 1 (Squeeze refuses any other)
+    dy = ctx.squeeze(ctx.full(grads[0], y), [-1])
+    indices = ad._max_pool_indices(ctx, node)
+    spread = ctx.b.op("MaxUnpool", [dy, indices], stem="a_maxpool", **unpool)
+    return [ctx.reshape_like(spread, x)]  # a Reshape, which simplify sinks
+
+
 def window_spread(ctx: Any, node: Any, attrs: dict, value: str) -> str:
     """onnx-ad's ``_window_spread`` (the adjoint of a pooling's window sum, used by its
     ``LpPool`` rule) with the forward's pads (:func:`transposing`): its own passes
@@ -392,6 +424,7 @@ REVERSE: dict[str, Rule] = {
     "BatchNormalization": batch_norm_reverse,
     "Conv": conv_reverse,
     "AveragePool": average_pool_reverse,
+    "MaxPool": max_pool_reverse,
     "Slice": slice_reverse,
 }
 """graphkit's reverse rules by operator, consulted before onnx-ad's."""
