@@ -24,6 +24,10 @@ with a model instead:
 5. AdamW's update on a large model (the MLP 784-512-512-10 of ``peers.py``): graphkit's
    AdamW step against its SGD step, and the fewest standard kernels AdamW needs (13
    passes over all the weights, laid end to end), timed alone in a Scan.
+6. The 28x28 CNN of ``peers.py``: its max poolings' forward and gradient in the forms
+   onnxruntime offers (MaxPool with and without its indices, the scatter and the
+   ``MaxUnpool`` that send the gradient back, a nearest upsampling: the first step of
+   any gradient that would do without the indices), against graphkit's whole step.
 
 Run it alone (2 cores): it times microseconds.
 """
@@ -504,6 +508,109 @@ def adamw_rows() -> tuple[list[str], int, float, float]:
     return rows, size, per_step[0], per_step[1]
 
 
+def pooling_graph(shape: tuple[int, ...], form: str) -> onnx.ModelProto:
+    """One 2x2 max pooling of stride 2 of ``x`` (``shape``) and, by ``form``, what its
+    gradient needs: ``alone`` (the pooled values only), ``indices`` (with its indices),
+    ``scatter`` (the indices, and ``dy`` added into zeros there: onnx-ad's form),
+    ``unpool`` (``MaxUnpool`` of ``dy``: graphkit's), ``upsample`` (the pooled values
+    without indices, repeated back over each window by a nearest ``Resize``)."""
+    n, c, h, w = shape
+    pool = dict(kernel_shape=[2, 2], strides=[2, 2])
+    floats = TensorProto.FLOAT
+    inits = []
+    if form == "alone":
+        nodes = [helper.make_node("MaxPool", ["x"], ["y"], **pool)]
+    elif form == "upsample":
+        nodes = [
+            helper.make_node("MaxPool", ["x"], ["y"], **pool),
+            helper.make_node("Resize", ["y", "", "scales"], ["out"], mode="nearest"),
+        ]
+        inits = [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    else:
+        nodes = [helper.make_node("MaxPool", ["x"], ["y", "indices"], **pool)]
+    if form == "scatter":
+        ints = {"flat": [n * c * h * w, 1], "column": [-1, 1], "shape": list(shape)}
+        inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()]
+        zero = numpy_helper.from_array(np.zeros(1, np.float32))
+        nodes += [
+            helper.make_node("ConstantOfShape", ["flat"], ["zeros"], value=zero),
+            helper.make_node("Reshape", ["indices", "column"], ["where"]),
+            helper.make_node("Reshape", ["dy", "column"], ["values"]),
+            helper.make_node("ScatterND", ["zeros", "where", "values"], ["sum"], reduction="add"),
+            helper.make_node("Reshape", ["sum", "shape"], ["out"]),
+        ]
+    elif form == "unpool":
+        nodes.append(helper.make_node("MaxUnpool", ["dy", "indices"], ["out"], **pool))
+    outputs = ["y"] + (["out"] if form in ("scatter", "unpool", "upsample") else [])
+    graph = helper.make_graph(
+        nodes,
+        form,
+        [
+            helper.make_tensor_value_info("x", floats, list(shape)),
+            helper.make_tensor_value_info("dy", floats, [n, c, h // 2, w // 2]),
+        ],
+        [helper.make_tensor_value_info(o, floats, None) for o in outputs],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+POOLING_FORMS = {
+    "alone": "MaxPool",
+    "indices": "MaxPool with indices",
+    "scatter": "+ ScatterND of dy",
+    "unpool": "+ MaxUnpool of dy",
+    "upsample": "MaxPool + nearest Resize",
+}
+
+
+def cnn_rows() -> tuple[list[str], list[str]]:
+    """The pooling forms of :func:`pooling_graph` at the 28x28 CNN's two poolings, and
+    graphkit's SGD step on that CNN (each backend, one run per epoch), us."""
+    import peers
+
+    import graphkit as gk
+    from graphkit import backends, optimizers
+    from graphkit_train import OrtGradientOptimizer
+
+    workload = next(w for w in peers.workloads(False) if w.name.startswith("CNN 2x"))
+    rng = np.random.default_rng(0)
+    pool_rows = []
+    for shape in ((workload.batch_size, 16, 28, 28), (workload.batch_size, 32, 14, 14)):
+        x = np.maximum(rng.normal(size=shape), 0).astype(np.float32)  # a ReLU's output
+        dy = rng.normal(size=(*shape[:2], shape[2] // 2, shape[3] // 2)).astype(np.float32)
+        times = []
+        for form in POOLING_FORMS:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 2
+            session = ort.InferenceSession(
+                pooling_graph(shape, form).SerializeToString(),
+                options,
+                providers=["CPUExecutionProvider"],
+            )
+            feeds = {"x": x, "dy": dy}
+            times.append(best_of(lambda s=session, f=feeds: s.run(None, f)) * 1e6)
+        dims = " x ".join(map(str, shape))
+        pool_rows.append(f"| {dims} | " + " | ".join(f"{t:.0f}" for t in times) + " |")
+    step_rows = []
+    for backend in [b.name for b in backends.available() if b.installed]:
+        trainer = OrtGradientOptimizer(
+            gk.add_loss_output(workload.model, "cross_entropy"),
+            list(workload.weights),
+            max_iter=1,
+            batch_size=workload.batch_size,
+            learning_rate=optimizers.sgd(learning_rate=0.01),
+            shuffle=False,
+            warm_start=True,
+            validation_every=0,
+            steps_per_run="epoch",
+            backend=backend,
+        )
+        seconds = best_of(lambda t=trainer: t.fit(workload.X, workload.y), repeat=3)
+        step_rows.append(f"| {backend} | {seconds * 1e6 / workload.batches:.0f} |")
+    return pool_rows, step_rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "PROFILE.md"))
@@ -514,6 +621,7 @@ def main() -> None:
     hand_row, hand_weights = hand_written_row(scan, kernel)
     check_hand_written(hand_weights)
     adam_rows, adam_size, one_pass, adamw_floor = adamw_rows()
+    pool_rows, cnn_step_rows = cnn_rows()
     lines = [
         "# Where a small batch's time goes (benchmarks/profile_epoch.py)",
         "",
@@ -583,6 +691,27 @@ def main() -> None:
         "that fuses the update into one loop (JAX, torch.compile) reads and writes each "
         "weight's values once. Compare with the JAX rows of this workload in RESULTS.md "
         "(its AdamW epoch against its SGD epoch).",
+        "",
+        "## Max pooling in the 28x28 CNN (peers.py, batch 64)",
+        "",
+        "Its two 2x2 poolings of stride 2, forward and what the gradient needs, us a call "
+        "(a ReLU's output as input):",
+        "",
+        "| pooled input | " + " | ".join(POOLING_FORMS.values()) + " |",
+        "|---|" + "---:|" * len(POOLING_FORMS),
+        *pool_rows,
+        "",
+        "graphkit's SGD step on that CNN, us per batch (one run per epoch):",
+        "",
+        "| backend | step |",
+        "|---|---:|",
+        *cnn_step_rows,
+        "",
+        "graphkit sends a tiling pooling's gradient back with `MaxUnpool` "
+        "(graphkit/backends/pool_adjoints.py). What remains is the forward's indices: "
+        "onnxruntime's MaxPool computes them on a slower path than the pooled values "
+        "alone, and a gradient without them would first repeat the pooled values over "
+        "each window, which costs more than the indices do.",
         "",
     ]
     Path(args.output).write_text("\n".join(lines))
