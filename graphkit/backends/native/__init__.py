@@ -24,7 +24,7 @@ import onnx
 
 from graphkit.backends import activations, ort_engine
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.native import adapter, agent, fused_step, simplify, split
+from graphkit.backends.native import adapter, agent, fused_step, lstm, simplify, split
 from graphkit.training.step import fuses_into
 
 
@@ -42,9 +42,11 @@ class NativeBackend:
     # -- gradient source --------------------------------------------------------------
 
     def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """``model`` itself (every rule works on the operators as exported), but for a
-        float64 model on an onnxruntime older than 1.30: its activations without a
-        float64 kernel there are written out (:mod:`graphkit.backends.activations`)."""
+        """``model`` with its common LSTMs written with their gates in one product
+        (:mod:`.lstm`; onnx-ad expands the others), and for a float64 model on an
+        onnxruntime older than 1.30, its activations without a float64 kernel there
+        written out (:mod:`graphkit.backends.activations`)."""
+        model = lstm.lstms_as_scans(model)
         if ort_engine.is_float64(model) and ort_engine.lacks_float64_kernels():
             present = {n.op_type for n in model.graph.node}
             if present & set(activations.ACTIVATIONS):
