@@ -24,6 +24,7 @@ import graphkit as gk
 from graphkit import optimizers
 from graphkit._graph import all_graphs
 from graphkit.backends import cuda_splits, ort_engine
+from graphkit.backends.ort_engine import Runner
 from graphkit_train import (
     OrtGradientForwardBackward,
     OrtGradientForwardBackwardOptimizer,
@@ -385,3 +386,80 @@ def test_a_cuda_provider_that_did_not_start_is_an_error_not_a_cpu_session():
     ):
         ort_engine._check_providers_loaded(_SessionOnTheCpu(), [cuda, "CPUExecutionProvider"])
     ort_engine._check_providers_loaded(_SessionOnTheCpu(), ["CPUExecutionProvider"])
+
+
+def _unpool_model(
+    shape: tuple[int, ...], with_output_shape: bool, in_scan: bool
+) -> onnx.ModelProto:
+    """MaxPool (2x2, stride 2) of x with its indices, then MaxUnpool of dy there: at the
+    top level, or as a Scan body over a leading axis of x and dy."""
+    n, c, h, w = shape
+    floats = onnx.TensorProto.FLOAT
+    nodes = [
+        helper.make_node("MaxPool", ["x"], ["y", "i"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node(
+            "MaxUnpool",
+            ["dy", "i", "size"] if with_output_shape else ["dy", "i"],
+            ["dx"],
+            kernel_shape=[2, 2],
+            strides=[2, 2],
+        ),
+    ]
+    if with_output_shape:
+        nodes.insert(0, helper.make_node("Shape", ["x"], ["size"]))
+    inputs = [
+        helper.make_tensor_value_info("x", floats, [n, c, h, w]),
+        helper.make_tensor_value_info("dy", floats, [n, c, h // 2, w // 2]),
+    ]
+    graph = helper.make_graph(
+        nodes, "unpool", inputs, [helper.make_tensor_value_info("dx", floats, [n, c, h, w])]
+    )
+    if in_scan:
+        scan = helper.make_node("Scan", ["xs", "dys"], ["dxs"], body=graph, num_scan_inputs=2)
+        graph = helper.make_graph(
+            [scan],
+            "scan",
+            [
+                helper.make_tensor_value_info("xs", floats, [2, n, c, h, w]),
+                helper.make_tensor_value_info("dys", floats, [2, n, c, h // 2, w // 2]),
+            ],
+            [helper.make_tensor_value_info("dxs", floats, [2, n, c, h, w])],
+        )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("in_scan", [False, True], ids=["top level", "scan body"])
+@pytest.mark.parametrize("with_output_shape", [False, True], ids=["inferred", "given"])
+def test_max_unpool_as_a_scatter_places_the_values_numpy_does(with_output_shape, in_scan, rng):
+    from graphkit.backends.cuda_unpools import max_unpools_as_scatters
+
+    shape = (3, 2, 6, 4)
+    model = _unpool_model(shape, with_output_shape, in_scan)
+    written = max_unpools_as_scatters(model)
+    ops = {n.op_type for g in all_graphs(written.graph) for n in g.node}
+    assert "MaxUnpool" not in ops and "ScatterND" in ops
+    onnx.checker.check_model(written, full_check=True)
+    lead = (2,) if in_scan else ()
+    x = rng.normal(size=(*lead, *shape)).astype(np.float32)
+    x[..., 0, :, :] = 0.0  # tied windows
+    dy = rng.normal(size=(*lead, *shape[:2], 3, 2)).astype(np.float32)
+    feeds = {"xs": x, "dys": dy} if in_scan else {"x": x, "dy": dy}
+    (got,) = Runner(written)(feeds)
+    # numpy: dy at each window's first maximum (row-major in the window)
+    windows = x.reshape(*lead, 3, 2, 3, 2, 2, 2).swapaxes(-3, -2).reshape(*lead, 3, 2, 3, 2, 4)
+    first = windows.argmax(-1)
+    expected = (np.arange(4) == first[..., None]) * dy[..., None]
+    expected = expected.reshape(*lead, 3, 2, 3, 2, 2, 2).swapaxes(-3, -2).reshape(x.shape)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(Runner(model)(feeds)[0], expected)
+
+
+def test_sessions_on_cuda_run_max_unpools_as_scatters(monkeypatch):
+    monkeypatch.setattr(ort_engine, "onnxruntime", lambda: _RecordingRuntime)
+    model = _unpool_model((1, 1, 4, 4), with_output_shape=False, in_scan=False)
+    cuda = ("CUDAExecutionProvider", {"device_id": "0"})
+    ort_engine.inference_session(model, [cuda, "CPUExecutionProvider"])
+    ort_engine.inference_session(model, ["CPUExecutionProvider"])
+    on_cuda, on_cpu = ([n.op_type for n in m.graph.node] for m in _RecordingRuntime.models[-2:])
+    assert "MaxUnpool" not in on_cuda and "ScatterND" in on_cuda
+    assert on_cpu == ["MaxPool", "MaxUnpool"]

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 
 from graphkit.backends.cuda_splits import split_long_axes_as_slices
+from graphkit.backends.cuda_unpools import max_unpools_as_scatters
 from graphkit.errors import IncompatibleModelError
 
 CPU = ("CPUExecutionProvider",)
@@ -179,14 +180,16 @@ def inference_session(
     """An InferenceSession on ``model`` with :data:`BROKEN_OPTIMIZERS` off; a load
     failure becomes ``IncompatibleModelError``.
 
-    The model runs as it is, but for one rewrite on CUDA that both backends need (long
-    ``Split`` nodes as ``Slice`` nodes, :mod:`graphkit.backends.cuda_splits`): a
-    gradient source that wants its graphs rewritten for a device does so in its own
-    ``inference_session`` (ort_training lowers slow kernels).
+    The model runs as it is, but for two rewrites on CUDA that both backends need (long
+    ``Split`` nodes as ``Slice`` nodes, :mod:`graphkit.backends.cuda_splits`;
+    ``MaxUnpool``, which has no CUDA kernel, as a ``ScatterND``,
+    :mod:`graphkit.backends.cuda_unpools`): a gradient source that wants its graphs
+    rewritten for a device does so in its own ``inference_session`` (ort_training
+    lowers slow kernels).
     """
     if providers and provider_name(providers[0]) == "CUDAExecutionProvider":
         parsed = onnx.load_from_string(model) if isinstance(model, bytes) else model
-        model = split_long_axes_as_slices(parsed)
+        model = max_unpools_as_scatters(split_long_axes_as_slices(parsed))
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     disabled = list(_broken_optimizers(model))
