@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -448,6 +449,27 @@ def namer(base: str, taken: set[str]) -> Callable[[str], str]:
     """Fresh tensor names under one prefix, for the nodes that replace one node."""
     prefix = fresh_name(base, taken)
     return lambda suffix: fresh_name(f"{prefix}/{suffix}", taken)
+
+
+class NodeWriter:
+    """Nodes written one after another, each output a fresh name (from ``fresh``, a
+    :func:`namer`): :meth:`op` and :meth:`ints` return the name, :attr:`nodes` holds
+    them in order."""
+
+    def __init__(self, fresh: Callable[[str], str]) -> None:
+        self.fresh = fresh
+        self.nodes: list[onnx.NodeProto] = []
+
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str:
+        out = self.fresh(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    def ints(self, values: list[int]) -> str:
+        """An int64 vector Constant."""
+        out = self.fresh("ints")
+        self.nodes.append(int_constant(out, values))
+        return out
 
 
 def int_constant(name: str, values: list[int]) -> onnx.NodeProto:

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphkit._graph import all_graphs, copy_model, graph_names, int_constant, namer
+from graphkit._graph import NodeWriter, all_graphs, copy_model, graph_names, namer
 from graphkit.compat import opset_of
 
 
@@ -58,17 +58,8 @@ def _as_scatter(node: onnx.NodeProto, fresh) -> list[onnx.NodeProto]:
     strides = list(attrs.get("strides", [1] * n))
     pads = list(attrs.get("pads", [0] * 2 * n))
     values, indices = node.input[0], node.input[1]
-    nodes: list[onnx.NodeProto] = []
-
-    def ints(values: list[int]) -> str:
-        out = fresh("ints")
-        nodes.append(int_constant(out, values))
-        return out
-
-    def op(op_type: str, args: list[str], **kwargs) -> str:
-        out = fresh(op_type.lower())
-        nodes.append(helper.make_node(op_type, args, [out], **kwargs))
-        return out
+    w = NodeWriter(fresh)
+    op, ints = w.op, w.ints
 
     if len(node.input) > 2 and node.input[2]:
         shape = node.input[2]
@@ -80,19 +71,19 @@ def _as_scatter(node: onnx.NodeProto, fresh) -> list[onnx.NodeProto]:
         unpooled = op("Add", [stepped, ints(spans)])
         shape = op("Concat", [op("Slice", [given, ints([0]), ints([2])]), unpooled], axis=0)
     size = op("ReduceProd", [shape], keepdims=1)
-    zero = op("CastLike", [_zero(nodes, fresh), values])
+    zero = op("CastLike", [_zero(w), values])
     zeros = op("Expand", [zero, size])
     flat = ints([-1])
     where = op("Unsqueeze", [op("Reshape", [indices, flat]), flat])
     placed = op("ScatterND", [zeros, where, op("Reshape", [values, flat])])
-    nodes.append(helper.make_node("Reshape", [placed, shape], [node.output[0]]))
-    return nodes
+    w.nodes.append(helper.make_node("Reshape", [placed, shape], [node.output[0]]))
+    return w.nodes
 
 
-def _zero(nodes: list[onnx.NodeProto], fresh) -> str:
-    """A float32 scalar 0 appended to ``nodes`` as a Constant; its name."""
-    out = fresh("zero")
-    nodes.append(
+def _zero(w: NodeWriter) -> str:
+    """A float32 scalar 0 written as a Constant; its name."""
+    out = w.fresh("zero")
+    w.nodes.append(
         helper.make_node("Constant", [], [out], value=onnx.numpy_helper.from_array(np.float32(0)))
     )
     return out

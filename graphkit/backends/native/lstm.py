@@ -27,7 +27,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from graphkit._graph import copy_model, graph_names, int_constant, namer
+from graphkit._graph import NodeWriter, copy_model, graph_names, int_constant, namer
 from graphkit.compat import opset_of
 
 _DEFAULT_ACTIVATIONS = (b"Sigmoid", b"Tanh", b"Tanh")
@@ -98,17 +98,8 @@ def _as_scan(node: onnx.NodeProto, fresh, elem: int) -> list[onnx.NodeProto]:
     x, w, r, bias, _, h0, c0, _ = inputs
     outputs = list(node.output) + [""] * (3 - len(node.output))
 
-    def ints(values: list[int]) -> str:
-        out = fresh("ints")
-        nodes.append(int_constant(out, values))
-        return out
-
-    def op(op_type: str, args: list[str], **kwargs) -> str:
-        out = fresh(op_type.lower())
-        nodes.append(helper.make_node(op_type, args, [out], **kwargs))
-        return out
-
-    nodes: list[onnx.NodeProto] = []
+    writer = NodeWriter(fresh)
+    op, ints, nodes = writer.op, writer.ints, writer.nodes
     zero_axis = ints([0])
     w_t = op("Transpose", [op("Squeeze", [w, zero_axis])])  # [I, 4H]
     r_t = op("Transpose", [op("Squeeze", [r, zero_axis])])  # [H, 4H], read inside the loop
