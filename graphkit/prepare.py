@@ -11,8 +11,6 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
 * gathers that take a tensor apart along an axis (an attention's queries, keys and
   values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
-* a ``Relu`` before a ``MaxPool`` moves after it, onto the pooled tensor
-  (:func:`graphkit.max_pools.relu_after_max_pool`);
 * a model exported in training mode is refused (:func:`refuse_training_mode`);
 * the weights to train are chosen (:func:`trainable_weights`: the model's parameters,
   never its constants, unless named);
@@ -32,7 +30,6 @@ from graphkit import backends
 from graphkit.compat import DSL_OPSET, make_compatible
 from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
-from graphkit.max_pools import relu_after_max_pool
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
@@ -53,7 +50,6 @@ def prepare_for_training(
     (:func:`graphkit.parameters.untie_shared_parameters`).
     """
     model = gathers_as_split(linear_models_as_standard_ops(compatible_for_training(model)))
-    model = relu_after_max_pool(model)
     refuse_training_mode(model)
     weights = trainable_weights(model, weights_to_train)
     model = untie_constants(model, weights)

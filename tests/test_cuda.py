@@ -463,3 +463,26 @@ def test_sessions_on_cuda_run_max_unpools_as_scatters(monkeypatch):
     on_cuda, on_cpu = ([n.op_type for n in m.graph.node] for m in _RecordingRuntime.models[-2:])
     assert "MaxUnpool" not in on_cuda and "ScatterND" in on_cuda
     assert on_cpu == ["MaxPool", "MaxUnpool"]
+
+
+def test_max_unpools_at_two_depths_get_names_of_their_own(rng):
+    """A MaxUnpool at the top level and one in a Scan body: the rewritten graph stays in
+    single static assignment form (one name space for both), and runs."""
+    from graphkit.backends.cuda_unpools import max_unpools_as_scatters
+
+    inner = _unpool_model((3, 2, 6, 4), with_output_shape=False, in_scan=True)
+    outer = _unpool_model((3, 2, 6, 4), with_output_shape=False, in_scan=False)
+    graph = inner.graph
+    graph.node.extend(outer.graph.node)
+    graph.input.extend(outer.graph.input)
+    graph.output.extend(outer.graph.output)
+    written = max_unpools_as_scatters(inner)
+    onnx.checker.check_model(written, full_check=True)
+    feeds = {
+        "xs": rng.normal(size=(2, 3, 2, 6, 4)).astype(np.float32),
+        "dys": rng.normal(size=(2, 3, 2, 3, 2)).astype(np.float32),
+        "x": rng.normal(size=(3, 2, 6, 4)).astype(np.float32),
+        "dy": rng.normal(size=(3, 2, 3, 2)).astype(np.float32),
+    }
+    for got, expected in zip(Runner(written)(feeds), Runner(inner)(feeds)):
+        np.testing.assert_array_equal(got, expected)

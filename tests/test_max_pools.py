@@ -1,10 +1,7 @@
-"""Max pooling in training graphs, against torch's autograd and numpy.
-
-* the gradient of a ``MaxPool`` whose windows tile its input is a ``MaxUnpool``
-  (:mod:`graphkit.backends.pool_adjoints`), in both backends; elsewhere the scatter;
-* a ``Relu`` before a ``MaxPool`` moves after it (:mod:`graphkit.max_pools`), with the
-  same outputs and the same gradients, ties included.
-"""
+"""Max pooling in training graphs, against torch's autograd and numpy: the gradient of
+a ``MaxPool`` whose windows tile its input is a ``MaxUnpool``
+(:mod:`graphkit.backends.pool_adjoints`) in both backends, float32 only; elsewhere the
+scatter."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ import graphkit as gk
 from graphkit.backends.ort_engine import Runner
 from graphkit.backends.ort_training.lowering import lower_slow_cpu_ops, lower_to_standard
 from graphkit.backends.pool_adjoints import unpooling
-from graphkit.max_pools import relu_after_max_pool
 from graphkit.prepare import prepare_for_training
 from graphkit_train import OrtGradientOptimizer
 
@@ -40,6 +36,7 @@ POOLINGS = {
     "2x2 stride 1 (overlap)": (((6, 6), (2, 2), (1, 1), (0, 0, 0, 0), (1, 1), 0), False),
     "gaps between windows": (((11, 11), (2, 2), (3, 3), (0, 0, 0, 0), (1, 1), 0), True),
     "padded": (((10, 8), (2, 2), (2, 2), (1, 0, 1, 0), (1, 1), 0), True),
+    "padded, even": (((10, 6), (2, 2), (2, 2), (1, 1, 1, 1), (1, 1), 0), True),
     "dilated": (((11, 11), (2, 2), (4, 4), (0, 0, 0, 0), (2, 2), 0), True),
     "1-d": (((12,), (2,), (2,), (0, 0), (1,), 0), True),
     "3-d": (((4, 6, 4), (2, 2, 2), (2, 2, 2), (0,) * 6, (1, 1, 1), 0), True),
@@ -117,6 +114,13 @@ def torch_pool_gradient(x, size, kernel, strides, pads, dilations, ceil, r) -> n
     n = len(size)
     pool = [torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d]
     pool.append(torch.nn.functional.max_pool3d)
+    if list(pads[:n]) == list(pads[n:]):  # torch's own padding
+        tx = torch.tensor(x, requires_grad=True)
+        y = pool[n - 1](
+            tx, list(kernel), list(strides), list(pads[:n]), list(dilations), ceil_mode=bool(ceil)
+        )
+        (y * torch.tensor(r)).sum().backward()
+        return tx.grad.numpy()
     padded = np.pad(
         x,
         [(0, 0), (0, 0)] + [(pads[i], pads[n + i]) for i in range(n)],
@@ -161,6 +165,53 @@ def test_max_pool_gradient_equals_torch_ties_included(case, backend, rng):
             if name in ("native", "standard") and unpools:
                 (ref,) = ReferenceEvaluator(graph).run(["x_grad"], {"x": x})
                 np.testing.assert_allclose(ref, expected, err_msg=name, **tolerance)
+
+
+INFINITE = ["2x2 stride 2, even size", "3x3 stride 3", "dilated", "1-d", "3-d", "padded, even"]
+
+
+@requires_torch
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+@pytest.mark.parametrize("case", INFINITE)
+def test_windows_of_minus_infinity_send_their_gradient_where_torch_does(case, backend, rng):
+    """onnxruntime's MaxPool leaves the index of a window of -inf values unset (outside
+    the window, or negative); torch sends that window's gradient to its first position
+    inside the input, and so does graphkit's MaxUnpool."""
+    (size, kernel, strides, pads, dilations, ceil), unpools = POOLINGS[case]
+    assert unpools
+    model = pool_model(size, kernel, strides, pads, dilations, ceil)
+    grad = gk.gradient_model(model, "loss", ["x"], backend=backend)
+    graphs = {"native": grad}
+    if backend == "ort_training":
+        standard = onnx.ModelProto()
+        standard.CopyFrom(grad)
+        graphs = {"cpu": lower_slow_cpu_ops(grad), "standard": lower_to_standard(standard)}
+    r = numpy_helper.to_array(model.graph.initializer[0])
+    x = rng.normal(size=(3, 3, *size)).astype(np.float32)
+    x[0, 1] = -np.inf  # every window of an image
+    x[1, 0] = -np.inf  # the first image: the unset index is negative
+    x[2, 2].flat[::3] = -np.inf  # some windows
+    expected = torch_pool_gradient(x, size, kernel, strides, pads, dilations, ceil, r)
+    for name, graph in graphs.items():
+        np.testing.assert_array_equal(_run(graph, x), expected, err_msg=name)
+        (ref,) = ReferenceEvaluator(graph).run(["x_grad"], {"x": x})
+        np.testing.assert_array_equal(ref, expected, err_msg=name)
+
+
+@requires_torch
+def test_a_float64_pooling_keeps_the_scatter(rng):
+    """onnxruntime's MaxUnpool is float32 only: a float64 model's native gradient keeps
+    onnx-ad's scatter, and equals torch's in float64."""
+    model = pool_model((4, 6), (2, 2), (2, 2), (0, 0, 0, 0), (1, 1), 0)
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    r = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(r, "r"))
+    grad = gk.gradient_model(model, "loss", ["x"], backend="native")
+    assert "MaxUnpool" not in {n.op_type for n in grad.graph.node}
+    x = tied_input(rng, (2, 3, 4, 6)).astype(np.float64)
+    expected = torch_pool_gradient(x, (4, 6), (2, 2), (2, 2), (0, 0, 0, 0), (1, 1), 0, r)
+    np.testing.assert_array_equal(_run(grad, x), expected)
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -212,35 +263,20 @@ def test_unpooled_gradient_equals_a_scatter_of_the_indices(k, extra, windows, pa
         np.testing.assert_array_equal(dx, expected.reshape(x.shape))
 
 
-# -- Relu after MaxPool ----------------------------------------------------------------------
+# -- training through the MaxUnpool adjoint ---------------------------------------------------
 
 
-def relu_pool_model(extra_reader: str | None = None) -> onnx.ModelProto:
-    """Conv -> Relu -> MaxPool -> Flatten -> Gemm -> Y on 1x8x8 images; ``extra_reader``:
-    'output' (the Relu's result is also an output), 'node' (another node reads it) or
-    'indices' (the MaxPool's indices are an output)."""
+def relu_pool_model() -> onnx.ModelProto:
+    """Conv -> Relu -> MaxPool -> Flatten -> Gemm -> Y on 1x8x8 images."""
     rng = np.random.default_rng(0)
     nodes = [
         helper.make_node("Conv", ["X", "K", "c"], ["h"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["h"], ["a"]),
-        helper.make_node(
-            "MaxPool",
-            ["a"],
-            ["p", "idx"] if extra_reader == "indices" else ["p"],
-            kernel_shape=[2, 2],
-            strides=[2, 2],
-        ),
+        helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
         helper.make_node("Flatten", ["p"], ["f"]),
         helper.make_node("Gemm", ["f", "W", "b"], ["Y"]),
     ]
     outputs = [helper.make_tensor_value_info("Y", F32, ["N", 3])]
-    if extra_reader == "output":
-        outputs.append(helper.make_tensor_value_info("a", F32, None))
-    elif extra_reader == "node":
-        nodes.append(helper.make_node("ReduceMean", ["a"], ["m"], keepdims=0))
-        outputs.append(helper.make_tensor_value_info("m", F32, None))
-    elif extra_reader == "indices":
-        outputs.append(helper.make_tensor_value_info("idx", TensorProto.INT64, None))
     inits = {
         "K": rng.normal(size=(4, 1, 3, 3)),
         "c": rng.normal(size=4) * 0.1,
@@ -264,36 +300,15 @@ def images(rng, n=6) -> np.ndarray:
     return X
 
 
-def test_relu_moves_after_max_pool_with_the_same_outputs(rng):
-    model = relu_pool_model()
-    moved = relu_after_max_pool(model)
-    ops = [n.op_type for n in moved.graph.node]
-    assert ops.index("Relu") == ops.index("MaxPool") + 1
-    assert [n.op_type for n in model.graph.node].index("Relu") == 1  # the user's untouched
-    onnx.checker.check_model(moved, full_check=True)
-    X = images(rng)
-    (expected,) = Runner(model)({"X": X})
-    (got,) = Runner(moved)({"X": X})
-    np.testing.assert_array_equal(got, expected)
-
-
-@pytest.mark.parametrize("reader", ["output", "node", "indices"])
-def test_a_relu_read_elsewhere_or_pool_indices_read_stay_in_place(reader):
-    model = relu_pool_model(reader)
-    assert relu_after_max_pool(model) is model
-
-
 @requires_torch
 @pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
-def test_a_cnn_whose_relu_moved_trains_as_torch_sgd(backend, rng):
-    """SGD through the prepared model (Relu after MaxPool, MaxUnpool adjoint) against
-    torch's Conv -> ReLU -> MaxPool, on images whose blank rows make windows tie."""
+def test_a_cnn_trains_as_torch_sgd_through_the_unpooling(backend, rng):
+    """SGD through a Conv -> ReLU -> MaxPool -> Gemm model (MaxUnpool adjoint) against
+    torch's, on images whose blank rows make windows tie."""
     import torch
 
     model = relu_pool_model()
-    train, weights = prepare_for_training(model, None, backend)
-    ops = [n.op_type for n in train.graph.node]
-    assert ops.index("Relu") == ops.index("MaxPool") + 1
+    _, weights = prepare_for_training(model, None, backend)
     X, y = images(rng, 32), rng.integers(0, 3, 32)
     inits = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
     trainer = OrtGradientOptimizer(
@@ -334,9 +349,9 @@ def test_a_cnn_whose_relu_moved_trains_as_torch_sgd(backend, rng):
 
 @requires_torch
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
-def test_torch_exports_train_as_torch_with_the_relu_moved(dynamo, rng):
-    """A torch CNN exported by either exporter: prepared, its Relu follows its MaxPool;
-    two epochs of graphkit's SGD (the default backend) end on torch's weights."""
+def test_torch_exports_train_as_torch_through_the_unpooling(dynamo, rng):
+    """A torch CNN exported by either exporter: two epochs of graphkit's SGD (the default
+    backend) end on torch's weights."""
     import torch
     from zoo.models import torch_export
 
@@ -350,9 +365,7 @@ def test_torch_exports_train_as_torch_with_the_relu_moved(dynamo, rng):
     )
     X, y = images(rng, 32), rng.integers(0, 3, 32)
     model = torch_export(net, X, dynamo)
-    train, weights = prepare_for_training(model, None)
-    ops = [n.op_type for n in train.graph.node]
-    assert ops.index("Relu") == ops.index("MaxPool") + 1
+    _, weights = prepare_for_training(model, None)
     trainer = OrtGradientOptimizer(
         gk.add_loss_output(model, "cross_entropy"),
         max_iter=2,

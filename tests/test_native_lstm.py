@@ -18,7 +18,9 @@ F32 = TensorProto.FLOAT
 T, H, I = 6, 5, 3
 
 
-def lstm_model(inputs: list[str], rng, outputs=("Y", "Y_h", "Y_c"), **attrs) -> onnx.ModelProto:
+def lstm_model(
+    inputs: list[str], rng, outputs=("Y", "Y_h", "Y_c"), opset: int = 18, **attrs
+) -> onnx.ModelProto:
     """One LSTM over X [T, N, I]; ``inputs`` names its inputs (W, R, B initializers; X,
     initial_h, initial_c graph inputs; '' for one left out)."""
     values = {
@@ -45,7 +47,7 @@ def lstm_model(inputs: list[str], rng, outputs=("Y", "Y_h", "Y_c"), **attrs) -> 
             if n in ("W", "R", "B", "P")
         ],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
 def feeds_for(model: onnx.ModelProto, rng, batch: int = 4) -> dict[str, np.ndarray]:
@@ -67,11 +69,12 @@ WRITTEN = {
 }
 
 
+@pytest.mark.parametrize("opset", [13, 18])
 @pytest.mark.parametrize("case", sorted(WRITTEN))
 @pytest.mark.parametrize("outputs", [("Y", "Y_h", "Y_c"), ("", "Y_h"), ("Y",)])
-def test_the_fused_gate_scan_computes_the_lstm_kernels_outputs(case, outputs, rng):
+def test_the_fused_gate_scan_computes_the_lstm_kernels_outputs(case, outputs, opset, rng):
     inputs, attrs = WRITTEN[case]
-    model = lstm_model(inputs, rng, outputs, **attrs)
+    model = lstm_model(inputs, rng, outputs, opset=opset, **attrs)
     written = lstms_as_scans(model)
     assert "LSTM" not in {n.op_type for n in written.graph.node}
     onnx.checker.check_model(written, full_check=True)

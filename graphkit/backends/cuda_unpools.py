@@ -6,13 +6,14 @@ faster than a scatter. onnxruntime's CUDA provider has no ``MaxUnpool`` kernel (
 ``providers/cuda/nn`` holds the poolings, not the unpooling), so a CUDA session would
 run the node on the CPU and copy its input and output across at every step.
 
-:func:`max_unpools_as_scatters` writes each ``MaxUnpool`` as the same values a CUDA
-kernel computes: zeros of the unpooled shape, ``X`` written at the flat positions
-``I`` holds (no two positions coincide: ``MaxUnpool`` places each value once), in the
-graph and its subgraphs. The unpooled shape is ``output_shape`` where it is given, else
-the one ``MaxUnpool`` infers from its attributes, ``(in - 1) * stride + kernel - pads``
-on each spatial axis. ``graphkit.backends.ort_engine.inference_session`` applies it to
-the sessions it opens on CUDA.
+:func:`max_unpools_as_scatters` writes each ``MaxUnpool`` as the same values: zeros of
+the unpooled shape, ``X`` written at the flat positions ``I`` holds, in the graph and
+its subgraphs (where two values share a position, after an overlapping pooling, both
+keep one of them, not necessarily the same one). The unpooled shape is ``output_shape``
+where it is given, else the one ``MaxUnpool`` infers from its attributes,
+``(in - 1) * stride + kernel - pads`` on each spatial axis.
+``graphkit.backends.ort_engine.inference_session`` applies it to the sessions it opens
+on CUDA.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def max_unpools_as_scatters(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(_is_unpool(n) for g in all_graphs(model.graph) for n in g.node):
         return model
     rewritten = copy_model(model)
+    # one name space: a subgraph's names must not repeat the graph's around it
+    taken = set().union(*(graph_names(g) for g in all_graphs(rewritten.graph)))
+    fresh = namer("unpool", taken)
     for graph in all_graphs(rewritten.graph):
         if not any(_is_unpool(n) for n in graph.node):
             continue
-        fresh = namer("unpool", graph_names(graph))
         nodes: list[onnx.NodeProto] = []
         for node in graph.node:
             nodes.extend(_as_scatter(node, fresh) if _is_unpool(node) else [node])

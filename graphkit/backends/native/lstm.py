@@ -117,8 +117,8 @@ def _as_scan(node: onnx.NodeProto, fresh, elem: int) -> list[onnx.NodeProto]:
         else:  # zeros [B, H], the batch read off X
             batch = op("Slice", [op("Shape", [x]), ints([1]), ints([2])])
             shape = op("Concat", [batch, ints([hidden])], axis=0)
-            zeros = op("ConstantOfShape", [shape])
-            states.append(op("CastLike", [zeros, projected]))
+            zero = helper.make_tensor("zero", elem, [1], [0])
+            states.append(op("ConstantOfShape", [shape], value=zero))
     last_h, last_c, sequence = fresh("h_last"), fresh("c_last"), fresh("h_all")
     nodes.append(
         helper.make_node(

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-from onnx import helper
+from onnx import TensorProto, helper
 
 from graphkit.backends import conv_adjoints, pool_adjoints
 
@@ -225,15 +225,17 @@ def average_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
 
 
 def max_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
-    """d/dx of ``y = MaxPool(x)`` whose windows tile ``x`` without overlapping: ``dy``
-    put back at each window's maximum by a ``MaxUnpool``
-    (:mod:`graphkit.backends.pool_adjoints`), onnx-ad's scatter elsewhere."""
+    """d/dx of a float32 ``y = MaxPool(x)`` whose windows tile ``x`` without
+    overlapping: ``dy`` put back at each window's maximum by a ``MaxUnpool``
+    (:mod:`graphkit.backends.pool_adjoints`; onnxruntime's kernel is float32 only),
+    onnx-ad's scatter elsewhere."""
     from onnx_ad import rules as ad
 
     x, y = node.input[0], node.output[0]
     shape = ctx.shapes.shape(x)
     unpool = None
-    if ctx.opset >= 11 and ad.attribute(node, "storage_order", 0) == 0 and shape is not None:
+    usable = ctx.opset >= 11 and ctx.shapes.dtype(x) == TensorProto.FLOAT  # its one kernel
+    if usable and ad.attribute(node, "storage_order", 0) == 0 and shape is not None:
         attrs, _ = ad._pool_attributes(ctx, node, reverse=False)
         unpool = pool_adjoints.unpooling(
             attrs["kernel_shape"],
@@ -247,7 +249,17 @@ def max_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
         return ad._max_pool_reverse(ctx, node, grads)
     # graphkit seeds one direction: the seed axis has size 1 (Squeeze refuses any other)
     dy = ctx.squeeze(ctx.full(grads[0], y), [-1])
-    indices = ad._max_pool_indices(ctx, node)
+    size = [int(d) for d in shape[2:]]
+    starts = pool_adjoints.window_starts(
+        attrs["kernel_shape"], attrs["strides"], attrs["pads"], attrs["dilations"], size
+    )
+    indices = pool_adjoints.indices_in_windows(
+        lambda op_type, inputs, **kw: ctx.b.op(op_type, inputs, **kw),
+        ad._max_pool_indices(ctx, node),
+        ctx.b.constant(starts, TensorProto.INT64, list(starts.shape)),
+        len(size),
+        math.prod(size),
+    )
     spread = ctx.b.op("MaxUnpool", [dy, indices], stem="a_maxpool", **unpool)
     return [ctx.reshape_like(spread, x)]  # a Reshape, which simplify sinks
 

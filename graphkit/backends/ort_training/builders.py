@@ -61,8 +61,7 @@ OTHER_BUILDER_HINT = (
 )
 
 NATIVE_HINT = (
-    " The native backend (backend='native', standard-ONNX gradients) covers more "
-    "operators: try it."
+    " The native backend (backend='native', standard-ONNX gradients) covers more operators: try it."
 )
 
 

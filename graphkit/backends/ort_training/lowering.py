@@ -16,13 +16,14 @@ checked against onnxruntime-training's own kernel on random inputs
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-from graphkit._graph import all_graphs, outer_reads, static_shape
+from graphkit._graph import NodeWriter, all_graphs, outer_reads, static_shape
 from graphkit.backends import conv_adjoints, pool_adjoints
 from graphkit.backends.ort_engine import is_float64
 from graphkit.compat import opset_of
@@ -570,16 +571,27 @@ def max_pool_grad(
     """MaxPoolGrad(dY, Indices): zeros shaped like the MaxPool's input, with dY added at
     the flat positions ``Indices`` holds (storage_order 0: row-major over the whole
     tensor, batch and channels included). A ``MaxUnpool`` where the pooling's windows
-    tile an input whose spatial size ``shapes`` knows
+    tile a float32 input whose spatial size ``shapes`` knows
     (:mod:`graphkit.backends.pool_adjoints`), a ``ScatterND`` elsewhere."""
     pool = producers.get(node.input[1])
     if pool is None or pool.op_type != "MaxPool" or _attrs(pool).get("storage_order", 0):
         return None
     dy, indices, x = node.input[0], node.input[1], pool.input[0]
     base = _base(node)
-    unpool = _unpooling(pool, (shapes or {}).get(x))
-    if unpool is not None:
-        return [make("MaxUnpool", [dy, indices], [node.output[0]], **unpool)]
+    shape = (shapes or {}).get(x)
+    unpool = _unpooling(pool, shape)
+    if unpool is not None and shape is not None:
+        size = [int(d) for d in shape[2:]]  # type: ignore[arg-type]
+        counter = itertools.count()
+        writer = NodeWriter(lambda stem: f"{base}/{stem}_{next(counter)}")
+        kernel, strides, pads, dilations, _ = _pool_geometry(pool)
+        starts = pool_adjoints.window_starts(kernel, strides, pads, dilations, size)
+        starts_name = writer.op("Constant", [], value=numpy_helper.from_array(starts))
+        safe = pool_adjoints.indices_in_windows(
+            writer.op, indices, starts_name, len(size), math.prod(size)
+        )
+        writer.nodes.append(make("MaxUnpool", [dy, safe], [node.output[0]], **unpool))
+        return writer.nodes
     return [
         make("Shape", [x], [f"{base}/shape"]),
         *_zeros_like_shape(base, f"{base}/shape", dy),
@@ -604,15 +616,20 @@ def _unpooling(pool: onnx.NodeProto, shape: Dims | None) -> dict | None:
     attrs = _attrs(pool)
     if shape is None or attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID"):
         return None
-    kernel = list(attrs["kernel_shape"])  # type: ignore[arg-type]
+    return pool_adjoints.unpooling(*_pool_geometry(pool), list(shape[2:]))
+
+
+def _pool_geometry(pool: onnx.NodeProto) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """A MaxPool node's kernel, strides, pads, dilations and ceil_mode, defaults filled."""
+    attrs = _attrs(pool)
+    kernel = list(attrs["kernel_shape"])  # type: ignore[call-overload]
     n = len(kernel)
-    return pool_adjoints.unpooling(
+    return (
         kernel,
-        list(attrs.get("strides", [1] * n)),  # type: ignore[arg-type]
-        list(attrs.get("pads", [0] * 2 * n)),  # type: ignore[arg-type]
-        list(attrs.get("dilations", [1] * n)),  # type: ignore[arg-type]
-        int(attrs.get("ceil_mode", 0)),  # type: ignore[arg-type]
-        list(shape[2:]),
+        list(attrs.get("strides", [1] * n)),  # type: ignore[call-overload]
+        list(attrs.get("pads", [0] * 2 * n)),  # type: ignore[call-overload]
+        list(attrs.get("dilations", [1] * n)),  # type: ignore[call-overload]
+        int(attrs.get("ceil_mode", 0)),  # type: ignore[call-overload]
     )
 
 
@@ -1027,7 +1044,7 @@ def _rewrite(model: onnx.ModelProto, choose: Callable[[onnx.NodeProto], bool]) -
 
 def _rewrite_graph(graph: onnx.GraphProto, choose: Callable[[onnx.NodeProto], bool]) -> list[str]:
     producers = {out: n for n in graph.node for out in n.output if out}
-    shapes = _declared_dims(graph) if any(n.op_type in WITH_PRODUCERS for n in graph.node) else {}
+    shapes = _float32_dims(graph) if any(n.op_type in WITH_PRODUCERS for n in graph.node) else {}
     nodes: list[onnx.NodeProto] = []
     left = []
     for node in graph.node:
@@ -1120,7 +1137,7 @@ def _lower_max_pool_grads(graph: onnx.GraphProto) -> None:
     kernel, which is about as fast as the scatter."""
     if not any(n.op_type == "MaxPoolGrad" for n in graph.node):
         return
-    shapes = _declared_dims(graph)
+    shapes = _float32_dims(graph)
     producers = {out: n for n in graph.node for out in n.output if out}
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -1169,14 +1186,15 @@ def _state_spatial_rank(graph: onnx.GraphProto, ranks: dict[str, int]) -> None:
             node.attribute.append(helper.make_attribute("strides", [1] * (rank - 2)))
 
 
-def _declared_dims(graph: onnx.GraphProto) -> dict[str, Dims]:
-    """The shape of each input, output and value_info of ``graph`` that declares one
-    (a dim ``None`` or a name where it is not a number), and of the ``Identity`` of one
-    (onnxruntime-training's builder reads each input through one)."""
+def _float32_dims(graph: onnx.GraphProto) -> dict[str, Dims]:
+    """The shape of each float32 input, output and value_info of ``graph`` that declares
+    one (a dim ``None`` or a name where it is not a number), and of the ``Identity`` of
+    one (onnxruntime-training's builder reads each input through one). Float32 only:
+    onnxruntime's ``MaxUnpool``, the one reader, has no other kernel."""
     shapes = {}
     for value in (*graph.input, *graph.value_info, *graph.output):
         dims = static_shape(value)
-        if dims is not None:
+        if dims is not None and value.type.tensor_type.elem_type == TensorProto.FLOAT:
             shapes[value.name] = tuple(dims)
     for node in graph.node:
         if node.op_type == "Identity" and node.input[0] in shapes:
