@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from test_cuda import small_cnn, torch_cnn_sgd
 
 import graphkit as gk
 from graphkit.backends.ort_engine import Runner
@@ -266,33 +267,6 @@ def test_unpooled_gradient_equals_a_scatter_of_the_indices(k, extra, windows, pa
 # -- training through the MaxUnpool adjoint ---------------------------------------------------
 
 
-def relu_pool_model() -> onnx.ModelProto:
-    """Conv -> Relu -> MaxPool -> Flatten -> Gemm -> Y on 1x8x8 images."""
-    rng = np.random.default_rng(0)
-    nodes = [
-        helper.make_node("Conv", ["X", "K", "c"], ["h"], pads=[1, 1, 1, 1]),
-        helper.make_node("Relu", ["h"], ["a"]),
-        helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Flatten", ["p"], ["f"]),
-        helper.make_node("Gemm", ["f", "W", "b"], ["Y"]),
-    ]
-    outputs = [helper.make_tensor_value_info("Y", F32, ["N", 3])]
-    inits = {
-        "K": rng.normal(size=(4, 1, 3, 3)),
-        "c": rng.normal(size=4) * 0.1,
-        "W": rng.normal(size=(64, 3)) * 0.3,
-        "b": np.zeros(3),
-    }
-    graph = helper.make_graph(
-        nodes,
-        "cnn",
-        [helper.make_tensor_value_info("X", F32, ["N", 1, 8, 8])],
-        outputs,
-        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-
-
 def images(rng, n=6) -> np.ndarray:
     """Images whose blank rows make a Conv's output tie across whole windows."""
     X = rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
@@ -303,17 +277,14 @@ def images(rng, n=6) -> np.ndarray:
 @requires_torch
 @pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
 def test_a_cnn_trains_as_torch_sgd_through_the_unpooling(backend, rng):
-    """SGD through a Conv -> ReLU -> MaxPool -> Gemm model (MaxUnpool adjoint) against
-    torch's, on images whose blank rows make windows tie."""
-    import torch
-
-    model = relu_pool_model()
-    _, weights = prepare_for_training(model, None, backend)
-    X, y = images(rng, 32), rng.integers(0, 3, 32)
-    inits = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
+    """SGD through tests/test_cuda.py's Conv -> ReLU -> MaxPool -> Gemm network
+    (MaxUnpool adjoint) on each backend against torch's, on images whose blank rows make
+    windows tie."""
+    model, weights = small_cnn(rng)
+    X, y = images(rng, 32), rng.integers(0, 3, 32).astype(np.int64)
     trainer = OrtGradientOptimizer(
         gk.add_loss_output(model, "cross_entropy"),
-        weights,
+        list(weights),
         max_iter=2,
         batch_size=8,
         learning_rate=0.05,
@@ -322,29 +293,10 @@ def test_a_cnn_trains_as_torch_sgd_through_the_unpooling(backend, rng):
         validation_every=0,
     )
     trainer.fit(X, y)
-    conv = torch.nn.Conv2d(1, 4, 3, padding=1)
-    dense = torch.nn.Linear(64, 3)
-    with torch.no_grad():
-        conv.weight.copy_(torch.tensor(inits["K"]))
-        conv.bias.copy_(torch.tensor(inits["c"]))
-        dense.weight.copy_(torch.tensor(inits["W"].T))
-        dense.bias.copy_(torch.tensor(inits["b"]))
-    net = torch.nn.Sequential(
-        conv, torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten(), dense
-    )
-    sgd = torch.optim.SGD(net.parameters(), lr=0.05)
-    for _ in range(2):
-        for start in range(0, 32, 8):
-            sgd.zero_grad()
-            loss = torch.nn.functional.cross_entropy(
-                net(torch.tensor(X[start : start + 8])), torch.tensor(y[start : start + 8])
-            )
-            loss.backward()
-            sgd.step()
+    expected = torch_cnn_sgd(weights, X, y, epochs=2, batch_size=8, lr=0.05)
     state = trainer.get_state()
-    np.testing.assert_allclose(state["K"], conv.weight.detach().numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(state["c"], conv.bias.detach().numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(state["W"], dense.weight.detach().numpy().T, rtol=1e-4, atol=1e-5)
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @requires_torch
