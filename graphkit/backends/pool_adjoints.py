@@ -53,11 +53,12 @@ def unpooling(
 ) -> dict[str, list[int]] | None:
     """The ``MaxUnpool`` attributes that put a ``MaxPool``'s gradient back on its input
     of spatial ``size``, or None where windows overlap (a stride shorter than the dilated
-    kernel), ``size`` is unknown, or the windows do not end exactly at the input's end."""
+    kernel), ``size`` is unknown, or the windows do not end exactly at the input's end
+    (where they do, ``ceil_mode`` pools the same windows as floor mode)."""
     n = len(kernel)
     if size is None or len(size) != n or any(not isinstance(s, int) for s in size):
         return None
-    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    spans = _spans(kernel, dilations)
     if any(s < span for s, span in zip(strides, spans)):
         return None  # overlapping windows: a position can take several gradients
     for i, extent in enumerate(size):
@@ -65,6 +66,11 @@ def unpooling(
         if reach < 0 or reach % strides[i]:
             return None  # the last window stops short of the end (or, ceil_mode, overhangs it)
     return {"kernel_shape": spans, "strides": list(strides), "pads": list(pads)}
+
+
+def _spans(kernel: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """Each axis's window extent on the input, dilations included."""
+    return [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
 
 
 def window_starts(
@@ -78,7 +84,7 @@ def window_starts(
     position inside the input (int64, shaped like the pooled image): where torch puts a
     window's gradient when none of its values exceeds -inf."""
     n = len(size)
-    spans = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    spans = _spans(kernel, dilations)
     starts = []
     for i in range(n):
         count = (size[i] + pads[i] + pads[n + i] - spans[i]) // strides[i] + 1

@@ -576,22 +576,11 @@ def max_pool_grad(
     pool = producers.get(node.input[1])
     if pool is None or pool.op_type != "MaxPool" or _attrs(pool).get("storage_order", 0):
         return None
+    unpooled = _max_pool_grad_unpooled(node, pool, (shapes or {}).get(pool.input[0]))
+    if unpooled is not None:
+        return unpooled
     dy, indices, x = node.input[0], node.input[1], pool.input[0]
     base = _base(node)
-    shape = (shapes or {}).get(x)
-    unpool = _unpooling(pool, shape)
-    if unpool is not None and shape is not None:
-        size = [int(d) for d in shape[2:]]  # type: ignore[arg-type]
-        counter = itertools.count()
-        writer = NodeWriter(lambda stem: f"{base}/{stem}_{next(counter)}")
-        kernel, strides, pads, dilations, _ = _pool_geometry(pool)
-        starts = pool_adjoints.window_starts(kernel, strides, pads, dilations, size)
-        starts_name = writer.op("Constant", [], value=numpy_helper.from_array(starts))
-        safe = pool_adjoints.indices_in_windows(
-            writer.op, indices, starts_name, len(size), math.prod(size)
-        )
-        writer.nodes.append(make("MaxUnpool", [dy, safe], [node.output[0]], **unpool))
-        return writer.nodes
     return [
         make("Shape", [x], [f"{base}/shape"]),
         *_zeros_like_shape(base, f"{base}/shape", dy),
@@ -608,6 +597,29 @@ def max_pool_grad(
         ),
         make("Reshape", [f"{base}/scattered", f"{base}/shape"], [node.output[0]]),
     ]
+
+
+def _max_pool_grad_unpooled(
+    node: onnx.NodeProto, pool: onnx.NodeProto, shape: Dims | None
+) -> list[onnx.NodeProto] | None:
+    """MaxPoolGrad as a ``MaxUnpool`` of dY at ``pool``'s indices, each kept inside its
+    window (:mod:`graphkit.backends.pool_adjoints`), or None where the windows do not
+    tile an input of ``shape`` (storage_order 0 assumed)."""
+    unpool = _unpooling(pool, shape)
+    if unpool is None or shape is None:
+        return None
+    size = [int(d) for d in shape[2:]]  # type: ignore[arg-type]
+    base = _base(node)
+    counter = itertools.count()
+    writer = NodeWriter(lambda stem: f"{base}/{stem}_{next(counter)}")
+    kernel, strides, pads, dilations, _ = _pool_geometry(pool)
+    starts = pool_adjoints.window_starts(kernel, strides, pads, dilations, size)
+    starts_name = writer.op("Constant", [], value=numpy_helper.from_array(starts))
+    indices = pool_adjoints.indices_in_windows(
+        writer.op, node.input[1], starts_name, len(size), math.prod(size)
+    )
+    writer.nodes.append(make("MaxUnpool", [node.input[0], indices], [node.output[0]], **unpool))
+    return writer.nodes
 
 
 def _unpooling(pool: onnx.NodeProto, shape: Dims | None) -> dict | None:
@@ -1142,10 +1154,10 @@ def _lower_max_pool_grads(graph: onnx.GraphProto) -> None:
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         lowered = None
-        if node.op_type == "MaxPoolGrad" and node.domain in ("", "ai.onnx"):
-            pool = producers.get(node.input[1])
-            if pool is not None and _unpooling(pool, shapes.get(pool.input[0])) is not None:
-                lowered = max_pool_grad(node, producers, shapes)
+        pool = producers.get(node.input[1]) if node.op_type == "MaxPoolGrad" else None
+        if pool is not None and pool.op_type == "MaxPool" and node.domain in ("", "ai.onnx"):
+            if not _attrs(pool).get("storage_order", 0):
+                lowered = _max_pool_grad_unpooled(node, pool, shapes.get(pool.input[0]))
         nodes.extend([node] if lowered is None else lowered)
     del graph.node[:]
     graph.node.extend(nodes)
