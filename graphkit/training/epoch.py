@@ -12,7 +12,9 @@ values are the resident tensors:
   batch by batch, ``[batches, b, ...]``. Every batch has b rows, so the step inside can
   be specialized to that size (:func:`graphkit.static_shapes.specialize`), and
   onnxruntime hands each iteration a view of its batch: no gather, no copy (a ``Gather``
-  of 1000 rows costs more than a whole linear-regression step).
+  of 1000 rows costs more than a whole linear-regression step). What the step computes
+  from its step counter alone (bias corrections, a schedule's rate) runs once, on the
+  vector of the epoch's step counts, before the Scan (:mod:`graphkit.training.counter`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from collections.abc import Sequence
 import onnx
 from onnx import TensorProto, helper
 
-from graphkit._graph import graph_names, int_constant, rename_tensors, renamed_value
+from graphkit._graph import (
+    graph_names,
+    int_constant,
+    namer,
+    outer_reads,
+    rename_tensors,
+    renamed_value,
+)
+from graphkit.training.counter import counter_values, epoch_nodes
 
 make = helper.make_node
 PERMUTATION, BATCH_SIZE, BATCH_LOSSES = "permutation", "batch_size", "batch_losses"
@@ -197,23 +207,60 @@ def scan_over_batches(
     for value, d in zip(body.graph.input[len(carried) :], data):
         value.name = body.scoped[d]
     body.graph.output.extend(body.carried_outputs(batch_losses))
+    outer_nodes, scanned = _counter_values_before(step, body, data, carried, name)
     scan = make(
         "Scan",
-        [*carried, *data],
+        [*carried, *data, *scanned],
         [o.name for o in body.outer_outputs(batch_losses)],
         body=body.graph,
-        num_scan_inputs=len(data),
+        num_scan_inputs=len(data) + len(scanned),
     )
     graph = helper.make_graph(
-        [scan],
+        [*outer_nodes[0], scan],
         name,
         [
             *(body.data_input(d, ["batches", batch_size]) for d in data),
             *(body.inputs[n] for n in carried),
         ],
         body.outer_outputs(batch_losses),
+        outer_nodes[1],
     )
     return _model(graph, step)
+
+
+def _counter_values_before(
+    step: onnx.ModelProto,
+    body: _Body,
+    data: Sequence[str],
+    carried: Sequence[str],
+    name: str,
+) -> tuple[tuple[list[onnx.NodeProto], list[onnx.TensorProto]], list[str]]:
+    """Moves the step's values that depend on its counter alone out of ``body``
+    (:mod:`graphkit.training.counter`): ``((nodes, initializers) of the epoch graph that
+    compute them for every step, the names of the vectors the Scan hands out an
+    element of at each step)``, ``(([], []), [])`` where there are none."""
+    values = counter_values(step, carried)
+    opset = next((o.version for o in step.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if values is None or not data or opset < 11:  # Range arrived in opset 11
+        return ([], []), []
+    taken = {*data, *carried, *(f"{n}.next" for n in carried), BATCH_LOSSES, name}
+    outer = namer("epoch", taken)
+    nodes, initializers, vectors = epoch_nodes(values, data[0], outer)
+    moved = {body.scoped[o] for n in values.nodes for o in n.output}
+    kept = [n for n in body.graph.node if not moved.intersection(n.output)]
+    del body.graph.node[:]
+    body.graph.node.extend(kept)
+    for f in values.frontier:
+        body.graph.input.append(renamed_value(values.values[f], body.scoped[f]))
+    # constants only the moved nodes read
+    read = {i for n in kept for i in outer_reads(n)} | {o.name for o in body.graph.output}
+    unread = [t for t in body.graph.initializer if t.name not in read]
+    for tensor in unread:
+        body.graph.initializer.remove(tensor)
+    constants = [n for n in kept if n.op_type == "Constant" and n.output[0] not in read]
+    for node in constants:
+        body.graph.node.remove(node)
+    return (nodes, initializers), [vectors[f] for f in values.frontier]
 
 
 __all__ = ["loop_over_batches", "scan_over_batches"]
