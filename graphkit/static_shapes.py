@@ -45,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names
+from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names, outer_reads
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -123,10 +123,13 @@ class _Simplifier:
         outputs = {o.name for o in self.graph.output}
         renamed: dict[str, str] = {}
         nodes: list[onnx.NodeProto] = []
+        fused = matmul_transposes(self.graph, self.shapes)
         for node in self.graph.node:
             standard = node.domain in ("", "ai.onnx")
             replacement = None
-            if standard and (node.op_type in REDUCTIONS or node.op_type == "Transpose"):
+            if node.op_type == "Transpose" and node.output[0] in fused:
+                pass
+            elif standard and (node.op_type in REDUCTIONS or node.op_type == "Transpose"):
                 replacement = self.squeeze_units(node)
                 if replacement is not None:
                     inner = replacement[1] if len(replacement) == 3 else None
@@ -353,6 +356,30 @@ RESHAPE_SCALARS_FROM = 64
 onnxruntime's element-by-element broadcast costs about 2 + 0.01 n us, the Reshape 1."""
 
 
+def matmul_transposes(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+    """The results of the Transposes in ``graph`` that swap a tensor's last two axes and
+    that only MatMuls read: onnxruntime runs each as an attribute of its MatMul
+    (``FusedMatMul``), a kernel less than the ``Reshape`` a vector's transpose would
+    otherwise become."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node.op_type)
+    outputs = {o.name for o in graph.output}
+    fused = set()
+    for node in graph.node:
+        if node.op_type != "Transpose" or node.output[0] in outputs:
+            continue
+        rank = len(shapes.get(node.input[0], ()))
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        perm = list(range(rank))[::-1] if perm is None else perm
+        if rank < 2 or perm != [*range(rank - 2), rank - 1, rank - 2]:
+            continue
+        if set(readers.get(node.output[0], ["none"])) == {"MatMul"}:
+            fused.add(node.output[0])
+    return fused
+
+
 def _follow(renamed: Mapping[str, str], name: str) -> str:
     while name in renamed:
         name = renamed[name]
@@ -421,6 +448,7 @@ def specialize(
     # the gradient builder's value_info is kept: onnxruntime 1.19.2 crashes on some
     # gradient graphs (a ConvGrad after a MaxPoolGrad) whose types it has to infer again
     for _ in range(4):  # folding a BroadcastGradientArgs opens more folding after it
+        _shapes_as_constants(fixed)
         fixed = _fold(fixed)
         changed = [fold(fixed) for fold in folds]
         if not any(changed):
@@ -429,7 +457,119 @@ def specialize(
     # the reductions' rewrites leave Reshapes a backend's simplifications may merge
     if any([fold(fixed) for fold in folds]):
         fixed = _fold(fixed)
+    _specialize_scan_bodies(fixed, folds)
     return fixed
 
 
-__all__ = ["REDUCTIONS", "Fold", "simplify_reductions", "specialize", "static_shapes"]
+def _shapes_as_constants(model: onnx.ModelProto) -> bool:
+    """Replaces, in place, each ``Shape`` of a tensor whose shape onnx's inference fixes
+    by that shape as an initializer; whether it replaced any. onnxscript's folding
+    leaves the ``Shape`` of a ``Scan``'s output (an LSTM's last state), whose shape
+    onnx's inference knows."""
+    shapes = static_shapes(model)
+    graph = model.graph
+    found = [
+        n
+        for n in graph.node
+        if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and n.input[0] in shapes
+    ]
+    for node in found:
+        attrs = {a.name: a.i for a in node.attribute}
+        shape = shapes[node.input[0]]
+        # ONNX's start and end count from the back when negative and are clamped: slicing
+        part = shape[attrs.get("start", 0) : attrs.get("end", len(shape))]
+        graph.initializer.append(numpy_helper.from_array(np.array(part, np.int64), node.output[0]))
+        graph.node.remove(node)
+    return bool(found)
+
+
+def _specialize_scan_bodies(model: onnx.ModelProto, folds: Sequence[Fold]) -> None:
+    """Specializes, in place, the body of each top-level ``Scan`` whose inputs have
+    static shapes: as a model of its own whose inputs have the shapes the Scan gives
+    them, and what it reads from the graph around it as inputs (constants as
+    initializers). A recurrent layer's step (an LSTM's, its gradient's) runs its shape
+    arithmetic and a gradient's seed-axis plumbing at every time step otherwise: 37 of
+    the 67 kernels of an LSTM's adjoint step."""
+    shapes = static_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.input, *inferred.value_info]}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "Scan" or node.domain not in ("", "ai.onnx"):
+            continue
+        attribute = next(a for a in node.attribute if a.name == "body")
+        body = _specialized_body(model, node, attribute.g, shapes, types, initializers, folds)
+        if body is not None:
+            attribute.g.CopyFrom(body)
+
+
+def _specialized_body(
+    model: onnx.ModelProto,
+    scan: onnx.NodeProto,
+    body: onnx.GraphProto,
+    shapes: Mapping[str, tuple[int, ...]],
+    types: Mapping[str, int],
+    initializers: Mapping[str, onnx.TensorProto],
+    folds: Sequence[Fold],
+) -> onnx.GraphProto | None:
+    """``body`` specialized (see :func:`_specialize_scan_bodies`), None where an input's
+    shape is not static or the body reads what the Scan's graph does not type."""
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in scan.attribute}
+    scanned = int(attrs["num_scan_inputs"])
+    states = len(scan.input) - scanned
+    axes = list(attrs.get("scan_input_axes", [0] * scanned))
+    inputs = []
+    for k, (outer, value) in enumerate(zip(scan.input, body.input)):
+        shape = shapes.get(outer)
+        if shape is None or not outer:
+            return None
+        if k >= states:
+            axis = axes[k - states] % len(shape)
+            shape = shape[:axis] + shape[axis + 1 :]
+        elem = value.type.tensor_type.elem_type or types.get(outer, 0)
+        inputs.append(onnx.helper.make_tensor_value_info(value.name, elem, list(shape)))
+    local = {i.name for i in body.input} | {t.name for t in body.initializer}
+    local |= {o for n in body.node for o in n.output}
+    free = sorted(set().union(*(outer_reads(n) for n in body.node)) - local)
+    outer_inputs, outer_constants = [], []
+    for name in free:
+        if name in initializers:
+            outer_constants.append(initializers[name])
+        elif name in shapes and types.get(name):
+            value = onnx.helper.make_tensor_value_info(name, types[name], list(shapes[name]))
+            outer_inputs.append(value)
+        else:
+            return None
+    graph = onnx.GraphProto()
+    graph.CopyFrom(body)
+    del graph.input[:]
+    graph.input.extend([*inputs, *outer_inputs])
+    graph.initializer.extend(outer_constants)
+    for output in graph.output:  # inferred again
+        output.type.tensor_type.ClearField("shape")
+    standalone = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    standalone.ir_version = model.ir_version
+    fixed = specialize(standalone, {}, folds).graph
+    names = [i.name for i in fixed.input]
+    if names != [i.name for i in graph.input] or [o.name for o in fixed.output] != [
+        o.name for o in body.output
+    ]:
+        return None  # folding gave up a name the Scan reads by position: keep the body
+    del fixed.input[len(inputs) :]  # read from the graph around it again
+    outer_names = {t.name for t in outer_constants}
+    kept = [t for t in fixed.initializer if t.name not in outer_names]
+    del fixed.initializer[:]
+    fixed.initializer.extend(kept)
+    fixed.name = body.name
+    return fixed
+
+
+__all__ = [
+    "REDUCTIONS",
+    "Fold",
+    "matmul_transposes",
+    "simplify_reductions",
+    "specialize",
+    "static_shapes",
+]

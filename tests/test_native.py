@@ -38,6 +38,7 @@ from graphkit import backends
 from graphkit.errors import MissingGradientError
 from graphkit.prepare import trainable_weights
 from graphkit.rewrite import initializers_to_inputs
+from graphkit.static_shapes import specialize
 
 INSTALLED = {b.name for b in backends.available() if b.installed}
 pytestmark = pytest.mark.skipif(
@@ -225,17 +226,25 @@ def torch_gradient(name: str, value: np.ndarray, net, block: int | None = None) 
     raise KeyError(f"no torch parameter has the value of {name!r}")
 
 
-def assert_native_equals_torch(train, weights, net, batches, block=None) -> float:
-    """The native gradient graph of ``train`` (built once, batch size symbolic) equals
-    torch's ``.grad`` of cross entropy on every batch; the largest relative difference."""
+def assert_native_equals_torch(train, weights, net, batches, block=None, static=False) -> float:
+    """The native gradient graph of ``train`` (built once, batch size symbolic; with
+    ``static``, specialized to each batch's size as the trainers run it) equals torch's
+    ``.grad`` of cross entropy on every batch; the largest relative difference."""
     import torch
 
     loss = train.graph.output[0].name
-    run = backend_runner("native", native_gradient(train, loss, weights))
+    features = train.graph.input[0].name
+    gradient = native_gradient(train, loss, weights)
+    run = backend_runner("native", gradient)
     inits = initializer_values(train)
     worst = 0.0
     for X, y in batches:
-        out = run({train.graph.input[0].name: X, "y": y})
+        if static:
+            folds = backends.get("native").constant_folds
+            run = backend_runner(
+                "native", specialize(gradient, {features: len(X), "y": len(X)}, folds)
+            )
+        out = run({features: X, "y": y})
         net.zero_grad()
         value = torch.nn.functional.cross_entropy(net(torch.tensor(X)), torch.tensor(y))
         value.backward()
@@ -264,6 +273,8 @@ def test_recurrent_gradients_equal_torch_autograd_at_two_batch_sizes(case):
     X, y = data.X_train, data.y_train
     batches = [(X[:16], y[:16]), (X[16:21], y[16:21])]
     assert_native_equals_torch(train, weights, net, batches, block=net.rnn.hidden_size)
+    # as the trainers run it: specialized to each batch size, the Scans' bodies too
+    assert_native_equals_torch(train, weights, net, batches, block=net.rnn.hidden_size, static=True)
     if "ort_training" in INSTALLED:  # why the zoo comparison leaves them out
         with pytest.raises(MissingGradientError, match=case.refusal(FULL)):
             gk.gradient_model(train, train.graph.output[0].name, weights, backend="ort_training")

@@ -8,11 +8,18 @@ import onnx
 import pytest
 from conftest import requires_torch
 from onnx import TensorProto, helper, numpy_helper
-from test_native import RECURRENT, _Recurrent, assert_native_equals_torch, zoo_training
+from test_native import (
+    RECURRENT,
+    _Recurrent,
+    assert_native_equals_torch,
+    native_gradient,
+    zoo_training,
+)
 
 from graphkit.backends.native import NativeBackend
 from graphkit.backends.native.lstm import lstms_as_scans
 from graphkit.backends.ort_engine import Runner
+from graphkit.static_shapes import specialize
 
 F32 = TensorProto.FLOAT
 T, H, I = 6, 5, 3
@@ -124,3 +131,33 @@ def test_fused_gate_gradients_equal_torch_autograd(case):
     X, y = data.X_train, data.y_train
     batches = [(X[:16], y[:16]), (X[16:21], y[16:21])]
     assert_native_equals_torch(written, weights, net, batches, block=net.rnn.hidden_size)
+
+
+@requires_torch
+@pytest.mark.parametrize("case", [c for c in RECURRENT if c.id.startswith("LSTM")])
+def test_specialized_fused_gate_gradients_equal_torch_and_lose_the_seed_plumbing(case):
+    """Specialized to a batch size as the trainers run it, the fused-gate LSTM's adjoint
+    Scan body (a graph of its own, specialized too) keeps no shape arithmetic and no
+    seed-axis plumbing, and its gradients still equal torch's."""
+    train, weights, data = zoo_training(case)
+    written = lstms_as_scans(train)
+    gradient = native_gradient(written, written.graph.output[0].name, weights)
+    features = written.graph.input[0].name
+    static = specialize(gradient, {features: 16, "y": 16}, NativeBackend().constant_folds)
+    bodies = [
+        a.g for n in static.graph.node if n.op_type == "Scan" for a in n.attribute if a.g.node
+    ]
+    assert len(bodies) == 2  # the LSTM's forward and its adjoint
+    adjoint = max(bodies, key=lambda g: len(g.node))
+    kinds = [n.op_type for n in adjoint.node]
+    assert not {"Shape", "NonZero", "ReduceSum", "Unsqueeze", "Expand"} & set(kinds), kinds
+    assert kinds.count("Transpose") <= 1  # a MatMul's operand: onnxruntime fuses it
+    assert len(kinds) <= 40  # 143 as onnx-ad writes it
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    net = _Recurrent("lstm")
+    X, y = data.X_train, data.y_train
+    batches = [(X[:16], y[:16]), (X[16:21], y[16:21])]
+    assert_native_equals_torch(
+        written, weights, net, batches, block=net.rnn.hidden_size, static=True
+    )

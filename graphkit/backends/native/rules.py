@@ -17,9 +17,10 @@ takes any batch size), so these rules replace onnx-ad's for:
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only.
 
-One rule is graphkit's for speed alone: a ``MaxPool`` whose windows tile its input
+Two rules are graphkit's for speed alone: a ``MaxPool`` whose windows tile its input
 sends its gradient back with a ``MaxUnpool``, not onnx-ad's ``ScatterND``
-(:mod:`graphkit.backends.pool_adjoints`).
+(:mod:`graphkit.backends.pool_adjoints`), and a ``Relu``'s gradient reads its result,
+not its input, so that onnxruntime can fuse the Relu into the node before it.
 
 ``Det`` is refused (onnx-ad takes its derivative for zero). It also completes two
 rules: onnx-ad has no gradient for a ``ConvTranspose``'s weight (an
@@ -264,6 +265,20 @@ def max_pool_reverse(ctx: Any, node: Any, grads: list) -> list:
     return [ctx.reshape_like(spread, x)]  # a Reshape, which simplify sinks
 
 
+def relu_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx of ``y = Relu(x)``: ``dy * Cast(y > 0)``, onnx-ad's formula on the result:
+    ``y > 0`` exactly where ``x > 0`` (Relu'(0) = 0), and reading ``y`` leaves ``x``
+    to the Relu alone, so onnxruntime fuses the Relu into the ``Gemm`` or ``Conv``
+    before it (a kernel and a pass over the activations fewer). ``Cast`` and ``Mul``,
+    not ``Where``: onnxruntime's ``Where(y > 0, dy, 0)`` takes 1.5x as long on 100
+    elements and 4x on 800,000 (in a Scan, 2 threads)."""
+    x, y = node.input[0], node.output[0]
+    dtype = ctx.dtype(x, y)
+    positive = ctx.b.op("Greater", [y, ctx.constant(0.0, dtype)])
+    gate = ctx.b.op("Cast", [positive], to=dtype)
+    return [ctx.b.op("Mul", [grads[0], ctx.lift(gate)], stem="a_" + x)]
+
+
 def window_spread(ctx: Any, node: Any, attrs: dict, value: str) -> str:
     """onnx-ad's ``_window_spread`` (the adjoint of a pooling's window sum, used by its
     ``LpPool`` rule) with the forward's pads (:func:`transposing`): its own passes
@@ -437,6 +452,7 @@ REVERSE: dict[str, Rule] = {
     "Conv": conv_reverse,
     "AveragePool": average_pool_reverse,
     "MaxPool": max_pool_reverse,
+    "Relu": relu_reverse,
     "Slice": slice_reverse,
 }
 """graphkit's reverse rules by operator, consulted before onnx-ad's."""

@@ -13,10 +13,11 @@ rewrites, on the main graph:
   ``Reshape`` of the first one's input (the first stays for its other readers);
 * a ``Reshape`` (or ``Identity``) whose input already has its output's shape: nothing,
   its readers read the input;
-* an elementwise operator (or an ``Expand``) whose result ends in axes of size 1 (the
-  seed axis), a reduction whose input does and that does not reduce them, or a
-  ``MatMul`` whose result starts with them (the seed axis moved first), whose inputs
-  were given those axes by a ``Reshape`` (or are constants, or scalars), where the
+* an elementwise operator (or an ``Expand``, or a ``Concat`` along an axis before them)
+  whose result ends in axes of size 1 (the seed axis), a reduction whose input does and
+  that does not reduce them, or a ``MatMul`` whose result starts with them (the seed
+  axis moved first), whose inputs were given those axes by a ``Reshape`` (or are
+  constants, scalars, or graph inputs: a Scan body's carried gradients), where the
   readers of its result take a Reshape for free: the same operator on the inputs
   without them, one ``Reshape`` after it, which the readers' own ``Reshape`` then
   cancels (``Reshape -> Mul -> Reshape`` around each elementwise rule; onnxruntime's
@@ -39,7 +40,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, outer_reads, rename_reads
-from graphkit.static_shapes import REDUCTIONS, static_shapes
+from graphkit.static_shapes import REDUCTIONS, matmul_transposes, static_shapes
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
@@ -55,6 +56,7 @@ def simplify(model: onnx.ModelProto) -> bool:
         _sink_reshapes,
         _merge_reshapes,
         _drop_no_ops,
+        _full_reductions_of_reshapes,
         _drop_unread_reshapes,
         _reuse_layer_norm_statistics,
     )
@@ -157,9 +159,12 @@ def _compose_transposes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...
 def _transposes_as_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
     taken = graph_names(graph)
+    fused = matmul_transposes(graph, shapes)
     changed = False
     for index, node in enumerate(graph.node):
         if node.op_type != "Transpose" or node.input[0] not in shapes:
+            continue
+        if node.output[0] in fused:
             continue
         shape = shapes[node.input[0]]
         perm = _perm(node, len(shape))
@@ -217,6 +222,8 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
         for name in outer_reads(node):
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+    inputs = {i.name for i in graph.input}
+    views: dict[tuple[str, tuple[int, ...]], str] = {}  # (tensor, shape) -> its Reshape
 
     def lets_through(name: str) -> bool:
         """Whether a scalar, a constant, a Reshape's result, or the result of a node that
@@ -229,10 +236,12 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
             or (source is not None and _unit_axes(source, shapes, constants) is not None)
         )
 
-    def absorbed(name: str) -> bool:
+    def absorbed(name: str, depth: int = 0) -> bool:
         """Whether every reader of ``name`` takes a Reshape of it for free: a Reshape
-        (the two merge), or a node that sinks too, its other inputs letting it."""
-        if name in outputs:
+        (the two merge), or a node that sinks too, its other inputs letting it, or graph
+        inputs (a Scan body's carried gradients: one Reshape each, which every node
+        sinking shares) where its own result is absorbed in turn."""
+        if name in outputs or depth > 8:
             return False
         for reader in readers.get(name, []):
             if reader.op_type in _RESHAPES:
@@ -240,7 +249,12 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
             if _unit_axes(reader, shapes, constants) is None:
                 return False
             data = reader.input[:1] if reader.op_type in _ONE_DATA_INPUT else reader.input
-            if not all(lets_through(i) for i in data if i != name):
+            others = [i for i in data if i != name]
+            if all(lets_through(i) for i in others):
+                continue
+            if not all(lets_through(i) or i in inputs for i in others):
+                return False
+            if not absorbed(reader.output[0], depth + 1):
                 return False
         return True
 
@@ -249,11 +263,12 @@ def _sink_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
     for node in graph.node:
         sunk = None
         if node.output and absorbed(node.output[0]):
-            sunk = _sink_one(graph, node, shapes, producer, constants, taken)
+            sunk = _sink_one(graph, node, shapes, producer, constants, taken, inputs, views)
         if sunk is None:
             nodes.append(node)
         else:
             nodes.extend(sunk)
+            producer.update({o: n for n in sunk for o in n.output})
             changed = True
     if changed:
         del graph.node[:]
@@ -267,7 +282,8 @@ def _unit_axes(
     constants: dict[str, onnx.TensorProto],
 ) -> tuple[str, int, list[int] | None] | None:
     """How ``node`` can run without unit axes: ``("trailing", k, None)`` for an
-    elementwise node whose result ends in k axes of size 1; ``("leading", k, None)`` for
+    elementwise node whose result ends in k axes of size 1; ``("concat", k, None)`` for
+    a Concat whose result ends in k such axes after the joined one; ``("leading", k, None)`` for
     a MatMul whose result starts with k (batch axes); ``("reduce", k, axes)`` for a
     reduction (constant axes, made non-negative) whose input ends in k axes of size 1 it
     does not reduce. None where none of these holds."""
@@ -278,6 +294,10 @@ def _unit_axes(
         return None
     if node.op_type in _ELEMENTWISE and out[-1] == 1:
         return "trailing", len(out) - len(_without_trailing_units(out)), None
+    if node.op_type == "Concat" and out[-1] == 1:  # the axes after the joined one
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % len(out)
+        units = min(len(out) - len(_without_trailing_units(out)), len(out) - 1 - axis)
+        return ("concat", units, None) if units else None
     if node.op_type == "Expand" and out[-1] == 1:  # its target shape: out's, fixed here
         return "expand", len(out) - len(_without_trailing_units(out)), None
     if node.op_type == "MatMul" and len(out) > 2 and out[0] == 1:
@@ -327,18 +347,96 @@ def _sink_one(
     producer: dict[str, onnx.NodeProto],
     constants: dict[str, onnx.TensorProto],
     taken: set[str],
+    inputs: set[str],
+    views: dict[tuple[str, tuple[int, ...]], str],
 ) -> list[onnx.NodeProto] | None:
     """``[Reshapes of its inputs' sources, node on its inputs without the unit axes of
     :func:`_unit_axes`, Reshape]``, or None where there are none, or where an input that
     is neither a constant nor a scalar was not given its shape by a Reshape (it would
-    need one of its own: a kernel more)."""
+    need one of its own: a kernel more).
+
+    Of a result's trailing axes of size 1, as many go as cost the fewest new Reshapes of
+    its inputs, and the fewest axes among those: usually only the seed axis, so that a
+    gradient keeps its primal's shape (``[N, 1]`` for a regression's output), which its
+    readers take without a Reshape."""
     how = _unit_axes(node, shapes, constants)
     if how is None:
         return None
-    kind, units, axes = how
+    kind, most, axes = how
+    candidates = [most] if kind == "leading" else range(1, most + 1)
+    plans = [
+        _sink_plan(node, kind, units, shapes, producer, constants, inputs, views)
+        for units in candidates
+    ]
+    usable = [plan for plan in plans if plan is not None]
+    if not usable:
+        return None
+    units, core, read = min(usable, key=lambda plan: sum(p[2] for p in plan[2]))
     out = shapes[node.output[0]]
     moved = onnx.NodeProto()
     moved.CopyFrom(node)
+    del moved.input[len(read) :]
+    if kind == "concat":  # the joined axis, counted from the front
+        for attribute in moved.attribute:
+            if attribute.name == "axis":
+                attribute.i %= len(out)
+    if kind == "expand":  # broadcast to the core shape itself
+        name = fresh_name(f"{node.output[0]}/core_shape", taken)
+        graph.initializer.append(numpy_helper.from_array(np.array(core, np.int64), name))
+        constants[name] = graph.initializer[-1]
+        moved.input.append(name)
+    if kind == "reduce":  # the same non-negative axes: those it drops follow them all
+        if len(node.input) > 1 and node.input[1]:
+            name = fresh_name(f"{node.output[0]}/axes", taken)
+            graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), name))
+            constants[name] = graph.initializer[-1]
+            moved.input.append(name)
+        else:
+            for attribute in moved.attribute:
+                if attribute.name == "axes":
+                    attribute.ints[:] = axes
+    before: list[onnx.NodeProto] = []
+    for position, (name, want, _) in enumerate(read):
+        if want is None:  # read as it is
+            continue
+        if (name, want) in views:
+            viewed = views[name, want]
+        elif name in constants:
+            viewed = fresh_name(f"{name}/core", taken)
+            value = numpy_helper.to_array(constants[name]).reshape(want)
+            graph.initializer.append(numpy_helper.from_array(value, viewed))
+            constants[viewed] = graph.initializer[-1]
+        elif shapes.get(name) != want:  # the same elements, in order
+            viewed = views[name, want] = fresh_name(f"{name}/core", taken)
+            target = fresh_name(f"{viewed}/shape", taken)
+            graph.initializer.append(numpy_helper.from_array(np.array(want, np.int64), target))
+            before.append(helper.make_node("Reshape", [name, target], [viewed]))
+        else:  # a tensor of that shape already
+            viewed = name
+        shapes[viewed] = want
+        moved.input[position] = viewed
+    result = fresh_name(f"{node.output[0]}/core", taken)
+    shapes[result] = core
+    moved.output[:] = [result]
+    target = fresh_name(f"{node.output[0]}/shape", taken)
+    graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
+    return [*before, moved, helper.make_node("Reshape", [result, target], list(node.output))]
+
+
+def _sink_plan(
+    node: onnx.NodeProto,
+    kind: str,
+    units: int,
+    shapes: dict[str, tuple[int, ...]],
+    producer: dict[str, onnx.NodeProto],
+    constants: dict[str, onnx.TensorProto],
+    inputs: set[str],
+    views: dict[tuple[str, tuple[int, ...]], str],
+) -> tuple[int, tuple[int, ...], list[tuple[str, tuple[int, ...] | None, bool]]] | None:
+    """How ``node`` runs without ``units`` of its unit axes: ``(units, the result's
+    shape, [(input, its shape there or None to read it as it is, whether that takes a
+    new Reshape)])``, or None where an input would need a Reshape of its own."""
+    out = shapes[node.output[0]]
     if kind == "leading":
         core = tuple(out[units:])
 
@@ -353,56 +451,32 @@ def _sink_one(
         def kept(shape: tuple[int, ...]) -> tuple[int, ...]:
             return shape[: max(len(shape) - units, 0)]  # broadcasting aligns on the right
 
-    data = list(node.input)
-    if kind == "expand":  # broadcast to the core shape itself
-        data = data[:1]
-        name = fresh_name(f"{node.output[0]}/core_shape", taken)
-        graph.initializer.append(numpy_helper.from_array(np.array(core, np.int64), name))
-        constants[name] = graph.initializer[-1]
-        moved.input[1] = name
-    if kind == "reduce":  # the same non-negative axes: those it drops follow them all
-        data = data[:1]
-        if len(node.input) > 1 and node.input[1]:
-            name = fresh_name(f"{node.output[0]}/axes", taken)
-            graph.initializer.append(numpy_helper.from_array(np.array(axes, np.int64), name))
-            constants[name] = graph.initializer[-1]
-            moved.input[1] = name
-        else:
-            for attribute in moved.attribute:
-                if attribute.name == "axes":
-                    attribute.ints[:] = axes
-    before: list[onnx.NodeProto] = []
-    for position, name in enumerate(data):
+    data = node.input[:1] if kind in ("expand", "reduce") else node.input
+    read: list[tuple[str, tuple[int, ...] | None, bool]] = []
+    for name in data:
         shape = shapes.get(name)
         if shape is None:
             return None
         want = kept(shape)
-        if want == shape:  # a scalar, or a matrix under a batch
-            continue
         source = producer.get(name)
-        if source is not None and source.op_type in _RESHAPES:
-            if shapes.get(source.input[0]) == want:
-                moved.input[position] = source.input[0]
-                continue
-            viewed = fresh_name(f"{name}/core", taken)  # the same elements, in order
-            target = fresh_name(f"{viewed}/shape", taken)
-            graph.initializer.append(numpy_helper.from_array(np.array(want, np.int64), target))
-            before.append(helper.make_node("Reshape", [source.input[0], target], [viewed]))
+        if want == shape:  # a scalar, or a matrix under a batch
+            read.append((name, None, False))
         elif name in constants:
-            viewed = fresh_name(f"{name}/core", taken)
-            value = numpy_helper.to_array(constants[name]).reshape(want)
-            graph.initializer.append(numpy_helper.from_array(value, viewed))
-            constants[viewed] = graph.initializer[-1]
+            read.append((name, want, False))
+        elif name in inputs:  # one Reshape, shared
+            read.append((name, want, (name, want) not in views))
+        elif source is not None and source.op_type in _RESHAPES:
+            # up its chain of Reshapes (not merged yet) to a tensor of that shape, or
+            # to the first tensor of the chain, which a new Reshape then views
+            while True:
+                name = source.input[0]
+                source = producer.get(name)
+                if shapes.get(name) == want or source is None or source.op_type not in _RESHAPES:
+                    break
+            read.append((name, want, shapes.get(name) != want and (name, want) not in views))
         else:
             return None
-        shapes[viewed] = want
-        moved.input[position] = viewed
-    result = fresh_name(f"{node.output[0]}/core", taken)
-    shapes[result] = core
-    moved.output[:] = [result]
-    target = fresh_name(f"{node.output[0]}/shape", taken)
-    graph.initializer.append(numpy_helper.from_array(np.array(out, np.int64), target))
-    return [*before, moved, helper.make_node("Reshape", [result, target], list(node.output))]
+    return units, core, read
 
 
 def _reuse_layer_norm_statistics(
@@ -481,6 +555,26 @@ def _drop_unread_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int, .
     for node in unread:
         graph.node.remove(node)
     return bool(unread)
+
+
+def _full_reductions_of_reshapes(
+    model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]
+) -> bool:
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    constants = {t.name: t for t in graph.initializer}
+    changed = False
+    for node in graph.node:
+        if node.op_type not in REDUCTIONS or node.domain not in ("", "ai.onnx"):
+            continue
+        keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+        if keepdims or _reduction_axes(node, constants) != []:
+            continue  # the result's shape depends on the input's
+        source = producer.get(node.input[0])
+        if source is not None and source.op_type in _RESHAPES:
+            node.input[0] = source.input[0]  # the same elements, whatever their shape
+            changed = True
+    return changed
 
 
 def _drop_no_ops(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
