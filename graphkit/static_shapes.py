@@ -528,6 +528,8 @@ def _specialized_body(
             axis = axes[k - states] % len(shape)
             shape = shape[:axis] + shape[axis + 1 :]
         elem = value.type.tensor_type.elem_type or types.get(outer, 0)
+        if not elem:
+            return None
         inputs.append(onnx.helper.make_tensor_value_info(value.name, elem, list(shape)))
     local = {i.name for i in body.input} | {t.name for t in body.initializer}
     local |= {o for n in body.node for o in n.output}

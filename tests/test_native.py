@@ -1143,6 +1143,113 @@ def test_an_expand_sinks_with_the_seed_axis_and_the_values_stay():
     np.testing.assert_allclose(y, np.broadcast_to(feeds["g"], (4, 3, 6)) * feeds["h"], rtol=1e-6)
 
 
+def _simplified(nodes, inputs, outputs, ints):
+    from graphkit.backends.native.simplify import simplify
+
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "simplified",
+        [helper.make_tensor_value_info(n, f32, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(n, f32, s) for n, s in outputs.items()],
+        [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    simplify(model)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_carried_gradients_and_concats_sink_and_the_values_stay():
+    """A Scan body's carried gradients are graph inputs with the seed axis
+    (``[4, 3, 1]``): each is viewed once without it, the elementwise products and the
+    Concat along an earlier axis run without it, and only the outputs' Reshapes are
+    left; the values are numpy's."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["a", "last"], ["a1"]),
+        helper.make_node("Unsqueeze", ["b", "last"], ["b1"]),
+        helper.make_node("Mul", ["dh", "a1"], ["p"]),  # dh: a graph input [4, 3, 1]
+        helper.make_node("Mul", ["dh", "b1"], ["q"]),
+        helper.make_node("Sum", ["dc", "q"], ["acc"]),  # dc too
+        helper.make_node("Concat", ["p", "acc"], ["joined"], axis=-2),  # [4, 6, 1]
+        helper.make_node("Reshape", ["joined", "flat"], ["out"]),
+    ]
+    model = _simplified(
+        nodes,
+        {"a": [4, 3], "b": [4, 3], "dh": [4, 3, 1], "dc": [4, 3, 1]},
+        {"out": [4, 6]},
+        {"last": [-1], "flat": [4, 6]},
+    )
+    kinds = [n.op_type for n in model.graph.node]
+    # dh's and dc's views, and the one naming the output
+    assert "Unsqueeze" not in kinds and kinds.count("Reshape") == 3, kinds
+    shapes = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    (concat,) = [n for n in model.graph.node if n.op_type == "Concat"]
+    assert [d.dim_value for d in shapes[concat.output[0]].type.tensor_type.shape.dim] == [4, 6]
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.normal(size=s).astype(np.float32) for n, s in [("a", (4, 3)), ("b", (4, 3))]}
+    feeds |= {n: rng.normal(size=(4, 3, 1)).astype(np.float32) for n in ("dh", "dc")}
+    (out,) = backend_runner("native", model)(feeds).values()
+    dh, dc = feeds["dh"][..., 0], feeds["dc"][..., 0]
+    expected = np.concatenate([dh * feeds["a"], dc + dh * feeds["b"]], axis=1)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_an_output_beside_a_graph_input_keeps_its_shape():
+    """Viewing a graph input without its unit axis pays only where the node reading it
+    sinks into readers that take it for free: here the sum is an output, so nothing
+    moves."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["a", "last"], ["a1"]),
+        helper.make_node("Mul", ["a1", "a1"], ["p"]),
+        helper.make_node("Add", ["p", "c"], ["out"]),  # c: a graph input [4, 3, 1]
+    ]
+    model = _simplified(nodes, {"a": [4, 3], "c": [4, 3, 1]}, {"out": [4, 3, 1]}, {"last": [-1]})
+    assert [n.op_type for n in model.graph.node] == ["Unsqueeze", "Mul", "Add"]
+
+
+def test_full_reductions_read_through_reshapes_and_matmul_transposes_stay():
+    """A full reduction (keepdims 0) sums the Reshape's input; a Transpose of a column
+    read only by a MatMul stays a Transpose (onnxruntime fuses it into the product)
+    instead of becoming a Reshape; numpy's values."""
+    nodes = [
+        helper.make_node("Reshape", ["g", "seeded"], ["g1"]),
+        helper.make_node("ReduceSum", ["g1"], ["total"], keepdims=0),
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["g", "wt"], ["product"]),
+    ]
+    model = _simplified(
+        nodes,
+        {"g": [5, 1], "w": [3, 1]},
+        {"total": [], "product": [5, 3]},
+        {"seeded": [5, 1, 1]},
+    )
+    kinds = [n.op_type for n in model.graph.node]
+    assert kinds == ["ReduceSum", "Transpose", "MatMul"], kinds
+    rng = np.random.default_rng(1)
+    feeds = {"g": rng.normal(size=(5, 1)), "w": rng.normal(size=(3, 1))}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    total, product = backend_runner("native", model)(feeds).values()
+    np.testing.assert_allclose(total, feeds["g"].sum(), rtol=1e-6)
+    np.testing.assert_allclose(product, feeds["g"] @ feeds["w"].T, rtol=1e-6)
+
+
+def test_relu_gradient_reads_the_result_so_the_relu_fuses_into_its_gemm():
+    """The native Relu rule reads y = Relu(x), not x, so x has one reader and
+    onnxruntime can fuse Gemm + Relu (a FusedGemm). The gradient's values are checked
+    against torch by the zoo and parity tests, whose networks use ReLU."""
+    from conftest import mlp_onnx
+
+    model = gk.add_loss_output(mlp_onnx(4, 5, 1))
+    weights = trainable_weights(model, None)
+    gradient = native_gradient(model, "loss", weights)
+    relu = next(n for n in gradient.graph.node if n.op_type == "Relu")
+    readers = [n.op_type for n in gradient.graph.node if relu.input[0] in n.input]
+    assert readers == ["Relu"]
+    greater = [n for n in gradient.graph.node if n.op_type == "Greater"]
+    assert greater and all(g.input[0] == relu.output[0] for g in greater)
+
+
 def test_the_layer_norm_gradient_reads_the_forward_statistics_and_equals_numpy():
     """Once shapes are static, the LayerNormalization adjoint reads the mean and
     1/sqrt(var + eps) the forward node reports instead of computing them again; the
