@@ -896,3 +896,57 @@ def test_embedding_gradient_runs_lowered_and_trains_like_torch():
     state = trainer.get_state()
     np.testing.assert_allclose(state["table"], table.weight.detach().numpy(), atol=1e-6)
     np.testing.assert_allclose(state["W"], head.weight.detach().numpy().T, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "rows, columns, fused, dtype",
+    [(8, 6, True, np.float32), (8, 1, True, np.float32), (600, 1, False, np.float32)]
+    + [(8, 6, None, np.float64)],
+)
+def test_a_weights_gradient_and_sgd_update_become_one_gemm(rows, columns, fused, dtype):
+    """W + lr * (x^T dy): one Gemm (alpha = lr, C = W) once specialized, but for a
+    one-column product of a large operand, whose fast Gemm path wants alpha 1 and no C
+    (there the product alone becomes a Gemm, and the Mul and Add stay), and for a
+    float64 rate that Gemm's float32 alpha cannot hold (nothing changes); numpy's
+    values."""
+    f32 = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["xt", "dy"], ["grad"]),
+        helper.make_node("Mul", ["grad", "lr"], ["step"]),
+        helper.make_node("Add", ["W", "step"], ["W.next"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "update",
+        [
+            helper.make_tensor_value_info("x", f32, ["N", 4]),
+            helper.make_tensor_value_info("dy", f32, ["N", columns]),
+            helper.make_tensor_value_info("W", f32, [4, columns]),
+        ],
+        [helper.make_tensor_value_info("W.next", f32, [4, columns])],
+        [numpy_helper.from_array(np.array(-0.05, dtype), "lr")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    x_rows = 1200 if not fused else rows  # > GEMV_FUSED_UP_TO elements of x
+    static = specialize(model, {"x": x_rows, "dy": x_rows})
+    onnx.checker.check_model(static, full_check=True)
+    kinds = [n.op_type for n in static.graph.node]
+    if fused is None:
+        assert kinds == ["Transpose", "MatMul", "Mul", "Add"], kinds
+    else:
+        assert kinds == (["Gemm"] if fused else ["Gemm", "Mul", "Add"]), kinds
+        gemm = static.graph.node[0]
+        assert {a.name: a.i for a in gemm.attribute if a.name == "transA"} == {"transA": 1}
+    rng = np.random.default_rng(rows)
+    feeds = {
+        "x": rng.normal(size=(x_rows, 4)).astype(dtype),
+        "dy": rng.normal(size=(x_rows, columns)).astype(dtype),
+        "W": rng.normal(size=(4, columns)).astype(dtype),
+    }
+    (out,) = inference_session(static).run(None, feeds)
+    expected = feeds["W"].astype(np.float64) - 0.05 * (
+        feeds["x"].T.astype(np.float64) @ feeds["dy"].astype(np.float64)
+    )
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
