@@ -613,10 +613,14 @@ def _shapes_as_constants(model: onnx.ModelProto) -> bool:
     onnx's inference knows."""
     shapes = static_shapes(model)
     graph = model.graph
+    outputs = {o.name for o in graph.output}
     found = [
         n
         for n in graph.node
-        if n.op_type == "Shape" and n.domain in ("", "ai.onnx") and n.input[0] in shapes
+        if n.op_type == "Shape"
+        and n.domain in ("", "ai.onnx")
+        and n.input[0] in shapes
+        and n.output[0] not in outputs
     ]
     for node in found:
         attrs = {a.name: a.i for a in node.attribute}
