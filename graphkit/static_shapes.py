@@ -240,8 +240,7 @@ class _Simplifier:
         changed = onnx.NodeProto()
         changed.CopyFrom(node)
         if node.op_type == "Transpose":
-            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-            perm = list(range(rank))[::-1] if perm is None else perm
+            perm = transpose_perm(node, rank)
             kept = [a for a in range(rank) if shape[a] != 1]
             if len(kept) == rank:
                 return None
@@ -361,6 +360,14 @@ RESHAPE_SCALARS_FROM = 64
 onnxruntime's element-by-element broadcast costs about 2 + 0.01 n us, the Reshape 1."""
 
 
+def transpose_perm(node: onnx.NodeProto, rank: int) -> list[int]:
+    """A Transpose's ``perm``: its attribute, else the axes reversed."""
+    for attribute in node.attribute:
+        if attribute.name == "perm":
+            return list(attribute.ints)
+    return list(range(rank))[::-1]
+
+
 def matmul_transposes(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
     """The results of the Transposes in ``graph`` that swap a tensor's last two axes and
     that only MatMuls read: onnxruntime runs each as an attribute of its MatMul
@@ -376,9 +383,7 @@ def matmul_transposes(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ..
         if node.op_type != "Transpose" or node.output[0] in outputs:
             continue
         rank = len(shapes.get(node.input[0], ()))
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        perm = list(range(rank))[::-1] if perm is None else perm
-        if rank < 2 or perm != [*range(rank - 2), rank - 1, rank - 2]:
+        if rank < 2 or transpose_perm(node, rank) != [*range(rank - 2), rank - 1, rank - 2]:
             continue
         if set(readers.get(node.output[0], ["none"])) == {"MatMul"}:
             fused.add(node.output[0])
@@ -490,44 +495,57 @@ def _gemms(model: onnx.ModelProto) -> None:
     shapes = static_shapes(model)
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     outputs = {o.name for o in graph.output}
-    readers: dict[str, int] = {}
+    readers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in outer_reads(node):
-            readers[name] = readers.get(name, 0) + 1
-    producer = {o: n for n in graph.node for o in n.output}
-
-    def only_read_once(name: str) -> bool:
-        return readers.get(name, 0) == 1 and name not in outputs
+            readers.setdefault(name, []).append(node)
+    position = {o: k for k, n in enumerate(graph.node) for o in n.output}
+    absorbed: set[int] = set()  # the positions of Gemms a later node took over
 
     def transposed(name: str) -> str | None:
-        node = producer.get(name)
+        node = graph.node[position[name]] if name in position else None
         if node is None or node.op_type != "Transpose" or len(shapes.get(name, ())) != 2:
             return None
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
-        return node.input[0] if perm == [1, 0] else None
+        return node.input[0] if transpose_perm(node, 2) == [1, 0] else None
+
+    def rate(name: str) -> float | None:
+        """A scalar constant's value, where Gemm's float32 ``alpha`` holds it exactly (a
+        float64 rate it cannot hold stays a Mul)."""
+        value = constants.get(name)
+        if value is None or value.size != 1:
+            return None
+        value = float(value.item())
+        return value if float(np.float32(value)) == value else None
+
+    def plain_gemm(name: str) -> onnx.NodeProto | None:
+        """The Gemm without ``C`` producing ``name``, if only one node reads it and
+        taking more into it keeps onnxruntime's fast path."""
+        gemm = graph.node[position[name]] if name in position else None
+        if gemm is None or gemm.op_type != "Gemm" or len(gemm.input) > 2:
+            return None
+        if len(readers.get(name, [])) != 1 or name in outputs:
+            return None
+        # one column from a large operand: onnxruntime's fast path wants alpha 1, no C
+        column = shapes.get(name, ())[-1:] == (1,)
+        large = math.prod(shapes.get(gemm.input[0], (GEMV_FUSED_UP_TO + 1,)))
+        return None if column and large > GEMV_FUSED_UP_TO else gemm
 
     def scaled(name: str) -> bool:
-        """Whether the one reader of ``name`` multiplies it by a scalar constant."""
-        mul = [n for n in graph.node if name in n.input]
-        if len(mul) != 1 or mul[0].op_type != "Mul" or not only_read_once(name):
+        """Whether the one reader of ``name`` multiplies it by a rate Gemm can hold."""
+        found = readers.get(name, [])
+        if len(found) != 1 or found[0].op_type != "Mul" or name in outputs:
             return False
-        other = [i for i in mul[0].input if i != name]
-        if len(other) != 1 or other[0] not in constants or constants[other[0]].size != 1:
-            return False
-        value = float(constants[other[0]].item())
-        return float(np.float32(value)) == value  # alpha is a float32 attribute
+        return any(rate(i) is not None for i in found[0].input if i != name)
 
-    def slow_fused(gemm: onnx.NodeProto) -> bool:
-        """Whether the product has one column and sums a large operand: where
-        onnxruntime's fast path needs ``alpha=1`` and no ``C``."""
-        column = shapes.get(gemm.output[0], ())[-1:] == (1,)
-        return (
-            column
-            and math.prod(shapes.get(gemm.input[0], (GEMV_FUSED_UP_TO + 1,))) > GEMV_FUSED_UP_TO
+    def take_over(index: int, inner: str, inputs: list[str], **changes: float) -> None:
+        gemm = graph.node[position[inner]]
+        settings = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
+        node = graph.node[index]
+        fused = onnx.helper.make_node(
+            "Gemm", inputs, list(node.output), name=node.name, **(settings | changes)
         )
-
-    def attrs(node: onnx.NodeProto) -> dict:
-        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        absorbed.add(position[inner])
+        node.CopyFrom(fused)
 
     for index, node in enumerate(graph.node):
         if node.domain not in ("", "ai.onnx"):
@@ -546,64 +564,33 @@ def _gemms(model: onnx.ModelProto) -> None:
                 transA=int(a is not None),
                 transB=int(b is not None),
             )
-            graph.node[index].CopyFrom(gemm)
-            producer[node.output[0]] = graph.node[index]
-            for t in (i for i, o in zip(node.input, (a, b)) if o is not None):
-                readers[t] -= 1
+            node.CopyFrom(gemm)
         elif node.op_type == "Mul":
             for inner, scale in (node.input, reversed(node.input)):
-                gemm = producer.get(inner)
-                value = constants.get(scale)
-                if (
-                    gemm is None
-                    or gemm.op_type != "Gemm"
-                    or len(gemm.input) > 2
-                    or value is None
-                    or value.size != 1
-                    # alpha is a float32 attribute: a float64 rate it cannot hold stays
-                    or float(np.float32(value.item())) != float(value.item())
-                    or shapes.get(node.output[0]) != shapes.get(inner)
-                    or slow_fused(gemm)
-                    or not only_read_once(inner)
-                ):
+                gemm, value = plain_gemm(inner), rate(scale)
+                if gemm is None or value is None:
                     continue
-                settings = attrs(gemm)
-                settings["alpha"] = float(settings.get("alpha", 1.0)) * float(value.item())
-                fused = onnx.helper.make_node(
-                    "Gemm", list(gemm.input), list(node.output), name=node.name, **settings
-                )
-                graph.node[index].CopyFrom(fused)
-                gemm.output[0] = fresh_name(f"{inner}/unread", graph_names(graph))
-                producer[node.output[0]] = graph.node[index]
+                if shapes.get(node.output[0]) != shapes.get(inner):
+                    continue
+                alpha = float(next((a.f for a in gemm.attribute if a.name == "alpha"), 1.0))
+                take_over(index, inner, list(gemm.input), alpha=alpha * value)
                 break
         elif node.op_type == "Add":
             for weight, inner in (node.input, reversed(node.input)):
-                gemm = producer.get(inner)
-                if (
-                    gemm is None
-                    or gemm.op_type != "Gemm"
-                    or len(gemm.input) > 2
-                    or shapes.get(weight) is None
-                    or shapes.get(weight) != shapes.get(node.output[0])
-                    or shapes.get(inner) != shapes.get(weight)
-                    or slow_fused(gemm)
-                    or not only_read_once(inner)
-                ):
+                gemm = plain_gemm(inner)
+                shape = shapes.get(weight)
+                if gemm is None or shape is None:
                     continue
-                settings = attrs(gemm) | {"beta": 1.0}
-                fused = onnx.helper.make_node(
-                    "Gemm", [*gemm.input, weight], list(node.output), name=node.name, **settings
-                )
-                graph.node[index].CopyFrom(fused)
-                gemm.output[0] = fresh_name(f"{inner}/unread", graph_names(graph))
-                producer[node.output[0]] = graph.node[index]
+                if not shape == shapes.get(node.output[0]) == shapes.get(inner):
+                    continue
+                take_over(index, inner, [*gemm.input, weight], beta=1.0)
                 break
-    # the Gemms whose results were taken over, and Transposes no longer read
-    read = set().union(*(outer_reads(n) for n in graph.node)) | outputs
-    dead = [n for n in graph.node if n.output and not any(o in read for o in n.output)]
-    dead = [n for n in dead if n.op_type in ("Gemm", "Transpose")]
-    for node in dead:
-        graph.node.remove(node)
+    kept = [n for k, n in enumerate(graph.node) if k not in absorbed]
+    # the Transposes whose products read their input now
+    read = set().union(*(outer_reads(n) for n in kept)) | outputs
+    kept = [n for n in kept if n.op_type != "Transpose" or n.output[0] in read]
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def _shapes_as_constants(model: onnx.ModelProto) -> bool:
@@ -611,8 +598,10 @@ def _shapes_as_constants(model: onnx.ModelProto) -> bool:
     by that shape as an initializer; whether it replaced any. onnxscript's folding
     leaves the ``Shape`` of a ``Scan``'s output (an LSTM's last state), whose shape
     onnx's inference knows."""
-    shapes = static_shapes(model)
     graph = model.graph
+    if not any(n.op_type == "Shape" for n in graph.node):
+        return False  # no shape inference to pay for
+    shapes = static_shapes(model)
     outputs = {o.name for o in graph.output}
     found = [
         n
@@ -639,6 +628,8 @@ def _specialize_scan_bodies(model: onnx.ModelProto, folds: Sequence[Fold]) -> No
     initializers). A recurrent layer's step (an LSTM's, its gradient's) runs its shape
     arithmetic and a gradient's seed-axis plumbing at every time step otherwise: 37 of
     the 67 kernels of an LSTM's adjoint step."""
+    if not any(n.op_type == "Scan" for n in model.graph.node):
+        return  # no shape inference to pay for
     shapes = static_shapes(model)
     inferred = onnx.shape_inference.infer_shapes(model).graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.input, *inferred.value_info]}
@@ -723,4 +714,5 @@ __all__ = [
     "simplify_reductions",
     "specialize",
     "static_shapes",
+    "transpose_perm",
 ]

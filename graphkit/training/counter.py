@@ -153,7 +153,8 @@ def counter_values(step: onnx.ModelProto, carried: Sequence[str]) -> CounterValu
             scalar.add(node.output[0])
     if not moved:
         return None
-    kept = [n for k, n in enumerate(graph.node) if k not in set(moved)]
+    stay = set(range(len(graph.node))) - set(moved)
+    kept = [graph.node[k] for k in sorted(stay)]
     still_read = set().union(*(outer_reads(n) for n in kept)) | outputs
     frontier = [o for k in moved for o in graph.node[k].output if o in still_read]
     return CounterValues(

@@ -207,7 +207,7 @@ def scan_over_batches(
     for value, d in zip(body.graph.input[len(carried) :], data):
         value.name = body.scoped[d]
     body.graph.output.extend(body.carried_outputs(batch_losses))
-    outer_nodes, scanned = _counter_values_before(step, body, data, carried, name)
+    outer_nodes, outer_constants, scanned = _counter_values_before(step, body, data, carried, name)
     scan = make(
         "Scan",
         [*carried, *data, *scanned],
@@ -216,14 +216,14 @@ def scan_over_batches(
         num_scan_inputs=len(data) + len(scanned),
     )
     graph = helper.make_graph(
-        [*outer_nodes[0], scan],
+        [*outer_nodes, scan],
         name,
         [
             *(body.data_input(d, ["batches", batch_size]) for d in data),
             *(body.inputs[n] for n in carried),
         ],
         body.outer_outputs(batch_losses),
-        outer_nodes[1],
+        outer_constants,
     )
     return _model(graph, step)
 
@@ -234,15 +234,15 @@ def _counter_values_before(
     data: Sequence[str],
     carried: Sequence[str],
     name: str,
-) -> tuple[tuple[list[onnx.NodeProto], list[onnx.TensorProto]], list[str]]:
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], list[str]]:
     """Moves the step's values that depend on its counter alone out of ``body``
-    (:mod:`graphkit.training.counter`): ``((nodes, initializers) of the epoch graph that
-    compute them for every step, the names of the vectors the Scan hands out an
-    element of at each step)``, ``(([], []), [])`` where there are none."""
-    values = counter_values(step, carried)
+    (:mod:`graphkit.training.counter`): ``(nodes, initializers)`` of the epoch graph
+    that compute them for every step, and the names of the vectors the Scan hands out
+    an element of at each step; ``([], [], [])`` where there are none."""
     opset = next((o.version for o in step.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if values is None or not data or opset < 11:  # Range arrived in opset 11
-        return ([], []), []
+    values = counter_values(step, carried) if data and opset >= 11 else None  # Range: 11
+    if values is None:
+        return [], [], []
     taken = {*data, *carried, *(f"{n}.next" for n in carried), BATCH_LOSSES, name}
     outer = namer("epoch", taken)
     nodes, initializers, vectors = epoch_nodes(values, data[0], outer)
@@ -260,7 +260,7 @@ def _counter_values_before(
     constants = [n for n in kept if n.op_type == "Constant" and n.output[0] not in read]
     for node in constants:
         body.graph.node.remove(node)
-    return (nodes, initializers), [vectors[f] for f in values.frontier]
+    return nodes, initializers, [vectors[f] for f in values.frontier]
 
 
 __all__ = ["loop_over_batches", "scan_over_batches"]

@@ -40,7 +40,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, outer_reads, rename_reads
-from graphkit.static_shapes import REDUCTIONS, matmul_transposes, static_shapes
+from graphkit.static_shapes import REDUCTIONS, matmul_transposes, static_shapes, transpose_perm
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
@@ -121,13 +121,6 @@ def _readers(graph: onnx.GraphProto) -> dict[str, int]:
     return count
 
 
-def _perm(node: onnx.NodeProto, rank: int) -> list[int]:
-    for attribute in node.attribute:
-        if attribute.name == "perm":
-            return list(attribute.ints)
-    return list(range(rank))[::-1]
-
-
 def _compose_transposes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -143,7 +136,7 @@ def _compose_transposes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...
         if id(inner) in touched or id(node) in touched:
             continue
         rank = len(shapes[inner.input[0]])
-        first, second = _perm(inner, rank), _perm(node, rank)
+        first, second = transpose_perm(inner, rank), transpose_perm(node, rank)
         composed = [first[p] for p in second]
         del node.attribute[:]
         node.attribute.append(helper.make_attribute("perm", composed))
@@ -167,7 +160,7 @@ def _transposes_as_reshapes(model: onnx.ModelProto, shapes: dict[str, tuple[int,
         if node.output[0] in fused:
             continue
         shape = shapes[node.input[0]]
-        perm = _perm(node, len(shape))
+        perm = transpose_perm(node, len(shape))
         moved = [p for p in perm if shape[p] != 1]
         if moved != sorted(moved):
             continue  # real data movement
