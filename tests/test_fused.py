@@ -950,3 +950,168 @@ def test_a_weights_gradient_and_sgd_update_become_one_gemm(rows, columns, fused,
     )
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 5),
+    rows=st.integers(1, 6),
+    sizes=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    torch_layout=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+def test_a_batched_weights_gradient_becomes_one_product_of_the_batch(
+    batch, rows, sizes, torch_layout, dtype
+):
+    """sum_b x_b^T dy_b (a weight multiplying a [B, S, in] input, as onnx-ad writes its
+    gradient: a batched MatMul summed over the batch) becomes one product of the batch
+    laid end to end, X^T DY; its transpose (a weight stored [out, in], torch's Linear)
+    one Gemm of the operands the other way round, no Transpose of the result; the SGD
+    update then folds into that Gemm. numpy's values, in float64."""
+    n_in, n_out = sizes
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["xt", "dy"], ["per_sample"]),
+        helper.make_node("ReduceSum", ["per_sample", "batch_axis"], ["grad"], keepdims=0),
+    ]
+    weight = [n_out, n_in] if torch_layout else [n_in, n_out]
+    if torch_layout:
+        nodes.append(helper.make_node("Transpose", ["grad"], ["grad_w"], perm=[1, 0]))
+    nodes += [
+        helper.make_node("Mul", ["grad_w" if torch_layout else "grad", "lr"], ["step"]),
+        helper.make_node("Add", ["W", "step"], ["W.next"]),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("x", elem, ["N", rows, n_in]),
+            helper.make_tensor_value_info("dy", elem, ["N", rows, n_out]),
+            helper.make_tensor_value_info("W", elem, weight),
+        ],
+        [helper.make_tensor_value_info("W.next", elem, weight)],
+        [
+            numpy_helper.from_array(np.array([0], np.int64), "batch_axis"),
+            numpy_helper.from_array(np.array(-0.125, dtype), "lr"),  # exact in float32
+        ],
+    )
+    static = specialize(model, {"x": batch, "dy": batch})
+    onnx.checker.check_model(static, full_check=True)
+    kinds = [n.op_type for n in static.graph.node]
+    if min(batch, rows, *sizes) > 1:  # axes of size 1 take other rewrites first
+        assert sorted(kinds) == ["Gemm", "Reshape", "Reshape"], kinds
+    rng = np.random.default_rng(batch * 100 + rows)
+    feeds = {
+        "x": rng.normal(size=(batch, rows, n_in)).astype(dtype),
+        "dy": rng.normal(size=(batch, rows, n_out)).astype(dtype),
+        "W": rng.normal(size=weight).astype(dtype),
+    }
+    (out,) = inference_session(static).run(None, feeds)
+    grad = np.einsum("bsi,bso->io", feeds["x"].astype(np.float64), feeds["dy"].astype(np.float64))
+    expected = feeds["W"].astype(np.float64) - 0.125 * (grad.T if torch_layout else grad)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_a_batched_product_read_elsewhere_is_not_summed_again():
+    """The per-sample products are also an output: they are computed anyway, and the
+    sum over the batch stays a sum of them (one product, not two); numpy's values."""
+    f = TensorProto.FLOAT
+    model = _model(
+        [
+            helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["xt", "dy"], ["per_sample"]),
+            helper.make_node("ReduceSum", ["per_sample", "batch_axis"], ["grad"], keepdims=0),
+        ],
+        [
+            helper.make_tensor_value_info("x", f, ["N", 3, 4]),
+            helper.make_tensor_value_info("dy", f, ["N", 3, 2]),
+        ],
+        [
+            helper.make_tensor_value_info("grad", f, [4, 2]),
+            helper.make_tensor_value_info("per_sample", f, ["N", 4, 2]),
+        ],
+        [numpy_helper.from_array(np.array([0], np.int64), "batch_axis")],
+    )
+    static = specialize(model, {"x": 5, "dy": 5})
+    kinds = [n.op_type for n in static.graph.node]
+    assert kinds.count("MatMul") == 1 and kinds.count("Transpose") == 1, kinds
+    rng = np.random.default_rng(0)
+    x, dy = rng.normal(size=(5, 3, 4)).astype(np.float32), rng.normal(size=(5, 3, 2))
+    grad, per_sample = inference_session(static).run(None, {"x": x, "dy": dy.astype(np.float32)})
+    np.testing.assert_allclose(per_sample, np.einsum("bsi,bso->bio", x, dy), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad, np.einsum("bsi,bso->io", x, dy), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transposed", ["a", "b", "both", "neither"])
+def test_the_transpose_of_a_product_is_the_product_of_the_transposes(transposed):
+    """Transpose(A @ B) = B^T A^T, each operand's own Transpose cancelled: attention's
+    keys' gradient (batched, [2, 3, 5, 4]) has one Transpose fewer, or two where both
+    operands were transposed; a pair with neither is left alone (two Transposes for
+    one). numpy's values."""
+    f = TensorProto.FLOAT
+    swap = [0, 1, 3, 2]
+    a_shape = [2, 3, 5, 6] if transposed in ("a", "both") else [2, 3, 6, 5]
+    b_shape = [2, 3, 4, 5] if transposed in ("b", "both") else [2, 3, 5, 4]
+    nodes = [
+        helper.make_node("Transpose", ["a_in"], ["a"], perm=swap)
+        if transposed in ("a", "both")
+        else helper.make_node("Identity", ["a_in"], ["a"]),
+        helper.make_node("Transpose", ["b_in"], ["b"], perm=swap)
+        if transposed in ("b", "both")
+        else helper.make_node("Identity", ["b_in"], ["b"]),
+        helper.make_node("MatMul", ["a", "b"], ["ab"]),
+        helper.make_node("Transpose", ["ab"], ["y"], perm=swap),
+    ]
+    model = _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("a_in", f, a_shape),
+            helper.make_tensor_value_info("b_in", f, b_shape),
+        ],
+        [helper.make_tensor_value_info("y", f, [2, 3, 4, 6])],
+    )
+    static = specialize(model, {})
+    onnx.checker.check_model(static, full_check=True)
+    transposes = [n.op_type for n in static.graph.node].count("Transpose")
+    expected_count = {"a": 1, "b": 1, "both": 0, "neither": 1}[transposed]
+    assert transposes == expected_count, [n.op_type for n in static.graph.node]
+    rng = np.random.default_rng(1)
+    feeds = {
+        "a_in": rng.normal(size=a_shape).astype(np.float32),
+        "b_in": rng.normal(size=b_shape).astype(np.float32),
+    }
+    (y,) = inference_session(static).run(None, feeds)
+    a = np.swapaxes(feeds["a_in"], -1, -2) if transposed in ("a", "both") else feeds["a_in"]
+    b = np.swapaxes(feeds["b_in"], -1, -2) if transposed in ("b", "both") else feeds["b_in"]
+    np.testing.assert_allclose(y, np.swapaxes(a @ b, -1, -2), rtol=1e-5, atol=1e-5)
+
+
+def test_the_transpose_of_a_matrix_product_is_one_gemm():
+    """Transpose(A @ B) of matrices neither transposed: one Gemm with both ``trans``
+    attributes, no Transpose; numpy's values."""
+    f = TensorProto.FLOAT
+    model = _model(
+        [
+            helper.make_node("MatMul", ["a", "b"], ["ab"]),
+            helper.make_node("Transpose", ["ab"], ["y"], perm=[1, 0]),
+        ],
+        [
+            helper.make_tensor_value_info("a", f, [3, 5]),
+            helper.make_tensor_value_info("b", f, [5, 4]),
+        ],
+        [helper.make_tensor_value_info("y", f, [4, 3])],
+    )
+    static = specialize(model, {})
+    (gemm,) = static.graph.node
+    assert gemm.op_type == "Gemm"
+    assert {a.name: a.i for a in gemm.attribute} == {"transA": 1, "transB": 1}
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
+    (y,) = inference_session(static).run(None, {"a": a, "b": b})
+    np.testing.assert_allclose(y, (a @ b).T, rtol=1e-5, atol=1e-5)
