@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import math
 import platform
 import sys
 import tempfile
@@ -132,96 +133,172 @@ def optimized_body_kernels(model: onnx.ModelProto) -> collections.Counter:
     return collections.Counter(n.op_type for n in body.node)
 
 
-def hand_written_sgd_epoch(batch: int, batches: int, lr: float) -> onnx.ModelProto:
-    """The fewest standard-ONNX kernels an SGD step of the MLP 10-10-1 (ReLU, mean
-    squared error) needs, written by hand, as the body of a Scan: the learning rate is
-    folded into the output's gradient once, so that every weight's gradient and update is
-    one Gemm (``beta=1`` adds the old weight) or a MatMul and an Add (biases). What
-    onnxruntime can do at best on this step, whatever graphkit writes."""
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+
+
+def hand_written_epoch(batch: int, batches: int, optimizer: str) -> onnx.ModelProto:
+    """The fewest standard-ONNX kernels a step of the MLP 10-10-1 (ReLU, mean squared
+    error) needs for ``optimizer``, written by hand, as the body of a Scan: what
+    onnxruntime can do at best on this step, whatever graphkit writes.
+
+    * ``sgd``: the learning rate is folded into the output's gradient once, so that
+      every weight's gradient and update is one Gemm (``beta=1`` adds the old weight)
+      or a MatMul and an Add (biases).
+    * ``adamw``: the weights, moments and gradients laid end to end (one ``Split`` and
+      two ``Reshape`` give the layers their weights, two ``Reshape`` and a ``Concat``
+      pack the gradients), the update in the 13 passes of :data:`ADAMW_PASSES`; its
+      step-counter scalars (``lr sqrt(c2) / c1`` and ``eps sqrt(c2)``) computed before
+      the epoch and handed to each step by the Scan, as graphkit does.
+    """
+    import run as bench
+
     f = TensorProto.FLOAT
 
     def value(name: str, shape: list, elem: int = f) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, elem, shape)
 
+    def node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
+        return helper.make_node(op, inputs, [output], **attributes)
+
+    sgd = optimizer == "sgd"
+    # d loss / dY = 2 d / N (times -lr for SGD, whose updates add it)
+    scale = -2.0 * bench.LR_SGD / batch if sgd else 2.0 / batch
     constants = {
-        "scale": np.array(-2.0 * lr / batch, np.float32),  # d loss / dY = 2 d / N, times -lr
+        "scale": np.array(scale, np.float32),
         "mean": np.array(1.0 / batch, np.float32),
         "ones": np.ones(batch, np.float32),
-        "one": np.array(1, np.int64),
     }
     nodes = [
-        helper.make_node("Gemm", ["X", "W1", "b1"], ["pre"]),
-        helper.make_node("Relu", ["pre"], ["h"]),
-        helper.make_node("Gemm", ["h", "W2", "b2"], ["Y"]),
-        helper.make_node("Sub", ["Y", "label"], ["d"]),
-        helper.make_node("ReduceSumSquare", ["d"], ["squares"], keepdims=0),
-        helper.make_node("Mul", ["squares", "mean"], ["loss"]),
-        helper.make_node("Add", ["loss_sum", "loss"], ["loss_sum.next"]),
-        helper.make_node("Add", ["step", "one"], ["step.next"]),
-        helper.make_node("Mul", ["d", "scale"], ["g"]),  # -lr * dloss/dY
-        helper.make_node("Gemm", ["h", "g", "W2"], ["W2.next"], transA=1),
-        helper.make_node("MatMul", ["ones", "g"], ["db2"]),
-        helper.make_node("Add", ["b2", "db2"], ["b2.next"]),
-        helper.make_node("Gemm", ["g", "W2"], ["dh"], transB=1),
-        helper.make_node("Sign", ["h"], ["active"]),  # ReLU's derivative: h > 0
-        helper.make_node("Mul", ["dh", "active"], ["dpre"]),
-        helper.make_node("Gemm", ["X", "dpre", "W1"], ["W1.next"], transA=1),
-        helper.make_node("MatMul", ["ones", "dpre"], ["db1"]),
-        helper.make_node("Add", ["b1", "db1"], ["b1.next"]),
+        node("Gemm", ["X", "W1", "b1"], "pre"),
+        node("Relu", ["pre"], "h"),
+        node("Gemm", ["h", "W2", "b2"], "Y"),
+        node("Sub", ["Y", "label"], "d"),
+        node("ReduceSumSquare", ["d"], "squares", keepdims=0),
+        node("Mul", ["squares", "mean"], "loss"),
+        node("Add", ["loss_sum", "loss"], "loss_sum.next"),
+        node("Mul", ["d", "scale"], "g"),
+        node("Gemm", ["g", "W2"], "dh", transB=1),
+        node("Sign", ["h"], "active"),  # ReLU's derivative: h > 0
+        node("Mul", ["dh", "active"], "dpre"),
+        node("MatMul", ["ones", "g"], "db2"),
+        node("MatMul", ["ones", "dpre"], "db1"),
     ]
-    carried = [("W1", [10, 10]), ("b1", [10]), ("W2", [10, 1]), ("b2", [1]), ("loss_sum", [])]
+    if sgd:
+        nodes += [
+            node("Gemm", ["h", "g", "W2"], "W2.next", transA=1),
+            node("Add", ["b2", "db2"], "b2.next"),
+            node("Gemm", ["X", "dpre", "W1"], "W1.next", transA=1),
+            node("Add", ["b1", "db1"], "b1.next"),
+        ]
+        carried = [("W1", [10, 10]), ("b1", [10]), ("W2", [10, 1]), ("b2", [1])]
+        counters = []
+    else:
+        b1, b2 = ADAM_BETAS
+        constants |= {
+            "sizes": np.array([100, 10, 10, 1], np.int64),
+            "W1_shape": np.array([10, 10], np.int64),
+            "W2_shape": np.array([10, 1], np.int64),
+            "flat": np.array([-1], np.int64),
+            "one_minus_b1": np.array(1 - b1, np.float32),
+            "one_minus_b2": np.array(1 - b2, np.float32),
+            "decay": np.array(1 - bench.LR_ADAM * bench.WEIGHT_DECAY, np.float32),
+        }
+        unpack = [
+            helper.make_node("Split", ["p", "sizes"], ["W1_flat", "b1", "W2_flat", "b2"]),
+            node("Reshape", ["W1_flat", "W1_shape"], "W1"),
+            node("Reshape", ["W2_flat", "W2_shape"], "W2"),
+        ]
+        nodes = unpack + nodes
+        nodes += [
+            node("Gemm", ["h", "g"], "dW2", transA=1),
+            node("Gemm", ["X", "dpre"], "dW1", transA=1),
+            node("Reshape", ["dW1", "flat"], "dW1_flat"),
+            node("Reshape", ["dW2", "flat"], "dW2_flat"),
+            node("Concat", ["dW1_flat", "db1", "dW2_flat", "db2"], "grad", axis=0),
+            node("Sub", ["grad", "m"], "d1"),
+            node("Mul", ["d1", "one_minus_b1"], "e1"),
+            node("Add", ["m", "e1"], "m.next"),
+            node("Mul", ["grad", "grad"], "g2"),
+            node("Sub", ["g2", "v"], "d2"),
+            node("Mul", ["d2", "one_minus_b2"], "e2"),
+            node("Add", ["v", "e2"], "v.next"),
+            node("Sqrt", ["v.next"], "root"),
+            node("Add", ["root", "eps_t"], "denominator"),
+            node("Div", ["m.next", "denominator"], "direction"),
+            node("Mul", ["p", "decay"], "decayed"),
+            node("Mul", ["direction", "rate_t"], "step"),
+            node("Sub", ["decayed", "step"], "p.next"),
+        ]
+        carried = [("p", [121]), ("m", [121]), ("v", [121])]
+        counters = [("rate_t", "rates"), ("eps_t", "epsilons")]
+    carried.append(("loss_sum", []))
+    scanned = [("X", "Xs", [batch, 10]), ("label", "labels", [batch, 1])]
+    scanned += [(inner, outer, []) for inner, outer in counters]
     body = helper.make_graph(
         nodes,
-        "sgd_step",
-        [
-            *(value(n, s) for n, s in carried),
-            value("step", [], TensorProto.INT64),
-            value("X", [batch, 10]),
-            value("label", [batch, 1]),
-        ],
-        [*(value(f"{n}.next", s) for n, s in carried), value("step.next", [], TensorProto.INT64)],
+        f"{optimizer}_step",
+        [*(value(n, s) for n, s in carried), *(value(n, s) for n, _, s in scanned)],
+        [value(f"{n}.next", s) for n, s in carried],
         [numpy_helper.from_array(v, k) for k, v in constants.items()],
     )
-    names = [n for n, _ in carried] + ["step"]
     scan = helper.make_node(
         "Scan",
-        [*names, "Xs", "labels"],
-        [f"{n}.final" for n in names],
+        [*(n for n, _ in carried), *(outer for _, outer, _ in scanned)],
+        [f"{n}.final" for n, _ in carried],
         body=body,
-        num_scan_inputs=2,
+        num_scan_inputs=len(scanned),
     )
     graph = helper.make_graph(
         [scan],
-        "sgd_epoch",
+        f"{optimizer}_epoch",
         [
             *(value(n, s) for n, s in carried),
-            value("step", [], TensorProto.INT64),
-            value("Xs", [batches, batch, 10]),
-            value("labels", [batches, batch, 1]),
+            *(value(outer, [batches, *s]) for _, outer, s in scanned),
         ],
-        [*(value(f"{n}.final", s) for n, s in carried), value("step.final", [], TensorProto.INT64)],
+        [value(f"{n}.final", s) for n, s in carried],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     onnx.checker.check_model(model, full_check=True)
     return model
 
 
-def hand_written_row(scan: float, kernel: float) -> tuple[str, dict[str, np.ndarray]]:
-    """The hand-written step's table row, and its weights after one epoch (checked
-    against graphkit's own SGD epoch by the caller)."""
+def hand_written_feeds(batches: int, optimizer: str) -> dict[str, np.ndarray]:
+    """The hand-written epoch's inputs: run.py's MLP 10-10-1 data and initial weights
+    (laid end to end for AdamW, its moments zero, its counter scalars for steps 1, 2...)."""
     import run as bench
 
     workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
-    batch = workload.batch_size
-    batches = len(workload.X) // batch
-    model = hand_written_sgd_epoch(batch, batches, bench.LR_SGD)
+    batch, weights = workload.batch_size, workload.weights
     feeds = {
-        **{k: v.copy() for k, v in workload.weights.items()},
         "loss_sum": np.array(0, np.float32),
-        "step": np.array(0, np.int64),
         "Xs": workload.X[: batches * batch].reshape(batches, batch, 10),
         "labels": workload.y[: batches * batch].reshape(batches, batch, 1),
     }
+    if optimizer == "sgd":
+        return feeds | {k: v.copy() for k, v in weights.items()}
+    packed = np.concatenate([weights[k].ravel() for k in ("W1", "b1", "W2", "b2")])
+    t = np.arange(1, batches + 1, dtype=np.float64)
+    c1, c2 = 1 - ADAM_BETAS[0] ** t, 1 - ADAM_BETAS[1] ** t
+    return feeds | {
+        "p": packed,
+        "m": np.zeros_like(packed),
+        "v": np.zeros_like(packed),
+        "rates": (bench.LR_ADAM * np.sqrt(c2) / c1).astype(np.float32),
+        "epsilons": (ADAM_EPS * np.sqrt(c2)).astype(np.float32),
+    }
+
+
+def hand_written_row(
+    scan: float, kernel: float, optimizer: str
+) -> tuple[str, dict[str, np.ndarray]]:
+    """The hand-written step's table row, and its weights after one epoch (checked
+    against graphkit's own epoch by the caller)."""
+    import run as bench
+
+    workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
+    batches = len(workload.X) // workload.batch_size
+    model = hand_written_epoch(workload.batch_size, batches, optimizer)
+    feeds = hand_written_feeds(batches, optimizer)
     # the best of three sessions: one session in two ran 1.6x slower throughout, here
     seconds = float("inf")
     for _ in range(3):
@@ -229,17 +306,21 @@ def hand_written_row(scan: float, kernel: float) -> tuple[str, dict[str, np.ndar
             model.SerializeToString(), providers=["CPUExecutionProvider"]
         )
         seconds = min(seconds, best_of(lambda s=session: s.run(None, feeds)))
-    names = [o.name for o in session.get_outputs()]
+    names = [o.name.removesuffix(".final") for o in session.get_outputs()]
     after = dict(zip(names, session.run(None, feeds)))
+    if optimizer != "sgd":
+        sizes = {"W1": (10, 10), "b1": (10,), "W2": (10, 1), "b2": (1,)}
+        parts = np.split(after["p"], np.cumsum([math.prod(s) for s in sizes.values()])[:-1])
+        after = {k: part.reshape(shape) for (k, shape), part in zip(sizes.items(), parts)}
     kernels = optimized_body_kernels(model)
     total = sum(kernels.values())
     measured = seconds * 1e6 / batches
     listed = ", ".join(f"{op} {n}" for op, n in kernels.most_common())
     row = (
-        f"| hand-written (standard ONNX) | sgd | {measured:.2f} | {total} | "
+        f"| hand-written (standard ONNX) | {optimizer} | {measured:.2f} | {total} | "
         f"{scan + total * kernel:.2f} | {measured - scan - total * kernel:.2f} | {listed} |"
     )
-    return row, {k.removesuffix(".final"): v for k, v in after.items()}
+    return row, after
 
 
 def graphkit_rows(scan: float, kernel: float) -> list[str]:
@@ -253,7 +334,7 @@ def graphkit_rows(scan: float, kernel: float) -> list[str]:
     batches = len(workload.X) // workload.batch_size
     rows = []
     for backend in [b.name for b in backends.available() if b.installed]:
-        for optimizer in ("sgd", "adam"):
+        for optimizer in ("sgd", "adamw"):
             trainer = OrtGradientOptimizer(
                 gk.add_loss_output(workload.model, "squared_error"),
                 max_iter=1,
@@ -372,8 +453,8 @@ def forward_backward_rows() -> list[str]:
     return rows
 
 
-def check_hand_written(weights: dict[str, np.ndarray]) -> None:
-    """The hand-written epoch computes graphkit's SGD epoch (else its time means nothing)."""
+def check_hand_written(weights: dict[str, np.ndarray], optimizer: str) -> None:
+    """The hand-written epoch computes graphkit's epoch (else its time means nothing)."""
     import run as bench
 
     import graphkit as gk
@@ -385,7 +466,7 @@ def check_hand_written(weights: dict[str, np.ndarray]) -> None:
         gk.add_loss_output(workload.model, "squared_error"),
         max_iter=1,
         batch_size=workload.batch_size,
-        learning_rate=bench._graphkit_optimizer("sgd"),
+        learning_rate=bench._graphkit_optimizer(optimizer),
         shuffle=False,
         validation_every=0,
     ).fit(workload.X[:full], workload.y[:full])
@@ -640,8 +721,11 @@ def main() -> None:
     scan, kernel, points = fixed_costs()
     call = session_call_cost()
     fb_rows = forward_backward_rows()
-    hand_row, hand_weights = hand_written_row(scan, kernel)
-    check_hand_written(hand_weights)
+    hand_rows = []
+    for optimizer in ("sgd", "adamw"):
+        hand_row, hand_weights = hand_written_row(scan, kernel, optimizer)
+        check_hand_written(hand_weights, optimizer)
+        hand_rows.append(hand_row)
     adam_rows, adam_size, one_pass, adamw_floor = adamw_rows()
     pool_rows = pooling_rows()
     lines = [
@@ -669,7 +753,7 @@ def main() -> None:
         "kernels |",
         "|---|---|---:|---:|---:|---:|---|",
         *graphkit_rows(scan, kernel),
-        hand_row,
+        *hand_rows,
         "",
         "The hand-written row is the floor for SGD on onnxruntime: the fewest standard "
         "kernels that step needs (the learning rate folded into the output's gradient, "

@@ -26,6 +26,8 @@ the named inputs and folds what became constant:
   ``(n, 1)`` tensor one element at a time); a sum over the batch of a batched
   ``x^T dy`` (a weight multiplying a [B, S, in] input) is one product of the batch
   laid end to end, ``X^T DY`` (:meth:`_Simplifier.summed_product`);
+* :func:`_fewer_kernels` writes a squared error's sum of squares and its doubled
+  gradient, and a small ReLU gradient's mask, one kernel each instead of two;
 * :func:`_gemms` writes a weight's gradient and its SGD update as one ``Gemm``, and the
   transpose of a product as the product of the transposes (a transformer's native step:
   5140 -> 4970 us a batch, 47 -> 25 Transposes in the graph onnxruntime receives);
@@ -441,6 +443,11 @@ GEMV_FUSED_UP_TO = 4096
 learning rate and the update (:func:`_gemms`): 1.77 us against 2.33 for 32 x 64, 6.77
 against 4.15 for 1000 x 10 (their Gemm, Mul and Add)."""
 
+SIGN_MASK_UP_TO = 256
+"""Elements of a ReLU's output up to which its gradient's mask is ``Sign(y)`` rather
+than ``Cast(y > 0)`` (:func:`_fewer_kernels`): a kernel fewer, faster on small
+tensors, slower from about 300 elements (onnxruntime's Sign)."""
+
 RESHAPE_SCALARS_FROM = 64
 """Elements of the other operand from which a computed scalar is reshaped to its rank:
 onnxruntime's element-by-element broadcast costs about 2 + 0.01 n us, the Reshape 1."""
@@ -553,9 +560,101 @@ def specialize(
     # the reductions' rewrites leave Reshapes a backend's simplifications may merge
     if any([fold(fixed) for fold in folds]):
         fixed = _fold(fixed)
+    _fewer_kernels(fixed, static_shapes(fixed))
     _gemms(fixed)
     _specialize_scan_bodies(fixed, folds)
     return fixed
+
+
+def _fewer_kernels(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Rewrites, in place, pairs of kernels a step often has into one, the values the
+    same:
+
+    * the full sum of ``a * a`` (the loss), or of a ``Reshape`` of it:
+      ``ReduceSumSquare(a)``;
+    * ``Sum(x, x)`` with ``x = a * c`` (``c`` a constant no larger than ``a``):
+      ``a * 2c`` (its gradient, ``d (d * d) = d dy + d dy``; doubling is exact).
+
+    * ``Cast(Greater(y, 0))`` with ``y = Relu(x)`` (native's ReLU gradient mask) of at
+      most :data:`SIGN_MASK_UP_TO` elements: ``Sign(y)`` (``y >= 0``: 1 where
+      ``y > 0``, else 0; a NaN stays NaN), 1.03 us a step against 1.17 on 100 elements
+      (with their Mul, in a Scan), but 2.21 against 1.77 on 1,000.
+
+    Each where the node it replaces has no other reader. The MLP 10-10-1's step at
+    batch 10, SGD: native 22 -> 19 kernels, ort_training 21 -> 18."""
+    graph = model.graph
+    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    reads: dict[str, int] = {o.name: 1 for o in graph.output}
+    for node in graph.node:
+        for name in outer_reads(node):
+            reads[name] = reads.get(name, 0) + 1
+    taken = graph_names(graph)
+    dropped: set[int] = set()
+    small, big = SIGN_MASK_UP_TO, SIGN_MASK_UP_TO + 1
+
+    def only_mul(name: str) -> onnx.NodeProto | None:
+        node = producer.get(name)
+        if node is None or node.op_type != "Mul" or node.domain not in ("", "ai.onnx"):
+            return None
+        return node if reads.get(name) == 1 else None
+
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "ReduceSum" and len(node.input) == 1:
+            keepdims = next((a.i for a in node.attribute if a.name == "keepdims"), 1)
+            noop = any(a.name == "noop_with_empty_axes" and a.i for a in node.attribute)
+            source, views = node.input[0], []
+            view = producer.get(source)
+            while view is not None and view.op_type == "Reshape" and reads.get(source) == 1:
+                views.append(view)  # a full sum reads through Reshapes
+                source = view.input[0]
+                view = producer.get(source)
+            square = only_mul(source)
+            if keepdims or noop or square is None or square.input[0] != square.input[1]:
+                continue
+            dropped.update(map(id, [square, *views]))
+            node.CopyFrom(
+                onnx.helper.make_node(
+                    "ReduceSumSquare", [square.input[0]], list(node.output), keepdims=0
+                )
+            )
+        elif node.op_type == "Cast" and math.prod(shapes.get(node.output[0], (big,))) <= small:
+            greater = producer.get(node.input[0])
+            if greater is None or greater.op_type != "Greater" or reads.get(node.input[0]) != 1:
+                continue
+            y, zero = greater.input
+            relu = producer.get(y)
+            if relu is None or relu.op_type != "Relu" or relu.domain not in ("", "ai.onnx"):
+                continue
+            value = constants.get(zero)
+            if value is None or value.size != 1 or value.item() != 0:
+                continue
+            to = next(a.i for a in node.attribute if a.name == "to")
+            if onnx.helper.np_dtype_to_tensor_dtype(value.dtype) != to:
+                continue  # the mask in y's own type (the zero is y's type)
+            dropped.add(id(greater))
+            node.CopyFrom(onnx.helper.make_node("Sign", [y], list(node.output)))
+        elif node.op_type == "Sum" and len(node.input) == 2 and node.input[0] == node.input[1]:
+            scaled = only_mul(node.input[0])
+            for c, a in (scaled.input, reversed(scaled.input)) if scaled is not None else ():
+                value = constants.get(c)
+                if value is None or value.dtype.kind != "f" or c == a:
+                    continue
+                if a not in shapes or shapes.get(a) != shapes.get(node.output[0]):
+                    continue  # c broadcasts a to a larger shape: keep the Mul
+                twice = fresh_name(f"{c}/twice", taken)
+                graph.initializer.append(
+                    numpy_helper.from_array((value * 2).astype(value.dtype), twice)
+                )
+                dropped.add(id(scaled))
+                node.CopyFrom(onnx.helper.make_node("Mul", [a, twice], list(node.output)))
+                break
+    if dropped:
+        kept = [n for n in graph.node if id(n) not in dropped]
+        del graph.node[:]
+        graph.node.extend(kept)
 
 
 def _gemms(model: onnx.ModelProto) -> None:

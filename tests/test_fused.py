@@ -1115,3 +1115,94 @@ def test_the_transpose_of_a_matrix_product_is_one_gemm():
     a, b = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
     (y,) = inference_session(static).run(None, {"a": a, "b": b})
     np.testing.assert_allclose(y, (a @ b).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("through_reshape", [False, True])
+def test_a_full_sum_of_squares_is_one_reduce_sum_square(through_reshape):
+    """The squared error's full sum of d * d (through the per-sample Reshape
+    onnxruntime-training's graph has) is one ReduceSumSquare; the Mul that another node
+    reads stays. numpy's values."""
+    f = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["d", "d"], ["squares"])]
+    summed = "squares"
+    if through_reshape:
+        nodes.append(helper.make_node("Reshape", ["squares", "flat"], ["per_sample"]))
+        summed = "per_sample"
+    nodes.append(helper.make_node("ReduceSum", [summed], ["loss"], keepdims=0))
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("d", f, ["N", 3])],
+        [helper.make_tensor_value_info("loss", f, [])],
+        [numpy_helper.from_array(np.array([-1], np.int64), "flat")],
+    )
+    static = specialize(model, {"d": 4})
+    onnx.checker.check_model(static, full_check=True)
+    assert [n.op_type for n in static.graph.node] == ["ReduceSumSquare"]
+    d = np.random.default_rng(3).normal(size=(4, 3)).astype(np.float32)
+    (loss,) = inference_session(static).run(None, {"d": d})
+    np.testing.assert_allclose(loss, (d.astype(np.float64) ** 2).sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["folds", "constant broadcasts", "product read elsewhere"])
+def test_a_doubled_scaled_gradient_is_one_mul(case):
+    """Sum(x, x) with x = c * a (a squared error's gradient, d dy + d dy): a * 2c, one
+    kernel; not where c would broadcast a to a larger shape, nor where another node reads
+    x (an output here). numpy's values."""
+    f = TensorProto.FLOAT
+    c = np.full((1, 3) if case == "constant broadcasts" else (4, 3), 0.1, np.float32)
+    a_shape = [4, 1] if case == "constant broadcasts" else [4, 3]
+    outputs = [helper.make_tensor_value_info("y", f, [4, 3])]
+    if case == "product read elsewhere":
+        outputs.append(helper.make_tensor_value_info("x", f, [4, 3]))
+    model = _model(
+        [
+            helper.make_node("Mul", ["c", "a"], ["x"]),
+            helper.make_node("Sum", ["x", "x"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("a", f, a_shape)],
+        outputs,
+        [numpy_helper.from_array(c, "c")],
+    )
+    static = specialize(model, {})
+    onnx.checker.check_model(static, full_check=True)
+    kinds = [n.op_type for n in static.graph.node]
+    assert kinds == (["Mul"] if case == "folds" else ["Mul", "Sum"]), kinds
+    a = np.random.default_rng(4).normal(size=a_shape).astype(np.float32)
+    results = inference_session(static).run(None, {"a": a})
+    np.testing.assert_array_equal(results[0], (c * a) + (c * a))  # doubling is exact
+
+
+@pytest.mark.parametrize(
+    "rows, relu, expected",
+    [(10, True, ["Relu", "Sign", "Mul"]), (40, True, ["Relu", "Greater", "Cast", "Mul"])]
+    + [(10, False, ["Abs", "Greater", "Cast", "Mul"])],
+)
+def test_a_small_relu_gradient_mask_is_one_sign(rows, relu, expected):
+    """dy * Cast(y > 0) with y = Relu(x) (native's ReLU gradient) of at most
+    SIGN_MASK_UP_TO elements: dy * Sign(y), a kernel fewer; a larger one, or a y no
+    Relu made (here Abs), keeps its Greater and Cast. numpy's values, exactly."""
+    f = TensorProto.FLOAT
+    model = _model(
+        [
+            helper.make_node("Relu" if relu else "Abs", ["x"], ["y"]),
+            helper.make_node("Greater", ["y", "zero"], ["positive"]),
+            helper.make_node("Cast", ["positive"], ["mask"], to=f),
+            helper.make_node("Mul", ["dy", "mask"], ["dx"]),
+        ],
+        [
+            helper.make_tensor_value_info("x", f, [rows, 10]),
+            helper.make_tensor_value_info("dy", f, [rows, 10]),
+        ],
+        [helper.make_tensor_value_info("dx", f, [rows, 10])],
+        [numpy_helper.from_array(np.array(0, np.float32), "zero")],
+    )
+    static = specialize(model, {})
+    onnx.checker.check_model(static, full_check=True)
+    assert [n.op_type for n in static.graph.node] == expected
+    rng = np.random.default_rng(rows)
+    x = rng.normal(size=(rows, 10)).astype(np.float32)
+    x[0, :3] = 0.0  # Relu'(0) = 0
+    dy = rng.normal(size=(rows, 10)).astype(np.float32)
+    (dx,) = inference_session(static).run(None, {"x": x, "dy": dy})
+    y = np.maximum(x, 0) if relu else np.abs(x)
+    np.testing.assert_array_equal(dx, dy * (y > 0))
