@@ -12,8 +12,9 @@ A node moves out of the step when it is elementwise and reads only scalars: the 
 scalar constants, and what moved nodes compute; or when it reshapes such a scalar to a
 shape of ones (``[1]``, the rank a packed update reads its scalars at). The moved nodes
 compute the same values, to the bit, one step's per element (see :data:`ELEMENTWISE`
-and :data:`EXACT_IN_FLOAT64`). Adam on the MLP 10-10-1 at batch 10: 16 of its 58
-kernels a step move, 15.4 -> 13.8 us a step.
+and :data:`EXACT_IN_FLOAT64`). AdamW on the MLP 10-10-1 at batch 10 (ort_training):
+the square root and its readers moving too took the step from 47 to 42 kernels, 15.4 to
+13.8 us.
 """
 
 from __future__ import annotations
