@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from graphkit._graph import (
+    fresh_name,
     graph_names,
     int_constant,
     namer,
@@ -33,10 +34,14 @@ from graphkit._graph import (
     renamed_value,
 )
 from graphkit.training.counter import counter_values, epoch_nodes
+from graphkit.training.packed_carry import carry_packed, lay_and_split, packed_weights
 
 make = helper.make_node
 PERMUTATION, BATCH_SIZE, BATCH_LOSSES = "permutation", "batch_size", "batch_losses"
 RESERVED = {PERMUTATION, BATCH_SIZE, BATCH_LOSSES}
+PACKED_WEIGHTS = "graphkit.packed.weights"
+"""The carried vector of a fused epoch whose packed update's weights stay laid end to
+end through its Scan (:mod:`graphkit.training.packed_carry`)."""
 
 
 def _scalar(name: str, elem: int, value: object) -> onnx.NodeProto:
@@ -197,6 +202,12 @@ def scan_over_batches(
     ``batch_losses`` whether to output the losses of the batches (a trainer reading only
     the carried loss sum leaves them out).
     """
+    original, resident = step, list(carried)
+    packed = packed_weights(step, carried) if data else None
+    if packed is not None:  # the weights carried laid end to end (graphkit.training.packed_carry)
+        vector = fresh_name(PACKED_WEIGHTS, {*graph_names(step.graph), *RESERVED, name})
+        step = carry_packed(step, packed, vector)
+        carried = [vector, *(c for c in carried if c not in packed.weights)]
     body = _Body(step, data, carried, loss)
     body.graph.input.extend(
         [
@@ -215,14 +226,24 @@ def scan_over_batches(
         body=body.graph,
         num_scan_inputs=len(data) + len(scanned),
     )
+    after: list[onnx.NodeProto] = []
+    if packed is not None:
+        taken = {*graph_names(body.graph), *graph_names(original.graph), name}
+        before, after, constants = lay_and_split(packed, vector, taken)
+        outer_nodes = before + outer_nodes
+        outer_constants = outer_constants + constants
+    # the epoch's inputs and outputs: the step's own, whatever its Scan carries
+    inputs = {i.name: i for i in original.graph.input}
+    outputs = {o.name: o for o in original.graph.output}
+    losses = body.outer_outputs(batch_losses)[len(carried) :]
     graph = helper.make_graph(
-        [*outer_nodes, scan],
+        [*outer_nodes, scan, *after],
         name,
         [
             *(body.data_input(d, ["batches", batch_size]) for d in data),
-            *(body.inputs[n] for n in carried),
+            *(inputs[n] for n in resident),
         ],
-        body.outer_outputs(batch_losses),
+        [*(outputs[f"{n}.next"] for n in resident), *losses],
         outer_constants,
     )
     return _model(graph, step)
