@@ -42,6 +42,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -482,8 +483,9 @@ m += (g - m)(1 - b1) [3]; v += (g g - v)(1 - b2) [4]; u = m / (sqrt(v) + eps') [
 p' = p (1 - lr wd) - u s [3], with s = lr sqrt(c2) / c1 and eps' = eps sqrt(c2) scalars."""
 
 
-def adamw_floor_scan(size: int, steps: int, passes: bool = True) -> onnx.ModelProto:
-    """A Scan of ``steps`` AdamW updates of ``size`` weights in the 13 kernels of
+def adamw_floor_scan(sizes: Sequence[int], steps: int, passes: bool = True) -> onnx.ModelProto:
+    """A Scan of ``steps`` AdamW updates of weights of ``sizes`` (one vector: laid end
+    to end; several: one tensor per weight), each in the 13 kernels of
     :data:`ADAMW_PASSES` (``passes=False``: one Add, the cost of a single pass)."""
     f32 = TensorProto.FLOAT
 
@@ -493,58 +495,85 @@ def adamw_floor_scan(size: int, steps: int, passes: bool = True) -> onnx.ModelPr
     def node(op: str, inputs: list[str], output: str) -> onnx.NodeProto:
         return helper.make_node(op, inputs, [output])
 
-    if passes:
-        nodes = [
-            node("Sub", ["g", "m"], "d1"),
-            node("Mul", ["d1", "one_minus_b1"], "e1"),
-            node("Add", ["m", "e1"], "m_next"),
-            node("Mul", ["g", "g"], "g2"),
-            node("Sub", ["g2", "v"], "d2"),
-            node("Mul", ["d2", "one_minus_b2"], "e2"),
-            node("Add", ["v", "e2"], "v_next"),
-            node("Sqrt", ["v_next"], "root"),
-            node("Add", ["root", "eps"], "denominator"),
-            node("Div", ["m_next", "denominator"], "direction"),
-            node("Mul", ["p", "decay"], "decayed"),
-            node("Mul", ["direction", "lr"], "step"),
-            node("Sub", ["decayed", "step"], "p_next"),
-        ]
-    else:
-        nodes = [
-            node("Add", ["p", "g"], "p_next"),
-            node("Identity", ["m"], "m_next"),
-            node("Identity", ["v"], "v_next"),
-        ]
+    nodes, carried = [], []
+    for k, size in enumerate(sizes):
+
+        def at(name: str, k: int = k) -> str:
+            return f"{name}{k}"
+
+        if passes:
+            nodes += [
+                node("Sub", [at("g"), at("m")], at("d1")),
+                node("Mul", [at("d1"), "one_minus_b1"], at("e1")),
+                node("Add", [at("m"), at("e1")], at("m_next")),
+                node("Mul", [at("g"), at("g")], at("g2")),
+                node("Sub", [at("g2"), at("v")], at("d2")),
+                node("Mul", [at("d2"), "one_minus_b2"], at("e2")),
+                node("Add", [at("v"), at("e2")], at("v_next")),
+                node("Sqrt", [at("v_next")], at("root")),
+                node("Add", [at("root"), "eps"], at("denominator")),
+                node("Div", [at("m_next"), at("denominator")], at("direction")),
+                node("Mul", [at("p"), "decay"], at("decayed")),
+                node("Mul", [at("direction"), "lr"], at("step")),
+                node("Sub", [at("decayed"), at("step")], at("p_next")),
+            ]
+        else:
+            nodes += [
+                node("Add", [at("p"), at("g")], at("p_next")),
+                node("Identity", [at("m")], at("m_next")),
+                node("Identity", [at("v")], at("v_next")),
+            ]
+        carried += [(at(n), at(f"{n}_next"), size) for n in ("p", "m", "v")]
     nodes.append(node("Identity", ["tick"], "tock"))
     scalars = dict(one_minus_b1=0.1, one_minus_b2=0.001, eps=1e-8, decay=1 - 1e-5, lr=1e-3)
     body = helper.make_graph(
         nodes,
         "adamw",
-        [value("p", [size]), value("m", [size]), value("v", [size]), value("tick", [1])],
-        [value("p_next", [size]), value("m_next", [size]), value("v_next", [size])]
-        + [value("tock", [1])],
+        [value(n, [size]) for n, _, size in carried] + [value("tick", [1])],
+        [value(nxt, [size]) for _, nxt, size in carried] + [value("tock", [1])],
         [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in scalars.items()],
     )
     scan = helper.make_node(
         "Scan",
-        ["p0", "m0", "v0", "ticks"],
-        ["p", "m", "v", "tocks"],
+        [f"{n}_0" for n, _, _ in carried] + ["ticks"],
+        [f"{n}_final" for n, _, _ in carried] + ["tocks"],
         body=body,
         num_scan_inputs=1,
     )
     graph = helper.make_graph(
         [scan],
         "adamw_floor",
-        [value("p0", [size]), value("m0", [size]), value("v0", [size])]
-        + [value("ticks", [steps, 1]), value("g", [size])],
-        [value("p", [size]), value("m", [size]), value("v", [size]), value("tocks", [steps, 1])],
+        [value(f"{n}_0", [size]) for n, _, size in carried]
+        + [value("ticks", [steps, 1])]
+        + [value(f"g{k}", [size]) for k, size in enumerate(sizes)],
+        [value(f"{n}_final", [size]) for n, _, size in carried] + [value("tocks", [steps, 1])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
-def adamw_rows() -> tuple[list[str], int, float, float]:
+def adamw_floor(sizes: Sequence[int], steps: int = 100) -> tuple[float, float]:
+    """us per step of :func:`adamw_floor_scan` on ``sizes``: one pass, and 13."""
+    rng = np.random.default_rng(0)
+    feeds = {"ticks": np.zeros((steps, 1), np.float32)}
+    for k, size in enumerate(sizes):
+        feeds[f"p{k}_0"] = rng.normal(size=size).astype(np.float32)
+        feeds[f"m{k}_0"] = np.zeros(size, np.float32)
+        feeds[f"v{k}_0"] = np.zeros(size, np.float32)
+        feeds[f"g{k}"] = rng.normal(size=size).astype(np.float32)
+    per_step = []
+    for passes in (False, True):
+        session = ort.InferenceSession(
+            adamw_floor_scan(sizes, steps, passes).SerializeToString(),
+            providers=["CPUExecutionProvider"],
+        )
+        per_step.append(best_of(lambda s=session: s.run(None, feeds), repeat=5) * 1e6 / steps)
+    return per_step[0], per_step[1]
+
+
+def adamw_rows() -> tuple[list[str], int, dict[str, tuple[float, float]]]:
     """graphkit's AdamW and SGD steps on the MLP 784-512-512-10 (each backend, one run
-    per epoch), and the floor: ``(rows, weights, us per pass, us per 13-kernel update)``."""
+    per epoch), and the floor: ``(rows, weights, {layout: (us per pass, us per 13-kernel
+    update)})``, the weights laid end to end or one tensor each."""
     import peers
 
     import graphkit as gk
@@ -584,23 +613,9 @@ def adamw_rows() -> tuple[list[str], int, float, float]:
             f"{times['adamw'] - times['sgd']:.0f} |"
         )
         del trainers
-    steps = 100
-    rng = np.random.default_rng(0)
-    feeds = {
-        "p0": rng.normal(size=size).astype(np.float32),
-        "m0": np.zeros(size, np.float32),
-        "v0": np.zeros(size, np.float32),
-        "ticks": np.zeros((steps, 1), np.float32),
-        "g": rng.normal(size=size).astype(np.float32),
-    }
-    per_step = []
-    for passes in (False, True):
-        session = ort.InferenceSession(
-            adamw_floor_scan(size, steps, passes).SerializeToString(),
-            providers=["CPUExecutionProvider"],
-        )
-        per_step.append(best_of(lambda s=session: s.run(None, feeds), repeat=5) * 1e6 / steps)
-    return rows, size, per_step[0], per_step[1]
+    sizes = [w.size for w in workload.weights.values()]
+    floors = {"laid end to end": adamw_floor([size]), "one tensor per weight": adamw_floor(sizes)}
+    return rows, size, floors
 
 
 def pooling_graph(shape: tuple[int, ...], form: str) -> onnx.ModelProto:
@@ -726,7 +741,7 @@ def main() -> None:
         hand_row, hand_weights = hand_written_row(scan, kernel, optimizer)
         check_hand_written(hand_weights, optimizer)
         hand_rows.append(hand_row)
-    adam_rows, adam_size, one_pass, adamw_floor = adamw_rows()
+    adam_rows, adam_size, floors = adamw_rows()
     pool_rows = pooling_rows()
     lines = [
         "# Where a small batch's time goes (benchmarks/profile_epoch.py)",
@@ -788,15 +803,23 @@ def main() -> None:
         *adam_rows,
         "",
         f"The fewest standard kernels AdamW needs ({ADAMW_PASSES} elementwise passes over "
-        "the weights laid end to end, scalars folded, no Concat or Split), alone in a Scan "
-        f"of 100 steps that carries the weights and both moments: **{adamw_floor:.0f} us "
-        f"per step**, against {one_pass:.0f} for the same Scan with one pass (an Add): "
-        f"**{(adamw_floor - one_pass) / (ADAMW_PASSES - 1):.0f} us per pass**. ONNX has no "
-        "fused optimizer operator, so AdamW in standard ONNX on onnxruntime's CPU kernels "
-        f"costs at least {ADAMW_PASSES} such passes a step more than SGD's one; a compiler "
-        "that fuses the update into one loop (JAX, torch.compile) reads and writes each "
-        "weight's values once. Compare with the JAX rows of this workload in RESULTS.md "
-        "(its AdamW epoch against its SGD epoch).",
+        "the weights, scalars folded, no Concat or Split), alone in a Scan of 100 steps "
+        "that carries the weights and both moments, us per step:",
+        "",
+        "| weights | one pass (an Add) | 13 passes | us per pass |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {layout} | {one:.0f} | {all_:.0f} | {(all_ - one) / (ADAMW_PASSES - 1):.0f} |"
+            for layout, (one, all_) in floors.items()
+        ),
+        "",
+        "ONNX has no fused optimizer operator, so AdamW in standard ONNX on onnxruntime's "
+        f"CPU kernels costs at least {ADAMW_PASSES} such passes a step more than SGD's one; "
+        "a compiler that fuses the update into one loop (JAX, torch.compile) reads and "
+        "writes each weight's values once. Compare with the JAX rows of this workload in "
+        "RESULTS.md (its AdamW epoch against its SGD epoch). Laid end to end, each pass "
+        "runs over 2.7 MB vectors that leave the caches: graphkit packs an update's weights "
+        "only up to 512 KiB (graphkit.training.step.PACK_UP_TO_BYTES).",
         "",
         "## Max pooling in the 28x28 CNN (peers.py, batch 64)",
         "",

@@ -30,7 +30,7 @@ from graphkit.backends.ort_training.folding import broadcast_gradient_args
 from graphkit.backends.ort_training.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
 from graphkit.static_shapes import specialize
 from graphkit.training import batches
-from graphkit.training.step import PACKED, build_update_step
+from graphkit.training.step import PACK_UP_TO_BYTES, PACKED, build_update_step
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 # (steps_per_run, static_shapes, bytes of shuffled rows gathered per run)
@@ -429,6 +429,12 @@ def test_packing_is_used_where_it_saves_kernels():
         build_update_step(params, optimizers.lamb(learning_rate=0.01)).packing is None
     )  # per-weight norm
     assert build_update_step(params, transforms.freeze(["W1"])).packing is None  # by name
+    # weights beyond PACK_UP_TO_BYTES: each pass over the vector leaves the caches
+    rows = PACK_UP_TO_BYTES // 4 // 64 + 1
+    large = {"W": np.zeros((rows, 64), np.float32), "b": np.zeros(64, np.float32)}
+    assert build_update_step(large, optimizers.adam(learning_rate=0.01)).packing is None
+    fits = {"W": np.zeros((rows - 2, 64), np.float32), "b": np.zeros(64, np.float32)}
+    assert build_update_step(fits, optimizers.adam(learning_rate=0.01)).packing is not None
     packed = build_update_step(params, optimizers.adam(learning_rate=0.01))
     plain = build_update_step(params, optimizers.adam(learning_rate=0.01), pack=False)
     assert len(packed.model.graph.node) < len(plain.model.graph.node) * 0.6
