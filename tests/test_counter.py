@@ -102,7 +102,11 @@ def test_counter_arithmetic_runs_before_the_scan_and_equals_numpy(counter_elem):
     onnx.checker.check_model(epoch, full_check=True)
     body = [n.op_type for n in body_of(epoch).node]
     assert not {"Pow", "Cast"} & set(body)  # moved out
-    assert body.count("Sub") == 1 and body.count("Add") == 1  # the update's, the counter's
+    assert body.count("Sub") == 1 and "Add" not in body  # the update's; the counter's
+    # increment too: nothing in the step reads the counter any more, the epoch counts
+    # after its Scan, which neither carries nor increments it
+    scan = next(n for n in epoch.graph.node if n.op_type == "Scan")
+    assert "t" not in scan.input and "t.next" not in scan.output
     assert "Sqrt" not in body  # moved too, in float64 (onnxruntime's float32 vector
     # kernel rounds otherwise than its one-element kernel, the float64 ones alike)
     outer = {n.op_type: n for n in epoch.graph.node}
@@ -152,7 +156,8 @@ def test_body_reads_no_constant_it_lost():
     body = body_of(epoch)
     names = {t.name for t in body.initializer}
     assert "step/b1" not in names and "step/unit" not in names
-    assert "step/one" in names  # t.next = t + 1 stays
+    assert "step/one" not in names  # the increment went too: counted after the Scan
+    assert "step/rows" in names  # the mean's axes, still read
 
 
 @pytest.mark.parametrize(
@@ -192,7 +197,78 @@ def test_trainers_epochs_move_the_counter_arithmetic_and_train_as_batch_by_batch
                 for n in g.node
                 if "step/step" in n.input
             ]
-            assert readers == ["Add"]  # the counter's own increment, nothing else
+            assert readers == []  # all moved: the epoch counts after its Scan
     for other in (3, "epoch"):
         for key, value in states[1].items():
             np.testing.assert_allclose(states[other][key], value, rtol=2e-5, atol=1e-6)
+
+
+def counter_read_by_the_update(keep_reading: bool) -> onnx.ModelProto:
+    """w.next = w - 0.1 * mean(x) (SGD: the counter unread), or, with ``keep_reading``,
+    minus t too, broadcast by an Expand (which stays in the step, and the counter with
+    it)."""
+    nodes = [
+        helper.make_node("Add", ["t", "one"], ["t.next"]),
+        helper.make_node("ReduceMean", ["x", "rows"], ["g"], keepdims=0),
+        helper.make_node("Mul", ["g", "rate"], ["delta"]),
+        helper.make_node("Sub", ["w", "delta"], ["w0"]),
+    ]
+    if keep_reading:
+        nodes += [
+            helper.make_node("Expand", ["t", "three"], ["ts"]),
+            helper.make_node("Cast", ["ts"], ["tf"], to=TensorProto.FLOAT),
+            helper.make_node("Sub", ["w0", "tf"], ["w.next"]),
+        ]
+    else:
+        nodes.append(helper.make_node("Identity", ["w0"], ["w.next"]))
+    nodes.append(helper.make_node("ReduceSum", ["w.next"], ["loss"], keepdims=0))
+    graph = helper.make_graph(
+        nodes,
+        "step",
+        [
+            helper.make_tensor_value_info("w", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("t", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("w.next", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("t.next", TensorProto.INT64, []),
+            helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+        ],
+        [
+            numpy_helper.from_array(np.array(1, np.int64), "one"),
+            numpy_helper.from_array(np.array([0], np.int64), "rows"),
+            numpy_helper.from_array(np.array(0.1, np.float32), "rate"),
+            numpy_helper.from_array(np.array([3], np.int64), "three"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("keep_reading", [False, True])
+def test_a_counter_nothing_else_reads_is_counted_after_the_scan(keep_reading):
+    """SGD at a fixed rate reads no counter: the Scan neither carries nor increments it,
+    the epoch adds the batches after it. A counter a kept node reads stays carried. The
+    counter and the weights as the step run batch by batch computes them, to the bit,
+    on onnxruntime and onnx.reference."""
+    step = counter_read_by_the_update(keep_reading)
+    epoch = scan_over_batches(step, ["x"], ["w", "t"], "loss", 4)
+    onnx.checker.check_model(epoch, full_check=True)
+    scan = next(n for n in epoch.graph.node if n.op_type == "Scan")
+    assert ("t" in scan.input) == keep_reading
+    assert ("Add" in {n.op_type for n in body_of(epoch).node}) == keep_reading
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(9, 4, 3)).astype(np.float32)
+    w, t = rng.normal(size=3).astype(np.float32), np.array(7, np.int64)
+    session, w_step, t_step = inference_session(step), w, t
+    for batch in x:
+        w_step, t_step = session.run(["w.next", "t.next"], {"x": batch, "w": w_step, "t": t_step})
+    assert int(t_step) == 16
+    feeds = {"x": x, "w": w, "t": t}
+    for run in (
+        lambda: inference_session(epoch).run(None, feeds),
+        lambda: onnx.reference.ReferenceEvaluator(epoch).run(None, feeds),
+    ):
+        new_w, new_t = run()
+        np.testing.assert_array_equal(new_w, w_step)
+        assert int(new_t) == 16 and new_t.dtype == np.int64

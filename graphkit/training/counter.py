@@ -191,6 +191,43 @@ def counter_values(step: onnx.ModelProto, carried: Sequence[str]) -> CounterValu
     )
 
 
+def counted_outside(
+    step: onnx.ModelProto, carried: Sequence[str], values: CounterValues | None
+) -> tuple[str, int] | None:
+    """The step counter and its element type where nothing in the step reads it but its
+    increment and ``values``' moved nodes (SGD at a fixed rate): an epoch then needs it
+    only once, after its last step, ``counter + batches`` (:func:`count_after`), and
+    its Scan neither carries nor increments it (a kernel and a carried value a step)."""
+    found = _step_counter(step, carried)
+    if found is None:
+        return None
+    counter = found[0]
+    moved = {id(n) for n in values.nodes} if values is not None else set()
+    readers = [n for n in step.graph.node if counter in outer_reads(n) and id(n) not in moved]
+    increment = [n for n in readers if f"{counter}.next" in n.output]
+    outputs = {o.name for o in step.graph.output}
+    return found if readers == increment and counter not in outputs else None
+
+
+def count_after(
+    counter: str, counter_elem: int, first_data: str, outer: Callable[[str], str]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The nodes and initializers of an epoch graph computing ``<counter>.next``, the
+    counter after the epoch: ``counter + batches``, the batches those of ``first_data``
+    (``[batches, ...]``)."""
+    shape, batches, zero = outer("count/shape"), outer("count/batches"), outer("count/zero")
+    nodes = [
+        helper.make_node("Shape", [first_data], [shape]),
+        helper.make_node("Gather", [shape, zero], [batches], axis=0),
+    ]
+    if counter_elem != onnx.TensorProto.INT64:
+        cast = outer("count/batches_cast")
+        nodes.append(helper.make_node("Cast", [batches], [cast], to=counter_elem))
+        batches = cast
+    nodes.append(helper.make_node("Add", [counter, batches], [f"{counter}.next"]))
+    return nodes, [numpy_helper.from_array(np.array(0, np.int64), zero)]
+
+
 def epoch_nodes(
     values: CounterValues, first_data: str, outer: Callable[[str], str]
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], dict[str, str]]:
@@ -252,4 +289,4 @@ def epoch_nodes(
     return nodes, initializers, {f: names[f] for f in values.frontier}
 
 
-__all__ = ["CounterValues", "counter_values", "epoch_nodes"]
+__all__ = ["CounterValues", "count_after", "counted_outside", "counter_values", "epoch_nodes"]

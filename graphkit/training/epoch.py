@@ -33,7 +33,13 @@ from graphkit._graph import (
     rename_tensors,
     renamed_value,
 )
-from graphkit.training.counter import counter_values, epoch_nodes
+from graphkit.training.counter import (
+    CounterValues,
+    count_after,
+    counted_outside,
+    counter_values,
+    epoch_nodes,
+)
 from graphkit.training.packed_carry import carry_packed, lay_and_split, packed_weights
 
 make = helper.make_node
@@ -208,6 +214,11 @@ def scan_over_batches(
         vector = fresh_name(PACKED_WEIGHTS, {*graph_names(step.graph), *RESERVED, name})
         step = carry_packed(step, packed, vector)
         carried = [vector, *(c for c in carried if c not in packed.weights)]
+    opset = next((o.version for o in step.opset_import if o.domain in ("", "ai.onnx")), 0)
+    values = counter_values(step, carried) if data and opset >= 11 else None  # Range: 11
+    counter = counted_outside(step, carried, values) if data else None
+    if counter is not None:  # counted once, after the Scan
+        carried = [c for c in carried if c != counter[0]]
     body = _Body(step, data, carried, loss)
     body.graph.input.extend(
         [
@@ -218,7 +229,15 @@ def scan_over_batches(
     for value, d in zip(body.graph.input[len(carried) :], data):
         value.name = body.scoped[d]
     body.graph.output.extend(body.carried_outputs(batch_losses))
-    outer_nodes, outer_constants, scanned = _counter_values_before(step, body, data, carried, name)
+    outer_nodes, outer_constants, scanned = _counter_values_before(
+        values, body, data, resident, name
+    )
+    if counter is not None:
+        _drop_increment(body, counter[0])
+        taken = {*graph_names(original.graph), *graph_names(body.graph), name}
+        counting, constants = count_after(*counter, data[0], namer("epoch", taken))
+        outer_nodes += counting
+        outer_constants += constants
     scan = make(
         "Scan",
         [*carried, *data, *scanned],
@@ -249,19 +268,28 @@ def scan_over_batches(
     return _model(graph, step)
 
 
+def _drop_increment(body: _Body, counter: str) -> None:
+    """Removes the counter's increment from ``body`` (the epoch counts after its Scan)."""
+    increment = body.scoped[f"{counter}.next"]
+    kept = [n for n in body.graph.node if increment not in n.output]
+    del body.graph.node[:]
+    body.graph.node.extend(kept)
+    read = {i for n in kept for i in outer_reads(n)}
+    for tensor in [t for t in body.graph.initializer if t.name not in read]:
+        body.graph.initializer.remove(tensor)
+
+
 def _counter_values_before(
-    step: onnx.ModelProto,
+    values: CounterValues | None,
     body: _Body,
     data: Sequence[str],
     carried: Sequence[str],
     name: str,
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], list[str]]:
-    """Moves the step's values that depend on its counter alone out of ``body``
+    """Moves the step's ``values`` that depend on its counter alone out of ``body``
     (:mod:`graphkit.training.counter`): ``(nodes, initializers)`` of the epoch graph
     that compute them for every step, and the names of the vectors the Scan hands out
     an element of at each step; ``([], [], [])`` where there are none."""
-    opset = next((o.version for o in step.opset_import if o.domain in ("", "ai.onnx")), 0)
-    values = counter_values(step, carried) if data and opset >= 11 else None  # Range: 11
     if values is None:
         return [], [], []
     taken = {*data, *carried, *(f"{n}.next" for n in carried), BATCH_LOSSES, name}
