@@ -729,6 +729,87 @@ def pooling_rows() -> list[str]:
     return pool_rows
 
 
+KERNEL_GROUPS = {
+    "products": frozenset(
+        {"MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Conv", "FusedConv", "ConvGrad"}
+        | {"ConvTranspose", "LSTM", "GRU", "RNN"}
+    ),
+    "pooling": frozenset({"MaxPool", "MaxUnpool", "AveragePool", "MaxPoolGrad"}),
+    "data movement": frozenset(
+        {"Transpose", "Concat", "Split", "Slice", "Gather", "ScatterND", "Pad", "Expand"}
+        | {"Tile", "Reshape", "Squeeze", "Unsqueeze", "Identity", "Flatten"}
+    ),
+}
+"""How the large steps' kernels are grouped; the rest: elementwise operators,
+reductions, normalizations, softmax and their gradients."""
+
+LARGE_WORKLOADS = ("MLP 100-256-256-1", "MLP 784", "CNN 2x", "transformer", "LSTM")
+"""peers.py's workloads whose steps take a millisecond or more."""
+
+
+def large_step_rows() -> list[str]:
+    """Each of :data:`LARGE_WORKLOADS` trained by full training (SGD, one run per
+    epoch) on each backend under onnxruntime's profiler: the kernels' time per batch by
+    :data:`KERNEL_GROUPS`. The profiler costs little at this size; the shares are what
+    the table is for."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
+    import peers
+    import spec as specs
+    from graphkit_peer import make
+
+    from graphkit import backends
+    from graphkit.backends import ort_engine
+
+    rows = []
+    for workload in peers.workloads(quick=False):
+        if not any(workload.name.startswith(n) for n in LARGE_WORKLOADS):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            workload.write(Path(tmp) / "w")
+            for backend in [b.name for b in backends.available() if b.installed]:
+                if f"graphkit full, {backend}" in workload.skip:  # no gradient for its LSTM
+                    continue
+                plain, made = ort_engine.session_options, iter(range(10**6))
+
+                def profiled(threads=None, plain=plain, made=made, backend=backend):
+                    options = plain(threads)
+                    options.enable_profiling = True  # a file per session
+                    options.profile_file_prefix = f"{tmp}/{backend}-{next(made)}-profile"
+                    return options
+
+                ort_engine.session_options = profiled
+                try:
+                    epoch = make(f"full:{backend}", specs.load(Path(tmp) / "w", "sgd"))
+                    epoch()
+                    epoch()
+                    for session in gc.get_objects():  # each writes its file as it ends
+                        if isinstance(session, ort.InferenceSession):
+                            session.end_profiling()
+                    del epoch
+                finally:
+                    ort_engine.session_options = plain
+                kernels: collections.Counter = collections.Counter()
+                for path in Path(tmp).glob(f"{backend}-*-profile*.json"):
+                    for event in json.loads(path.read_text()):
+                        op = event.get("args", {}).get("op_name")
+                        if event.get("cat") != "Node" or op in (None, "Scan", "Loop"):
+                            continue
+                        if event["name"].endswith("_kernel_time"):
+                            group = next(
+                                (g for g, ops in KERNEL_GROUPS.items() if op in ops), "the rest"
+                            )
+                            kernels[group] += event["dur"]
+                total = sum(kernels.values())
+                per_batch = total / (2 * workload.batches)
+                shares = " | ".join(
+                    f"{100 * kernels[g] / total:.0f}%" for g in [*KERNEL_GROUPS, "the rest"]
+                )
+                rows.append(f"| {workload.name} | {backend} | {per_batch:.0f} | {shares} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "PROFILE.md"))
@@ -743,6 +824,7 @@ def main() -> None:
         hand_rows.append(hand_row)
     adam_rows, adam_size, floors = adamw_rows()
     pool_rows = pooling_rows()
+    large_rows = large_step_rows()
     lines = [
         "# Where a small batch's time goes (benchmarks/profile_epoch.py)",
         "",
@@ -820,6 +902,20 @@ def main() -> None:
         "RESULTS.md (its AdamW epoch against its SGD epoch). Laid end to end, each pass "
         "runs over 2.7 MB vectors that leave the caches: graphkit packs an update's weights "
         "only up to 512 KiB (graphkit.training.step.PACK_UP_TO_BYTES).",
+        "",
+        "## Where a large step's time goes",
+        "",
+        "peers.py's workloads of a millisecond and more a batch, full training (SGD, one "
+        "run per epoch) under onnxruntime's profiler: its kernels' time per batch, and "
+        "the share of each group of kernels (*products*: MatMul, Gemm, convolutions and "
+        "their fused forms; *data movement*: Transpose, Concat, Split, Slice, Gather, "
+        "Pad, Expand, Reshape...; *the rest*: elementwise operators, reductions, "
+        "normalizations, softmax and their gradients):",
+        "",
+        "| workload | backend | kernels, us a batch | products | pooling | data movement "
+        "| the rest |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        *large_rows,
         "",
         "## Max pooling in the 28x28 CNN (peers.py, batch 64)",
         "",

@@ -1212,3 +1212,44 @@ def test_a_small_relu_gradient_mask_is_one_sign(rows, relu, expected):
     (dx,) = inference_session(static).run(None, {"x": x, "dy": dy})
     y = np.maximum(x, 0) if relu else np.abs(x)
     np.testing.assert_array_equal(dx, dy * (y > 0))
+
+
+@pytest.mark.parametrize("ones", ["column", "vector on the left", "not ones"])
+@pytest.mark.parametrize("negated", [False, True])
+def test_a_full_sum_of_per_sample_sums_is_one_full_sum(ones, negated):
+    """The full sum of per-sample sums (a MatMul by ones, a Reshape, a Neg: a
+    classification loss's) is the full sum of what they sum, negated as often: two
+    kernels fewer. A MatMul by another constant stays. numpy's values."""
+    f = TensorProto.FLOAT
+    if ones == "vector on the left":
+        product = helper.make_node("MatMul", ["ones", "m"], ["sums"])
+        constant = np.ones(4, np.float32)
+    else:
+        product = helper.make_node("MatMul", ["m", "ones"], ["sums"])
+        constant = np.ones((3, 1), np.float32) * (1 if ones == "column" else 2)
+    nodes = [product, helper.make_node("Reshape", ["sums", "flat"], ["flat_sums"])]
+    summed = "flat_sums"
+    if negated:
+        nodes.append(helper.make_node("Neg", ["flat_sums"], ["negated"]))
+        summed = "negated"
+    nodes.append(helper.make_node("ReduceSum", [summed], ["total"], keepdims=0))
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("m", f, [4, 3])],
+        [helper.make_tensor_value_info("total", f, [])],
+        [
+            numpy_helper.from_array(constant, "ones"),
+            numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+        ],
+    )
+    static = specialize(model, {})
+    onnx.checker.check_model(static, full_check=True)
+    kinds = [n.op_type for n in static.graph.node]
+    if ones == "not ones":
+        assert "MatMul" in kinds, kinds
+    else:
+        assert kinds == (["ReduceSum", "Neg"] if negated else ["ReduceSum"]), kinds
+    m = np.random.default_rng(6).normal(size=(4, 3)).astype(np.float32)
+    (total,) = inference_session(static).run(None, {"m": m})
+    expected = m.astype(np.float64).sum() * (1 if ones != "not ones" else 2)
+    np.testing.assert_allclose(total, -expected if negated else expected, rtol=1e-5, atol=1e-6)
