@@ -18,7 +18,7 @@ step computes batch by batch, to the bit.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +82,13 @@ def packed_weights(step: onnx.ModelProto, carried: Sequence[str]) -> PackedWeigh
         result = node.output[0]
         if weight is None or list(node.input).count(weight) != 1:
             return None
+        # the piece in the weight's own layout: the whole update adds element by element
+        if nodes[0].op_type == "Reshape":
+            target = constants.get(nodes[0].input[1])
+            if target is None or tuple(target.tolist()) != shapes[weight]:
+                return None
+        elif len(shapes[weight]) != 1:
+            return None
         if result != f"{weight}.next":
             last = only_reader(result)
             if last is None or last.op_type != "Identity" or last.output[0] != f"{weight}.next":
@@ -111,7 +118,12 @@ def packed_weights(step: onnx.ModelProto, carried: Sequence[str]) -> PackedWeigh
     return None
 
 
-def _laid_end_to_end(graph, producer, only_reader, packed: PackedWeights) -> list[onnx.NodeProto]:
+def _laid_end_to_end(
+    graph: onnx.GraphProto,
+    producer: dict[str, onnx.NodeProto],
+    only_reader: Callable[[str], onnx.NodeProto | None],
+    packed: PackedWeights,
+) -> list[onnx.NodeProto]:
     """The step's ``Concat`` of exactly ``packed.weights`` in their order (each flattened
     by a ``Reshape`` only the Concat reads, or as it is if it is a vector), and those
     Reshapes; [] where there is none."""
