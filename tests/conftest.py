@@ -197,3 +197,16 @@ def names_operator(op_type: str, node: str | None = None) -> str:
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 """For a module whose other tests run without torch (Python 3.13 has no torch here)."""
+
+
+def on_both_runtimes(model: onnx.ModelProto, feeds: dict) -> list[list[np.ndarray]]:
+    """``model``'s outputs on onnxruntime and on ``onnx.reference`` (a graph graphkit
+    writes must run on both: the second is the portable exports' reference)."""
+    import onnx.reference
+
+    from graphkit.backends.ort_engine import inference_session
+
+    return [
+        inference_session(model).run(None, feeds),
+        onnx.reference.ReferenceEvaluator(model).run(None, feeds),
+    ]

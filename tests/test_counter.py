@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnx.reference
 import pytest
-from conftest import mlp_onnx
+from conftest import mlp_onnx, on_both_runtimes
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -120,11 +120,7 @@ def test_counter_arithmetic_runs_before_the_scan_and_equals_numpy(counter_elem):
     t = np.array(5, helper.tensor_dtype_to_np_dtype(counter_elem))
     expected_w, expected_t = numpy_epoch(w, t, x)
     feeds = {"x": x, "w": w, "t": t}
-    for run in (
-        lambda: inference_session(epoch).run(None, feeds),
-        lambda: onnx.reference.ReferenceEvaluator(epoch).run(None, feeds),
-    ):
-        new_w, new_t = run()[:2]
+    for new_w, new_t in on_both_runtimes(epoch, feeds):
         np.testing.assert_allclose(new_w, expected_w, rtol=1e-6)
         assert int(new_t) == expected_t
     # to the bit what the step computes batch by batch
@@ -264,11 +260,6 @@ def test_a_counter_nothing_else_reads_is_counted_after_the_scan(keep_reading):
     for batch in x:
         w_step, t_step = session.run(["w.next", "t.next"], {"x": batch, "w": w_step, "t": t_step})
     assert int(t_step) == 16
-    feeds = {"x": x, "w": w, "t": t}
-    for run in (
-        lambda: inference_session(epoch).run(None, feeds),
-        lambda: onnx.reference.ReferenceEvaluator(epoch).run(None, feeds),
-    ):
-        new_w, new_t = run()
+    for new_w, new_t in on_both_runtimes(epoch, {"x": x, "w": w, "t": t}):
         np.testing.assert_array_equal(new_w, w_step)
         assert int(new_t) == 16 and new_t.dtype == np.int64

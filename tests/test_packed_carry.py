@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnx.reference
 import pytest
-from conftest import INSTALLED_BACKENDS, mlp_onnx
+from conftest import INSTALLED_BACKENDS, mlp_onnx, on_both_runtimes
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -120,12 +120,7 @@ def test_an_epoch_carries_the_weights_laid_end_to_end_and_trains_as_batch_by_bat
     session, W_step, b_step = inference_session(step), W, b
     for x in xs:
         W_step, b_step = session.run(["W.next", "b.next"], {"x": x, "W": W_step, "b": b_step})
-    feeds = {"x": xs, "W": W, "b": b}
-    for run in (
-        lambda: inference_session(epoch).run(None, feeds),
-        lambda: onnx.reference.ReferenceEvaluator(epoch).run(None, feeds),
-    ):
-        W_epoch, b_epoch = run()
+    for W_epoch, b_epoch in on_both_runtimes(epoch, {"x": xs, "W": W, "b": b}):
         np.testing.assert_array_equal(W_epoch, W_step)
         np.testing.assert_array_equal(b_epoch, b_step)
     W_np, b_np = numpy_epoch(W, b, xs)
