@@ -250,6 +250,18 @@ def outer_reads(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def read_counts(nodes: Iterable[onnx.NodeProto], outputs: Iterable[str] = ()) -> dict[str, int]:
+    """How many of ``nodes`` read each tensor (:func:`outer_reads`), a graph output
+    counting as one reader more."""
+    count: dict[str, int] = {}
+    for node in nodes:
+        for name in outer_reads(node):
+            count[name] = count.get(name, 0) + 1
+    for name in outputs:
+        count[name] = count.get(name, 0) + 1
+    return count
+
+
 def _free_names(graph: onnx.GraphProto) -> set[str]:
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     free: set[str] = set()

@@ -52,7 +52,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import _subgraphs, copy_model, fresh_name, graph_names, outer_reads
+from graphkit._graph import (
+    _subgraphs,
+    copy_model,
+    fresh_name,
+    graph_names,
+    outer_reads,
+    read_counts,
+)
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -126,12 +133,7 @@ class _Simplifier:
         self.taken = graph_names(graph)
         self.ranked: dict[tuple[str, int], str] = {}  # (constant, rank) -> reshaped copy
         self.producer = {o: n for n in graph.node for o in n.output}
-        self.reads: dict[str, int] = {}
-        for node in graph.node:
-            for name in outer_reads(node):
-                self.reads[name] = self.reads.get(name, 0) + 1
-        for output in graph.output:
-            self.reads[output.name] = self.reads.get(output.name, 0) + 1
+        self.reads = read_counts(graph.node, (o.name for o in graph.output))
         self.views: dict[str, str] = {}  # a squeezed copy's name -> the tensor it views
         self.orphans: list[onnx.NodeProto] = []  # nodes a rewrite may have left unread
 
@@ -380,8 +382,7 @@ class _Simplifier:
             return None
         product, left, right = shapes
         rank = len(product)
-        swapped = [*range(rank - 2), rank - 1, rank - 2]
-        if rank < 3 or transpose_perm(transpose, rank) != swapped:
+        if rank < 3 or transpose_perm(transpose, rank) != last_two_swapped(rank):
             return None
         if not (left[:-2] == right[:-2] == product[:-2]) or math.prod(product[:-2]) != batch:
             return None
@@ -406,13 +407,10 @@ class _Simplifier:
     ) -> list[onnx.NodeProto]:
         """``nodes`` without the :attr:`orphans` no node reads any more (nor their
         inputs' producers that only they read), last first."""
-        read: dict[str, int] = {}
-        for node in nodes:
-            for name in outer_reads(node):
-                read[name] = read.get(name, 0) + 1
+        read = read_counts(nodes, outputs)
         dropped: set[int] = set()
         for orphan in self.orphans:  # a product before its operand's Transpose
-            if any(read.get(o, 0) or o in outputs for o in orphan.output):
+            if any(read.get(o, 0) for o in orphan.output):
                 continue
             dropped.add(id(orphan))
             for name in outer_reads(orphan):
@@ -453,6 +451,11 @@ RESHAPE_SCALARS_FROM = 64
 onnxruntime's element-by-element broadcast costs about 2 + 0.01 n us, the Reshape 1."""
 
 
+def last_two_swapped(rank: int) -> list[int]:
+    """The ``perm`` of a Transpose that swaps a tensor's last two axes (a matrix's)."""
+    return [*range(rank - 2), rank - 1, rank - 2]
+
+
 def transpose_perm(node: onnx.NodeProto, rank: int) -> list[int]:
     """A Transpose's ``perm``: its attribute, else the axes reversed."""
     for attribute in node.attribute:
@@ -476,7 +479,7 @@ def matmul_transposes(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ..
         if node.op_type != "Transpose" or node.output[0] in outputs:
             continue
         rank = len(shapes.get(node.input[0], ()))
-        if rank < 2 or transpose_perm(node, rank) != [*range(rank - 2), rank - 1, rank - 2]:
+        if rank < 2 or transpose_perm(node, rank) != last_two_swapped(rank):
             continue
         if set(readers.get(node.output[0], ["none"])) == {"MatMul"}:
             fused.add(node.output[0])
@@ -560,8 +563,10 @@ def specialize(
     # the reductions' rewrites leave Reshapes a backend's simplifications may merge
     if any([fold(fixed) for fold in folds]):
         fixed = _fold(fixed)
-    _fewer_kernels(fixed, static_shapes(fixed))
-    _gemms(fixed)
+    # one inference for both: _fewer_kernels changes no shape _gemms reads
+    shapes = static_shapes(fixed)
+    _fewer_kernels(fixed, shapes)
+    _gemms(fixed, shapes)
     _specialize_scan_bodies(fixed, folds)
     return fixed
 
@@ -588,10 +593,7 @@ def _fewer_kernels(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]
     graph = model.graph
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
-    reads: dict[str, int] = {o.name: 1 for o in graph.output}
-    for node in graph.node:
-        for name in outer_reads(node):
-            reads[name] = reads.get(name, 0) + 1
+    reads = read_counts(graph.node, (o.name for o in graph.output))
     taken = graph_names(graph)
     dropped: set[int] = set()
     small, big = SIGN_MASK_UP_TO, SIGN_MASK_UP_TO + 1
@@ -699,7 +701,7 @@ def _fewer_kernels(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]
         graph.node.extend(kept)
 
 
-def _gemms(model: onnx.ModelProto) -> None:
+def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Rewrites, in place, a weight's gradient and its SGD update into one ``Gemm``:
 
     * ``Transpose(A @ B)`` (its last two axes swapped, the product read only there):
@@ -722,7 +724,6 @@ def _gemms(model: onnx.ModelProto) -> None:
     if opset < 11:  # Gemm's C became optional in opset 11
         return
     graph = model.graph
-    shapes = static_shapes(model)
     constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     outputs = {o.name for o in graph.output}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -740,8 +741,7 @@ def _gemms(model: onnx.ModelProto) -> None:
         rank = len(shapes.get(name, ()))
         if node is None or node.op_type != "Transpose" or rank < 2:
             return None
-        swap = [*range(rank - 2), rank - 1, rank - 2]
-        return node.input[0] if transpose_perm(node, rank) == swap else None
+        return node.input[0] if transpose_perm(node, rank) == last_two_swapped(rank) else None
 
     def transposed(name: str) -> str | None:
         """The matrix whose Transpose ``name`` is."""
@@ -820,9 +820,8 @@ def _gemms(model: onnx.ModelProto) -> None:
         for x, x0, rank in ((b, b0, ranks[1]), (a, a0, ranks[0])):
             if x0 is None:
                 x0 = fresh_name(f"{x}/t", taken)
-                perm = [*range(rank - 2), rank - 1, rank - 2]
                 inserted.setdefault(index, []).append(
-                    onnx.helper.make_node("Transpose", [x], [x0], perm=perm)
+                    onnx.helper.make_node("Transpose", [x], [x0], perm=last_two_swapped(rank))
                 )
             operands.append(x0)
         absorbed.add(position[inner])

@@ -39,7 +39,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import fresh_name, graph_names, outer_reads, rename_reads
+from graphkit._graph import fresh_name, graph_names, outer_reads, read_counts, rename_reads
 from graphkit.static_shapes import REDUCTIONS, matmul_transposes, static_shapes, transpose_perm
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
@@ -112,13 +112,7 @@ _ONE_DATA_INPUT = REDUCTIONS | {"Expand"}
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, int]:
-    count: dict[str, int] = {}
-    for node in graph.node:
-        for name in outer_reads(node):
-            count[name] = count.get(name, 0) + 1
-    for output in graph.output:
-        count[output.name] = count.get(output.name, 0) + 1
-    return count
+    return read_counts(graph.node, (o.name for o in graph.output))
 
 
 def _compose_transposes(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> bool:
