@@ -19,7 +19,7 @@ values are the resident tensors:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import onnx
 from onnx import TensorProto, helper
@@ -229,13 +229,12 @@ def scan_over_batches(
     for value, d in zip(body.graph.input[len(carried) :], data):
         value.name = body.scoped[d]
     body.graph.output.extend(body.carried_outputs(batch_losses))
-    outer_nodes, outer_constants, scanned = _counter_values_before(
-        values, body, data, resident, name
-    )
+    # the epoch graph's own names: beside its inputs and outputs, the body's are scoped
+    outer = namer("epoch", {*data, *resident, *(f"{n}.next" for n in resident), BATCH_LOSSES})
+    outer_nodes, outer_constants, scanned = _counter_values_before(values, body, data, outer)
     if counter is not None:
         _drop_increment(body, counter[0])
-        taken = {*graph_names(original.graph), *graph_names(body.graph), name}
-        counting, constants = count_after(*counter, data[0], namer("epoch", taken))
+        counting, constants = count_after(*counter, data[0], outer)
         outer_nodes += counting
         outer_constants += constants
     scan = make(
@@ -283,8 +282,7 @@ def _counter_values_before(
     values: CounterValues | None,
     body: _Body,
     data: Sequence[str],
-    carried: Sequence[str],
-    name: str,
+    outer: Callable[[str], str],
 ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], list[str]]:
     """Moves the step's ``values`` that depend on its counter alone out of ``body``
     (:mod:`graphkit.training.counter`): ``(nodes, initializers)`` of the epoch graph
@@ -292,8 +290,6 @@ def _counter_values_before(
     an element of at each step; ``([], [], [])`` where there are none."""
     if values is None:
         return [], [], []
-    taken = {*data, *carried, *(f"{n}.next" for n in carried), BATCH_LOSSES, name}
-    outer = namer("epoch", taken)
     nodes, initializers, vectors = epoch_nodes(values, data[0], outer)
     moved = {body.scoped[o] for n in values.nodes for o in n.output}
     kept = [n for n in body.graph.node if not moved.intersection(n.output)]
