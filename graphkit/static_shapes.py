@@ -60,6 +60,7 @@ from graphkit._graph import (
     outer_reads,
     read_counts,
 )
+from graphkit.decay_factors import gather_decay
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -567,6 +568,7 @@ def specialize(
     shapes = static_shapes(fixed)
     _fewer_kernels(fixed, shapes)
     _gemms(fixed, shapes)
+    gather_decay(fixed, shapes)  # reads no name _gemms rewrites
     _specialize_scan_bodies(fixed, folds)
     return fixed
 

@@ -25,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from graphkit._graph import (
+    copy_model,
     fresh_name,
     graph_names,
     int_constant,
@@ -33,6 +34,8 @@ from graphkit._graph import (
     rename_tensors,
     renamed_value,
 )
+from graphkit.decay_factors import gather_decay
+from graphkit.static_shapes import static_shapes
 from graphkit.training.counter import (
     CounterValues,
     count_after,
@@ -216,6 +219,15 @@ def scan_over_batches(
         carried = [vector, *(c for c in carried if c not in packed.weights)]
     opset = next((o.version for o in step.opset_import if o.domain in ("", "ai.onnx")), 0)
     values = counter_values(step, carried) if data and opset >= 11 else None  # Range: 11
+    if data:
+        # a decoupled decay's factors gathered (graphkit.decay_factors): where the
+        # weights are carried packed, the update now reads the weights it adds to; the
+        # new kernels on scalars leave the Scan with the counter's arithmetic
+        once = {o for n in values.nodes for o in n.output} if values else set()
+        gathered = copy_model(step)  # the caller's step stays as it is
+        if gather_decay(gathered, static_shapes(gathered), once):
+            step = gathered
+            values = counter_values(step, carried) if opset >= 11 else None
     counter = counted_outside(step, carried, values) if data else None
     if counter is not None:  # counted once, after the Scan
         carried = [c for c in carried if c != counter[0]]
