@@ -819,6 +819,265 @@ def large_step_rows() -> list[str]:
     return rows
 
 
+LARGE_MLP = "MLP 100-256-256-1"
+"""The large MLP of peers.py whose SGD step graphkit runs level with JAX's lax.scan."""
+
+MASK_FORMS = {
+    "greater": "Cast(y > 0) (graphkit's)",
+    "sign": "Sign(y)",
+    "ceil": "Ceil(Min(y, 1))",
+    "where": "Where(y > 0, dy, 0)",
+    "hard_sigmoid": "HardSigmoid(y, alpha=2^127) (not exact)",
+}
+"""The forms of a ReLU's gradient ``dy * (y > 0)`` in standard ONNX, ``y >= 0`` the
+ReLU's output; the last is wrong where ``0 < y < 2^-127`` (a subnormal y: alpha y < 1)."""
+
+
+def _mask_nodes(form: str, y: str, dy: str, out: str) -> list[onnx.NodeProto]:
+    """``out = dy * (y > 0)`` in ``form`` (:data:`MASK_FORMS`); constants ``zero``,
+    ``one``."""
+    make = helper.make_node
+    if form == "greater":
+        return [
+            make("Greater", [y, "zero"], [f"{out}/on"]),
+            make("Cast", [f"{out}/on"], [f"{out}/mask"], to=TensorProto.FLOAT),
+            make("Mul", [dy, f"{out}/mask"], [out]),
+        ]
+    if form == "sign":
+        return [make("Sign", [y], [f"{out}/mask"]), make("Mul", [dy, f"{out}/mask"], [out])]
+    if form == "ceil":
+        return [
+            make("Min", [y, "one"], [f"{out}/low"]),
+            make("Ceil", [f"{out}/low"], [f"{out}/mask"]),
+            make("Mul", [dy, f"{out}/mask"], [out]),
+        ]
+    if form == "where":
+        return [
+            make("Greater", [y, "zero"], [f"{out}/on"]),
+            make("Where", [f"{out}/on", dy, "zero"], [out]),
+        ]
+    return [
+        make("HardSigmoid", [y], [f"{out}/mask"], alpha=2.0**127, beta=0.0),
+        make("Mul", [dy, f"{out}/mask"], [out]),
+    ]
+
+
+def mask_rows(shape: tuple[int, int] = (256, 256), steps: int = 400) -> list[str]:
+    """Each of :data:`MASK_FORMS` on a ReLU's output of ``shape`` (the large MLP's
+    hidden layers at batch 256) in a Scan of ``steps``: us a step beyond the Scan's
+    carried sum of ``dy``, which every form adds its result to."""
+    f = TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    y = np.maximum(rng.normal(size=shape), 0).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    feeds = {"acc": np.zeros(shape, np.float32), "ticks": np.zeros((steps, 1), np.float32)}
+    feeds |= {"y": y, "dy": dy}  # inputs: onnxruntime would fold constants' masks away
+    expected = dy * (y > 0)
+
+    def epoch(form: str | None) -> onnx.ModelProto:
+        nodes = _mask_nodes(form, "y", "dy", "masked") if form else []
+        summed = "masked" if form else "dy"
+        nodes.append(helper.make_node("Add", ["acc", summed], ["acc.next"]))
+        nodes.append(helper.make_node("Identity", ["tick"], ["tick.out"]))
+        body = helper.make_graph(
+            nodes,
+            "body",
+            [helper.make_tensor_value_info("acc", f, list(shape))]
+            + [helper.make_tensor_value_info("tick", f, [1])],
+            [helper.make_tensor_value_info("acc.next", f, list(shape))]
+            + [helper.make_tensor_value_info("tick.out", f, [1])],
+        )
+        scan = helper.make_node(
+            "Scan", ["acc", "ticks"], ["sum", "ticks.out"], body=body, num_scan_inputs=1
+        )
+        graph = helper.make_graph(
+            [scan],
+            "masks",
+            [helper.make_tensor_value_info("acc", f, list(shape))]
+            + [helper.make_tensor_value_info("ticks", f, [steps, 1])]
+            + [helper.make_tensor_value_info(n, f, list(shape)) for n in ("y", "dy")],
+            [helper.make_tensor_value_info("sum", f, list(shape))],
+            [
+                numpy_helper.from_array(np.array(0, np.float32), "zero"),
+                numpy_helper.from_array(np.array(1, np.float32), "one"),
+            ],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        model.ir_version = 10
+        return model
+
+    def timed(form: str | None) -> tuple[float, np.ndarray]:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # the forms that read neither constant
+        session = ort.InferenceSession(
+            epoch(form).SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        (total,) = session.run(["sum"], feeds)
+        return best_of(lambda: session.run(["sum"], feeds)) * 1e6 / steps, total
+
+    base, _ = timed(None)
+    cells = []
+    for form in MASK_FORMS:
+        seconds, total = timed(form)
+        exact = np.array_equal(total, expected * steps) or np.allclose(total, expected * steps)
+        cells.append(f"{seconds - base:.1f}" + ("" if exact else " (wrong)"))
+    return [f"| {shape[0]} x {shape[1]} | " + " | ".join(cells) + " |"]
+
+
+def hand_written_mlp_sgd(spec, batches: int, masks: bool = True) -> onnx.ModelProto:
+    """The fewest standard kernels an SGD step of ``spec``'s MLP (dense layers, ReLU
+    between, mean squared error) needs, as the body of a Scan over ``batches`` full
+    batches: each layer's forward one Gemm (onnxruntime fuses the ReLU into it), the
+    learning rate folded into the output's gradient once, each weight's gradient and
+    update one Gemm (``beta=1`` adds the old weight), each bias's a MatMul by ones and
+    an Add, each ReLU's gradient in its fastest exact form (:func:`mask_rows`).
+    ``masks=False`` leaves the ReLU gradients out: not a correct step, the time of the
+    rest alone."""
+    f = TensorProto.FLOAT
+    dense = [layer for layer in spec.arch["layers"] if layer["op"] == "dense"]
+    batch = spec.batch_size
+    make = helper.make_node
+    constants = {
+        "scale": np.array(-2.0 * spec.lr / batch, np.float32),
+        "mean": np.array(1.0 / batch, np.float32),
+        "ones": np.ones((1, batch), np.float32),
+        "zero": np.array(0, np.float32),
+        "one": np.array(1, np.float32),
+    }
+    nodes, h = [], "X"
+    for k, layer in enumerate(dense):
+        out = "Y" if k == len(dense) - 1 else f"h{k}"
+        nodes.append(
+            make("Gemm", [h, layer["W"], layer["b"]], [f"{out}/pre" if out != "Y" else "Y"])
+        )
+        if out != "Y":
+            nodes.append(make("Relu", [f"{out}/pre"], [out]))
+        h = out
+    nodes += [
+        make("Sub", ["Y", "label"], ["d"]),
+        make("ReduceSumSquare", ["d"], ["squares"], keepdims=0),
+        make("Mul", ["squares", "mean"], ["loss"]),
+        make("Add", ["loss_sum", "loss"], ["loss_sum.next"]),
+        make("Mul", ["d", "scale"], ["g_Y"]),
+    ]
+    grad = "g_Y"  # -lr d loss / d (the layer's output)
+    for k in reversed(range(len(dense))):
+        layer, below = dense[k], "X" if k == 0 else f"h{k - 1}"
+        W, b = layer["W"], layer["b"]
+        nodes.append(make("Gemm", [below, grad, W], [f"{W}.next"], transA=1))
+        nodes.append(make("MatMul", ["ones", grad], [f"{b}/step"]))
+        nodes.append(make("Reshape", [f"{b}/step", f"{b}/shape"], [f"{b}/flat"]))
+        nodes.append(make("Add", [b, f"{b}/flat"], [f"{b}.next"]))
+        constants[f"{b}/shape"] = np.array([-1], np.int64)
+        if k == 0:
+            continue
+        nodes.append(make("Gemm", [grad, W], [f"g_{below}"], transB=1))
+        size = math.prod(spec.weights[W].shape[:1]) * batch
+        form = "sign" if size <= 256 else "greater"
+        if masks:
+            nodes += _mask_nodes(form, below, f"g_{below}", f"g_{below}/pre")
+            grad = f"g_{below}/pre"
+        else:
+            grad = f"g_{below}"
+    carried = [
+        (n, list(spec.weights[n].shape)) for layer in dense for n in (layer["W"], layer["b"])
+    ]
+    carried.append(("loss_sum", []))
+    n_in, n_out = spec.X.shape[1], spec.weights[dense[-1]["W"]].shape[1]
+    body = helper.make_graph(
+        nodes,
+        "sgd_step",
+        [helper.make_tensor_value_info(n, f, s) for n, s in carried]
+        + [helper.make_tensor_value_info("X", f, [batch, n_in])]
+        + [helper.make_tensor_value_info("label", f, [batch, n_out])],
+        [helper.make_tensor_value_info(f"{n}.next", f, s) for n, s in carried],
+        [numpy_helper.from_array(v, k) for k, v in constants.items()],
+    )
+    scan = helper.make_node(
+        "Scan",
+        [n for n, _ in carried] + ["Xs", "labels"],
+        [f"{n}.final" for n, _ in carried],
+        body=body,
+        num_scan_inputs=2,
+    )
+    graph = helper.make_graph(
+        [scan],
+        "sgd_epoch",
+        [helper.make_tensor_value_info(n, f, s) for n, s in carried]
+        + [helper.make_tensor_value_info("Xs", f, [batches, batch, n_in])]
+        + [helper.make_tensor_value_info("labels", f, [batches, batch, n_out])],
+        [helper.make_tensor_value_info(f"{n}.final", f, s) for n, s in carried],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def numpy_mlp_sgd(spec, batches: int) -> dict[str, np.ndarray]:
+    """``spec``'s MLP trained by SGD on its first ``batches`` batches, in float64 numpy
+    from the formulas: the hand-written step's reference."""
+    dense = [layer for layer in spec.arch["layers"] if layer["op"] == "dense"]
+    w = {k: v.astype(np.float64) for k, v in spec.weights.items()}
+    batch = spec.batch_size
+    for i in range(batches):
+        rows = slice(i * batch, (i + 1) * batch)
+        hs = [spec.X[rows].astype(np.float64)]
+        for k, layer in enumerate(dense):
+            z = hs[-1] @ w[layer["W"]] + w[layer["b"]]
+            hs.append(z if k == len(dense) - 1 else np.maximum(z, 0))
+        grad = 2 * (hs[-1] - spec.y[rows].reshape(hs[-1].shape)) / batch
+        for k in reversed(range(len(dense))):
+            W, b = dense[k]["W"], dense[k]["b"]
+            below = grad @ w[W].T * (hs[k] > 0)
+            w[W] -= spec.lr * hs[k].T @ grad
+            w[b] -= spec.lr * grad.sum(0)
+            grad = below
+    return w
+
+
+def large_mlp_floor_rows() -> tuple[list[str], int]:
+    """The large MLP's SGD step, us a batch: graphkit's full training (one run per
+    epoch, each backend) against :func:`hand_written_mlp_sgd` with and without its
+    ReLU gradients, all in this process, the hand-written weights checked against
+    numpy. Returns the rows and the batches timed."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
+    import peers
+    import spec as specs
+    from graphkit_peer import make
+
+    from graphkit import backends
+
+    workload = next(w for w in peers.workloads(quick=False) if w.name.startswith(LARGE_MLP))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workload.write(Path(tmp) / "w")
+        spec = specs.load(Path(tmp) / "w", "sgd")
+        batches = len(spec.X) // spec.batch_size  # full batches
+        n = batches * spec.batch_size
+        feeds = {k: v.copy() for k, v in spec.weights.items()}
+        feeds["loss_sum"] = np.array(0, np.float32)
+        feeds["Xs"] = spec.X[:n].reshape(batches, spec.batch_size, -1)
+        feeds["labels"] = spec.y[:n].reshape(batches, spec.batch_size, -1).astype(np.float32)
+        for backend in [b.name for b in backends.available() if b.installed]:
+            epoch = make(f"full:{backend}", spec)
+            seconds = best_of(epoch, repeat=5)
+            rows.append(f"| graphkit, {backend} | {seconds * 1e6 / spec.batches:.0f} |")
+            del epoch
+        for masks, label in ((True, "hand-written"), (False, "hand-written, no ReLU gradients")):
+            model = hand_written_mlp_sgd(spec, batches, masks)
+            session = ort.InferenceSession(
+                model.SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+            seconds = best_of(lambda s=session: s.run(None, feeds), repeat=5)
+            if masks:
+                names = [o.name.removesuffix(".final") for o in session.get_outputs()]
+                after = dict(zip(names, session.run(None, feeds)))
+                for name, value in numpy_mlp_sgd(spec, batches).items():
+                    np.testing.assert_allclose(after[name], value, rtol=2e-3, atol=2e-5)
+            rows.append(f"| {label} | {seconds * 1e6 / batches:.0f} |")
+    return rows, batches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "PROFILE.md"))
@@ -834,6 +1093,8 @@ def main() -> None:
     adam_rows, adam_size, floors = adamw_rows()
     pool_rows = pooling_rows()
     large_rows = large_step_rows()
+    floor_rows, floor_batches = large_mlp_floor_rows()
+    relu_rows = mask_rows()
     lines = [
         "# Where a small batch's time goes (benchmarks/profile_epoch.py)",
         "",
@@ -912,7 +1173,13 @@ def main() -> None:
         "RESULTS.md (its AdamW epoch against its SGD epoch): graphkit's SGD step plus the "
         "12 passes beyond SGD's one is a floor for its AdamW step. Laid end to end, each pass "
         "runs over 2.7 MB vectors that leave the caches: graphkit packs an update's weights "
-        "only up to 512 KiB (graphkit.training.step.PACK_UP_TO_BYTES).",
+        "only up to 512 KiB (graphkit.training.step.PACK_UP_TO_BYTES). graphkit's AdamW "
+        "update is these 13 passes: the decoupled decay's scalar factors gathered, "
+        "`p (1 - lr wd) - ((lr sqrt(c2) / c1) m) / (sqrt(v) + eps sqrt(c2))` "
+        "(graphkit.decay_factors; the optimizer chain writes 15). Packed, it adds the "
+        "gradients' Concat and the weights' Split; updating the large matrices of the "
+        f"{LARGE_MLP} on their own and packing only the rest measured slower (857-953 "
+        "against 829-904 us a batch).",
         "",
         "## Where a large step's time goes",
         "",
@@ -927,6 +1194,36 @@ def main() -> None:
         "| the rest |",
         "|---|---|---:|---:|---:|---:|---:|",
         *large_rows,
+        "",
+        f"## The {LARGE_MLP}'s SGD step (batch 256) against its floor",
+        "",
+        "The fewest standard kernels its step needs, written by hand as the body of a "
+        "Scan (each layer's forward one Gemm with its ReLU fused, each weight's gradient "
+        "and update one Gemm, each bias's a MatMul by ones and an Add, the learning rate "
+        "folded into the output's gradient once, each ReLU's gradient in its fastest exact "
+        f"form), over the workload's {floor_batches} full batches, its weights checked "
+        "against numpy's; graphkit's full training (one run per epoch) on the same data, "
+        "in this process; us per batch:",
+        "",
+        "| step | us per batch |",
+        "|---|---:|",
+        *floor_rows,
+        "",
+        "*No ReLU gradients* is not a correct step: the products, the biases and the "
+        "loss alone. The two ReLU gradients (a [256, 256] mask each) are what separates it "
+        "from the floor: onnxruntime runs each as kernels of their own, a compiler fuses "
+        "them into the products' loops. Their standard forms, us a step beyond a Scan's "
+        "carried sum (an Add of the same size):",
+        "",
+        "| mask | " + " | ".join(MASK_FORMS.values()) + " |",
+        "|---|" + "---:|" * len(MASK_FORMS),
+        *relu_rows,
+        "",
+        "graphkit writes `Cast(y > 0)` (and `Sign(y)` on at most 256 elements, "
+        "graphkit.static_shapes.SIGN_MASK_UP_TO). The one faster form, a `HardSigmoid` "
+        "of slope 2^127, is wrong for a subnormal y (0 < y < 2^-127 gives a mask below "
+        "1): not used. Compare the floor with the JAX row of this workload in RESULTS.md "
+        "(its `lax.scan` epoch fuses each mask into its product).",
         "",
         "## Max pooling in the 28x28 CNN (peers.py, batch 64)",
         "",
