@@ -442,6 +442,15 @@ GEMV_FUSED_UP_TO = 4096
 learning rate and the update (:func:`_gemms`): 1.77 us against 2.33 for 32 x 64, 6.77
 against 4.15 for 1000 x 10 (their Gemm, Mul and Add)."""
 
+GEMM_ABOVE = 65536
+"""Elements of a product of matrices with a transposed operand above which it runs as a
+``Gemm`` with a ``trans`` attribute rather than onnxruntime's ``FusedMatMul`` (what its
+optimizer makes of ``MatMul(Transpose(A), B)``). In a Scan, us a product, FusedMatMul
+against Gemm: 256 x 256 from 256 rows 116.5 / 115.6; 300 x 300 from 128, 95.3 / 87.5;
+512 x 512 from 128, 264.8 / 212.6; 784 x 512 from 128 (the MLP 784-512-512-10's first
+weight's gradient), 408.7 / 347.2; a transposed right operand, 512 x 512 from 128,
+237.4 / 185.4. On 10 x 10 the FusedMatMul is faster (0.7 / 1.1)."""
+
 SIGN_MASK_UP_TO = 256
 """Elements of a ReLU's output up to which its gradient's mask is ``Sign(y)`` rather
 than ``Cast(y > 0)`` (:func:`_fewer_kernels`): a kernel fewer, faster on small
@@ -710,9 +719,11 @@ def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> Non
       ``B^T A^T``, see ``transposed_product`` below (the gradient of a weight stored as
       [out, in], torch's Linear, then takes the next rewrites too);
     * ``MatMul(Transpose(A), B)`` of matrices (a weight's gradient, ``x^T dy``) that a
-      learning rate scales or that has one column: ``Gemm(A, B, transA=1)``
-      (onnxruntime's ``FusedMatMul`` with a transposed operand takes 0.5 us on 10 x 10,
-      its Gemm 0.33; elsewhere the two are level and the FusedMatMul stays);
+      learning rate scales, that has one column or more than :data:`GEMM_ABOVE`
+      elements: ``Gemm(A, B, transA=1)`` (onnxruntime's ``FusedMatMul`` with a
+      transposed operand takes 0.5 us on 10 x 10, its Gemm 0.33; on large products the
+      Gemm is faster, see :data:`GEMM_ABOVE`; elsewhere the two are level and the
+      FusedMatMul stays);
     * a Gemm without ``C`` times a scalar constant (the learning rate): its ``alpha``;
     * ``W + Gemm(...)`` of W's shape (the update): ``Gemm(..., C=W, beta=1)``.
 
@@ -837,8 +848,9 @@ def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> Non
             node.CopyFrom(product)
         elif node.op_type == "MatMul" and all(len(shapes.get(i, ())) == 2 for i in node.input):
             a, b = (transposed(i) for i in node.input)
+            out = shapes.get(node.output[0], ())
             if (a is None and b is None) or not (
-                shapes.get(node.output[0], ())[-1:] == (1,) or scaled(node.output[0])
+                out[-1:] == (1,) or scaled(node.output[0]) or math.prod(out) > GEMM_ABOVE
             ):
                 continue  # onnxruntime's FusedMatMul is as fast there
             gemm = onnx.helper.make_node(

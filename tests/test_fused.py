@@ -28,7 +28,7 @@ from graphkit._graph import all_graphs
 from graphkit.backends.ort_engine import inference_session
 from graphkit.backends.ort_training.folding import broadcast_gradient_args
 from graphkit.backends.ort_training.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
-from graphkit.static_shapes import specialize
+from graphkit.static_shapes import GEMM_ABOVE, specialize
 from graphkit.training import batches
 from graphkit.training.step import PACK_UP_TO_BYTES, PACKED, build_update_step
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
@@ -1121,6 +1121,47 @@ def test_the_transpose_of_a_matrix_product_is_one_gemm():
     a, b = rng.normal(size=(3, 5)).astype(np.float32), rng.normal(size=(5, 4)).astype(np.float32)
     (y,) = inference_session(static).run(None, {"a": a, "b": b})
     np.testing.assert_allclose(y, (a @ b).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shape, transposed, gemm",
+    [((300, 64, 300), "a", True), ((300, 64, 300), "b", True), ((256, 64, 256), "a", False)],
+)
+def test_a_large_product_of_a_transposed_matrix_is_a_gemm(shape, transposed, gemm):
+    """MatMul(Transpose(A), B) (or of B transposed) of more than GEMM_ABOVE elements:
+    one Gemm with the ``trans`` attribute (faster than onnxruntime's FusedMatMul there);
+    at GEMM_ABOVE elements the MatMul stays. numpy's values."""
+    m, k, n = shape
+    assert (m * n > GEMM_ABOVE) == gemm
+    f = TensorProto.FLOAT
+    a_shape, b_shape = ([k, m], [k, n]) if transposed == "a" else ([m, k], [n, k])
+    operands = ["at", "b"] if transposed == "a" else ["a", "bt"]
+    model = _model(
+        [
+            helper.make_node("Transpose", [transposed], [f"{transposed}t"], perm=[1, 0]),
+            helper.make_node("MatMul", operands, ["y"]),
+        ],
+        [
+            helper.make_tensor_value_info("a", f, a_shape),
+            helper.make_tensor_value_info("b", f, b_shape),
+        ],
+        [helper.make_tensor_value_info("y", f, [m, n])],
+    )
+    static = specialize(model, {})
+    onnx.checker.check_model(static, full_check=True)
+    kinds = [node.op_type for node in static.graph.node]
+    if gemm:
+        (node,) = static.graph.node
+        assert node.op_type == "Gemm"
+        flags = {a.name: a.i for a in node.attribute}
+        assert flags == {"transA": int(transposed == "a"), "transB": int(transposed == "b")}
+    else:
+        assert kinds == ["Transpose", "MatMul"], kinds
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=a_shape).astype(np.float32), rng.normal(size=b_shape).astype(np.float32)
+    (y,) = inference_session(static).run(None, {"a": a, "b": b})
+    expected = (a.T @ b) if transposed == "a" else (a @ b.T)
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("through_reshape", [False, True])
