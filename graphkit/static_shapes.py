@@ -28,9 +28,13 @@ the named inputs and folds what became constant:
   laid end to end, ``X^T DY`` (:meth:`_Simplifier.summed_product`);
 * :func:`_fewer_kernels` writes a squared error's sum of squares and its doubled
   gradient, and a small ReLU gradient's mask, one kernel each instead of two;
-* :func:`_gemms` writes a weight's gradient and its SGD update as one ``Gemm``, and the
-  transpose of a product as the product of the transposes (a transformer's native step:
-  5140 -> 4970 us a batch, 47 -> 25 Transposes in the graph onnxruntime receives);
+* :func:`_gemms` writes a weight's gradient and its SGD update as one ``Gemm``, a large
+  product of a transposed matrix as a ``Gemm`` with its ``trans`` attribute
+  (:data:`GEMM_ABOVE`), and the transpose of a product as the product of the transposes
+  (a transformer's native step: 5140 -> 4970 us a batch, 47 -> 25 Transposes in the
+  graph onnxruntime receives);
+* :func:`graphkit.decay_factors.gather_decay` writes a decoupled weight decay's update
+  (AdamW's) with its scalar factors gathered: two passes over the weights fewer;
 * :meth:`_Simplifier.squeeze_units` runs each ``Transpose`` and each reduction
   (``ReduceSum``, ``ReduceMean``...) of a tensor with axes of size 1 (a gradient
   source's seed axis, ``[N, C, H, W, 1]``) on the tensor without them, between two
@@ -40,7 +44,9 @@ the named inputs and folds what became constant:
 
 onnxscript's *rewrite rules* are deliberately not applied: they treat a constant within
 1e-8 of zero as zero (``x + 1e-8 -> x``), which deletes Adam's epsilon. Folding only
-evaluates what the graph computes, so the specialized graph computes the same values.
+evaluates what the graph computes, so the specialized graph computes the same values;
+the rewrites above compute the same formulas, and only the gathered decay rounds in
+another order (torch's).
 """
 
 from __future__ import annotations
