@@ -24,7 +24,13 @@ with a model instead:
 5. AdamW's update on a large model (the MLP 784-512-512-10 of ``peers.py``): graphkit's
    AdamW step against its SGD step, and the fewest standard kernels AdamW needs (13
    passes over all the weights, laid end to end), timed alone in a Scan.
-6. The 28x28 CNN of ``peers.py``: its max poolings' forward and gradient in the forms
+6. Where a large step's time goes: peers.py's workloads of a millisecond and more under
+   onnxruntime's profiler, by group of kernels.
+7. The MLP 100-256-256-1 of ``peers.py``, SGD and AdamW: graphkit's step against the
+   fewest standard kernels it needs, written by hand (:func:`hand_written_mlp`, which
+   also writes item 3's hand-written floors), and the standard forms of a ReLU
+   gradient's mask.
+8. The 28x28 CNN of ``peers.py``: its max poolings' forward and gradient in the forms
    onnxruntime offers (MaxPool with and without its indices, the scatter and the
    ``MaxUnpool`` that send the gradient back, a nearest upsampling, and an exact
    gradient that does without the indices).
@@ -137,169 +143,34 @@ def optimized_body_kernels(model: onnx.ModelProto) -> collections.Counter:
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 
 
-def hand_written_epoch(batch: int, batches: int, optimizer: str) -> onnx.ModelProto:
-    """The fewest standard-ONNX kernels a step of the MLP 10-10-1 (ReLU, mean squared
-    error) needs for ``optimizer``, written by hand, as the body of a Scan: what
-    onnxruntime can do at best on this step, whatever graphkit writes.
-
-    * ``sgd``: the learning rate is folded into the output's gradient once, so that
-      every weight's gradient and update is one Gemm (``beta=1`` adds the old weight)
-      or a MatMul and an Add (biases).
-    * ``adamw``: the weights, moments and gradients laid end to end (one ``Split`` and
-      two ``Reshape`` give the layers their weights, two ``Reshape`` and a ``Concat``
-      pack the gradients), the update in the 13 passes of :data:`ADAMW_PASSES`; its
-      step-counter scalars (``lr sqrt(c2) / c1`` and ``eps sqrt(c2)``) computed before
-      the epoch and handed to each step by the Scan, as graphkit does.
-    """
-    import run as bench
-
-    f = TensorProto.FLOAT
-
-    def value(name: str, shape: list, elem: int = f) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, elem, shape)
-
-    def node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
-        return helper.make_node(op, inputs, [output], **attributes)
-
-    sgd = optimizer == "sgd"
-    # d loss / dY = 2 d / N (times -lr for SGD, whose updates add it)
-    scale = -2.0 * bench.LR_SGD / batch if sgd else 2.0 / batch
-    constants = {
-        "scale": np.array(scale, np.float32),
-        "mean": np.array(1.0 / batch, np.float32),
-        "ones": np.ones(batch, np.float32),
-    }
-    nodes = [
-        node("Gemm", ["X", "W1", "b1"], "pre"),
-        node("Relu", ["pre"], "h"),
-        node("Gemm", ["h", "W2", "b2"], "Y"),
-        node("Sub", ["Y", "label"], "d"),
-        node("ReduceSumSquare", ["d"], "squares", keepdims=0),
-        node("Mul", ["squares", "mean"], "loss"),
-        node("Add", ["loss_sum", "loss"], "loss_sum.next"),
-        node("Mul", ["d", "scale"], "g"),
-        node("Gemm", ["g", "W2"], "dh", transB=1),
-        node("Sign", ["h"], "active"),  # ReLU's derivative: h > 0
-        node("Mul", ["dh", "active"], "dpre"),
-        node("MatMul", ["ones", "g"], "db2"),
-        node("MatMul", ["ones", "dpre"], "db1"),
-    ]
-    if sgd:
-        nodes += [
-            node("Gemm", ["h", "g", "W2"], "W2.next", transA=1),
-            node("Add", ["b2", "db2"], "b2.next"),
-            node("Gemm", ["X", "dpre", "W1"], "W1.next", transA=1),
-            node("Add", ["b1", "db1"], "b1.next"),
-        ]
-        carried = [("W1", [10, 10]), ("b1", [10]), ("W2", [10, 1]), ("b2", [1])]
-        counters = []
-    else:
-        b1, b2 = ADAM_BETAS
-        constants |= {
-            "sizes": np.array([100, 10, 10, 1], np.int64),
-            "W1_shape": np.array([10, 10], np.int64),
-            "W2_shape": np.array([10, 1], np.int64),
-            "flat": np.array([-1], np.int64),
-            "one_minus_b1": np.array(1 - b1, np.float32),
-            "one_minus_b2": np.array(1 - b2, np.float32),
-            "decay": np.array(1 - bench.LR_ADAM * bench.WEIGHT_DECAY, np.float32),
-        }
-        unpack = [
-            helper.make_node("Split", ["p", "sizes"], ["W1_flat", "b1", "W2_flat", "b2"]),
-            node("Reshape", ["W1_flat", "W1_shape"], "W1"),
-            node("Reshape", ["W2_flat", "W2_shape"], "W2"),
-        ]
-        nodes = unpack + nodes
-        nodes += [
-            node("Gemm", ["h", "g"], "dW2", transA=1),
-            node("Gemm", ["X", "dpre"], "dW1", transA=1),
-            node("Reshape", ["dW1", "flat"], "dW1_flat"),
-            node("Reshape", ["dW2", "flat"], "dW2_flat"),
-            node("Concat", ["dW1_flat", "db1", "dW2_flat", "db2"], "grad", axis=0),
-            node("Sub", ["grad", "m"], "d1"),
-            node("Mul", ["d1", "one_minus_b1"], "e1"),
-            node("Add", ["m", "e1"], "m.next"),
-            node("Mul", ["grad", "grad"], "g2"),
-            node("Sub", ["g2", "v"], "d2"),
-            node("Mul", ["d2", "one_minus_b2"], "e2"),
-            node("Add", ["v", "e2"], "v.next"),
-            node("Sqrt", ["v.next"], "root"),
-            node("Add", ["root", "eps_t"], "denominator"),
-            node("Div", ["m.next", "denominator"], "direction"),
-            node("Mul", ["p", "decay"], "decayed"),
-            node("Mul", ["direction", "rate_t"], "step"),
-            node("Sub", ["decayed", "step"], "p.next"),
-        ]
-        carried = [("p", [121]), ("m", [121]), ("v", [121])]
-        counters = [("rate_t", "rates"), ("eps_t", "epsilons")]
-    carried.append(("loss_sum", []))
-    scanned = [("X", "Xs", [batch, 10]), ("label", "labels", [batch, 1])]
-    scanned += [(inner, outer, []) for inner, outer in counters]
-    body = helper.make_graph(
-        nodes,
-        f"{optimizer}_step",
-        [*(value(n, s) for n, s in carried), *(value(n, s) for n, _, s in scanned)],
-        [value(f"{n}.next", s) for n, s in carried],
-        [numpy_helper.from_array(v, k) for k, v in constants.items()],
-    )
-    scan = helper.make_node(
-        "Scan",
-        [*(n for n, _ in carried), *(outer for _, outer, _ in scanned)],
-        [f"{n}.final" for n, _ in carried],
-        body=body,
-        num_scan_inputs=len(scanned),
-    )
-    graph = helper.make_graph(
-        [scan],
-        f"{optimizer}_epoch",
-        [
-            *(value(n, s) for n, s in carried),
-            *(value(outer, [batches, *s]) for _, outer, s in scanned),
-        ],
-        [value(f"{n}.final", s) for n, s in carried],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    onnx.checker.check_model(model, full_check=True)
-    return model
+SMALL_MLP = "MLP 10-10-1, batch 10"
+"""run.py's workload whose steps the small-batch floors are written for."""
 
 
-def hand_written_feeds(batches: int, optimizer: str) -> dict[str, np.ndarray]:
-    """The hand-written epoch's inputs: run.py's MLP 10-10-1 data and initial weights
-    (laid end to end for AdamW, its moments zero, its counter scalars for steps 1, 2...)."""
-    import run as bench
+def workload_spec(name: str, optimizer: str, folder: Path):
+    """peers.py's workload whose name starts with ``name`` (run.py's, for the small
+    ones: the same data and weights) as a contender reads it, written to ``folder``."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
+    import peers
+    import spec as specs
 
-    workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
-    batch, weights = workload.batch_size, workload.weights
-    feeds = {
-        "loss_sum": np.array(0, np.float32),
-        "Xs": workload.X[: batches * batch].reshape(batches, batch, 10),
-        "labels": workload.y[: batches * batch].reshape(batches, batch, 1),
-    }
-    if optimizer == "sgd":
-        return feeds | {k: v.copy() for k, v in weights.items()}
-    packed = np.concatenate([weights[k].ravel() for k in ("W1", "b1", "W2", "b2")])
-    t = np.arange(1, batches + 1, dtype=np.float64)
-    c1, c2 = 1 - ADAM_BETAS[0] ** t, 1 - ADAM_BETAS[1] ** t
-    return feeds | {
-        "p": packed,
-        "m": np.zeros_like(packed),
-        "v": np.zeros_like(packed),
-        "rates": (bench.LR_ADAM * np.sqrt(c2) / c1).astype(np.float32),
-        "epsilons": (ADAM_EPS * np.sqrt(c2)).astype(np.float32),
-    }
+    workload = next(w for w in peers.workloads(quick=False) if w.name.startswith(name))
+    if not (folder / "w").exists():
+        workload.write(folder / "w")
+    return specs.load(folder / "w", optimizer)
 
 
 def hand_written_row(
     scan: float, kernel: float, optimizer: str
 ) -> tuple[str, dict[str, np.ndarray]]:
-    """The hand-written step's table row, and its weights after one epoch (checked
-    against graphkit's own epoch by the caller)."""
-    import run as bench
-
-    workload = next(w for w in bench.workloads(False) if w.name == "MLP 10-10-1, batch 10")
-    batches = len(workload.X) // workload.batch_size
-    model = hand_written_epoch(workload.batch_size, batches, optimizer)
-    feeds = hand_written_feeds(batches, optimizer)
+    """The hand-written step of :data:`SMALL_MLP` (:func:`hand_written_mlp`): its table
+    row, and its weights after one epoch (checked against graphkit's own epoch by the
+    caller)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = workload_spec(SMALL_MLP, optimizer, Path(tmp))
+    batches = len(spec.X) // spec.batch_size
+    model = hand_written_mlp(spec, batches, optimizer)
+    feeds = _hand_written_mlp_feeds(spec, batches)
     # the best of three sessions: one session in two ran 1.6x slower throughout, here
     seconds = float("inf")
     for _ in range(3):
@@ -307,12 +178,7 @@ def hand_written_row(
             model.SerializeToString(), providers=["CPUExecutionProvider"]
         )
         seconds = min(seconds, best_of(lambda s=session: s.run(None, feeds)))
-    names = [o.name.removesuffix(".final") for o in session.get_outputs()]
-    after = dict(zip(names, session.run(None, feeds)))
-    if optimizer != "sgd":
-        sizes = {"W1": (10, 10), "b1": (10,), "W2": (10, 1), "b2": (1,)}
-        parts = np.split(after["p"], np.cumsum([math.prod(s) for s in sizes.values()])[:-1])
-        after = {k: part.reshape(shape) for (k, shape), part in zip(sizes.items(), parts)}
+    after = _hand_written_weights(spec, session, feeds)
     kernels = optimized_body_kernels(model)
     total = sum(kernels.values())
     measured = seconds * 1e6 / batches
@@ -930,7 +796,8 @@ def hand_written_mlp(
     """The fewest standard kernels a step of ``spec``'s MLP (dense layers, ReLU between,
     mean squared error) needs, as the body of a Scan over ``batches`` full batches: each
     layer's forward one Gemm (onnxruntime fuses the ReLU into it), each bias's gradient
-    a MatMul by ones, each ReLU's gradient in its fastest exact form (:func:`mask_rows`).
+    a MatMul by a vector of ones, each ReLU's gradient in its fastest exact form
+    (:func:`mask_rows`; ``Sign(y)`` on at most 256 elements).
 
     * ``sgd``: the learning rate folded into the output's gradient once, each weight's
       gradient and update one Gemm (``beta=1`` adds the old weight), each bias's an Add.
@@ -951,7 +818,7 @@ def hand_written_mlp(
     constants = {
         "scale": np.array((-2.0 * spec.lr if sgd else 2.0) / batch, np.float32),
         "mean": np.array(1.0 / batch, np.float32),
-        "ones": np.ones((1, batch), np.float32),
+        "ones": np.ones(batch, np.float32),  # a bias's gradient: ones @ dy, 1-D
         "zero": np.array(0, np.float32),
         "one": np.array(1, np.float32),
         "flat": np.array([-1], np.int64),
@@ -988,13 +855,11 @@ def hand_written_mlp(
         if sgd:
             nodes.append(make("Gemm", [below, grad, W], [f"{W}.next"], transA=1))
             nodes.append(make("MatMul", ["ones", grad], [f"{b}/step"]))
-            nodes.append(make("Reshape", [f"{b}/step", "flat"], [f"{b}/flat_step"]))
-            nodes.append(make("Add", [b, f"{b}/flat_step"], [f"{b}.next"]))
+            nodes.append(make("Add", [b, f"{b}/step"], [f"{b}.next"]))
         else:
             nodes.append(make("Gemm", [below, grad], [f"{W}/grad"], transA=1))
             nodes.append(make("Reshape", [f"{W}/grad", "flat"], [f"{W}/flat_grad"]))
-            nodes.append(make("MatMul", ["ones", grad], [f"{b}/grad"]))
-            nodes.append(make("Reshape", [f"{b}/grad", "flat"], [f"{b}/flat_grad"]))
+            nodes.append(make("MatMul", ["ones", grad], [f"{b}/flat_grad"]))
         if k == 0:
             continue
         nodes.append(make("Gemm", [grad, W], [f"g_{below}"], transB=1))
@@ -1112,18 +977,14 @@ def large_mlp_floor_rows() -> tuple[dict[str, list[str]], int]:
     without its ReLU gradients), all in this process, the hand-written steps checked
     against numpy. Returns the rows by optimizer and the batches timed."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
-    import peers
-    import spec as specs
     from graphkit_peer import make
 
     from graphkit import backends
 
-    workload = next(w for w in peers.workloads(quick=False) if w.name.startswith(LARGE_MLP))
     rows: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        workload.write(Path(tmp) / "w")
         for optimizer in ("sgd", "adamw"):
-            spec = specs.load(Path(tmp) / "w", optimizer)
+            spec = workload_spec(LARGE_MLP, optimizer, Path(tmp))  # graphkit reads its model
             batches = len(spec.X) // spec.batch_size  # full batches
             rows[optimizer] = found = []
             for backend in [b.name for b in backends.available() if b.installed]:
@@ -1177,6 +1038,18 @@ numpy: AdamW's float32 rounding, amplified where ``v`` is small, takes its weigh
 from float64's over the 195 batches of an epoch, 3e-4 over 20."""
 
 
+def _hand_written_weights(spec, session, feeds) -> dict[str, np.ndarray]:
+    """The weights after the hand-written epoch, by name (AdamW's unpacked)."""
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    dense = [layer for layer in spec.arch["layers"] if layer["op"] == "dense"]
+    names = [k for layer in dense for k in (layer["W"], layer["b"])]
+    if spec.optimizer == "sgd":
+        return {k: outputs[f"{k}.final"] for k in names}
+    offsets = np.cumsum([spec.weights[k].size for k in names])[:-1]
+    parts = np.split(outputs["p.final"], offsets)
+    return {k: part.reshape(spec.weights[k].shape) for k, part in zip(names, parts)}
+
+
 def _check_hand_written_mlp(spec, optimizer: str) -> None:
     """The hand-written epoch of :data:`CHECKED_BATCHES` against numpy's in float64:
     its mean batch loss to 1e-4 relative, its weights to 2e-3."""
@@ -1185,16 +1058,11 @@ def _check_hand_written_mlp(spec, optimizer: str) -> None:
     expected, loss = numpy_mlp(spec, batches)
     model = hand_written_mlp(spec, batches, optimizer)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    np.testing.assert_allclose(outputs["loss_sum.final"] / batches, loss, rtol=1e-4)
-    if optimizer != "sgd":
-        dense = [layer for layer in spec.arch["layers"] if layer["op"] == "dense"]
-        names = [k for layer in dense for k in (layer["W"], layer["b"])]
-        sizes = np.cumsum([expected[k].size for k in names])[:-1]
-        parts = np.split(outputs["p.final"], sizes)
-        outputs = {f"{k}.final": v.reshape(expected[k].shape) for k, v in zip(names, parts)}
+    (total,) = session.run(["loss_sum.final"], feeds)
+    np.testing.assert_allclose(total / batches, loss, rtol=1e-4)
+    weights = _hand_written_weights(spec, session, feeds)
     for name, value in expected.items():
-        np.testing.assert_allclose(outputs[f"{name}.final"], value, rtol=2e-3, atol=2e-3)
+        np.testing.assert_allclose(weights[name], value, rtol=2e-3, atol=2e-3)
 
 
 def main() -> None:
