@@ -203,19 +203,22 @@ def _gathered(
     (onnxruntime broadcasts a lower-rank one element at a time)."""
     p, dtype = found.p, constants[found.wd].dtype
     nodes: list[onnx.NodeProto] = []
-    ranks = {name: len(shape) for name, shape in finder.shapes.items()}
+    made: dict[str, int] = {}  # the ranks of the tensors made here
+
+    def rank_of(name: str) -> int:
+        return made[name] if name in made else len(finder.shapes[name])
 
     def node(op: str, inputs: list[str], base: str, out_rank: int = rank) -> str:
         out = fresh_name(base, taken)
         nodes.append(helper.make_node(op, inputs, [out]))
-        ranks[out] = out_rank
+        made[out] = out_rank
         return out
 
     def initializer(value: np.ndarray, base: str, shape: list[int]) -> str:
         name = fresh_name(base, taken)
         array = np.asarray(value, np.float64).astype(dtype).reshape(shape)
         graph.initializer.append(numpy_helper.from_array(array, name))
-        ranks[name] = len(shape)
+        made[name] = len(shape)
         return name
 
     def scalar(name: str) -> str | np.ndarray:
@@ -234,12 +237,12 @@ def _gathered(
         if not isinstance(a, str) and not isinstance(b, str):
             return np.asarray(a * b)
         a, b = (x if isinstance(x, str) else initializer(x, f"{base}/factor", []) for x in (a, b))
-        return node("Mul", [a, b], base, max(ranks[a], ranks[b]))
+        return node("Mul", [a, b], base, max(rank_of(a), rank_of(b)))
 
     def at_rank(value: str | np.ndarray, base: str) -> str:
         if not isinstance(value, str):
             return initializer(value, base, [1] * rank)
-        if ranks[value] < rank:
+        if rank_of(value) < rank:
             shape = fresh_name(f"{base}/shape", taken)
             graph.initializer.append(numpy_helper.from_array(np.ones(rank, np.int64), shape))
             return node("Reshape", [value, shape], base)
@@ -251,7 +254,7 @@ def _gathered(
         kept = np.asarray(1 + kept)
     else:
         one = initializer(np.ones(()), f"{p}/one", [])
-        kept = node("Add", [one, kept], f"{p}/kept", ranks[kept])
+        kept = node("Add", [one, kept], f"{p}/kept", rank_of(kept))
     decayed = node("Mul", [p, at_rank(kept, f"{p}/kept")], f"{p}/decayed")
     if found.numerator is not None:
         s, m, r = found.numerator
