@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import math
 import platform
@@ -58,6 +59,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))  # peers.py's workloads
 
 ITERATIONS = 1000
 
@@ -147,14 +149,25 @@ SMALL_MLP = "MLP 10-10-1, batch 10"
 """run.py's workload whose steps the small-batch floors are written for."""
 
 
+@functools.cache
+def peer_workloads() -> tuple:
+    """peers.py's workloads, built once (2.5 s: their data, their graphs exported)."""
+    import peers
+
+    return tuple(peers.workloads(quick=False))
+
+
+def peer_workload(name: str):
+    """The one of :func:`peer_workloads` whose name starts with ``name``."""
+    return next(w for w in peer_workloads() if w.name.startswith(name))
+
+
 def workload_spec(name: str, optimizer: str, folder: Path):
     """peers.py's workload whose name starts with ``name`` (run.py's, for the small
     ones: the same data and weights) as a contender reads it, written to ``folder``."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
-    import peers
     import spec as specs
 
-    workload = next(w for w in peers.workloads(quick=False) if w.name.startswith(name))
+    workload = peer_workload(name)
     if not (folder / "w").exists():
         workload.write(folder / "w")
     return specs.load(folder / "w", optimizer)
@@ -440,13 +453,11 @@ def adamw_rows() -> tuple[list[str], int, dict[str, tuple[float, float]]]:
     """graphkit's AdamW and SGD steps on the MLP 784-512-512-10 (each backend, one run
     per epoch), and the floor: ``(rows, weights, {layout: (us per pass, us per 13-kernel
     update)})``, the weights laid end to end or one tensor each."""
-    import peers
-
     import graphkit as gk
     from graphkit import backends, optimizers
     from graphkit_train import OrtGradientOptimizer
 
-    workload = peers.mlp784(quick=False)
+    workload = peer_workload("MLP 784")
     size = sum(w.size for w in workload.weights.values())
     rows = []
     for backend in [b.name for b in backends.available() if b.installed]:
@@ -485,7 +496,7 @@ def adamw_rows() -> tuple[list[str], int, dict[str, tuple[float, float]]]:
         "MLP 784-512-512-10, one tensor per weight (as graphkit updates it)": adamw_floor(sizes),
     }
     # the MLP 100-256-256-1's 91,905 weights, which graphkit packs (under 512 KiB)
-    large = next(w for w in peers.workloads(quick=False) if w.name.startswith("MLP 100-256"))
+    large = peer_workload("MLP 100-256")
     total = sum(w.size for w in large.weights.values())
     floors["MLP 100-256-256-1, laid end to end (as graphkit updates it)"] = adamw_floor(
         [total], steps=300
@@ -574,9 +585,7 @@ POOLING_FORMS = {
 
 def pooling_rows() -> list[str]:
     """The pooling forms of :func:`pooling_graph` at the 28x28 CNN's two poolings, us."""
-    import peers
-
-    workload = next(w for w in peers.workloads(False) if w.name.startswith("CNN 2x"))
+    workload = peer_workload("CNN 2x")
     rng = np.random.default_rng(0)
     pool_rows = []
     for shape in ((workload.batch_size, 16, 28, 28), (workload.batch_size, 32, 14, 14)):
@@ -629,8 +638,6 @@ def large_step_rows() -> list[str]:
     the table is for."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
-    import peers
     import spec as specs
     from graphkit_peer import make
 
@@ -638,7 +645,7 @@ def large_step_rows() -> list[str]:
     from graphkit.backends import ort_engine
 
     rows = []
-    for workload in peers.workloads(quick=False):
+    for workload in peer_workloads():
         if not any(workload.name.startswith(n) for n in LARGE_WORKLOADS):
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -976,7 +983,6 @@ def large_mlp_floor_rows() -> tuple[dict[str, list[str]], int]:
     (one run per epoch, each backend) against :func:`hand_written_mlp` (for SGD also
     without its ReLU gradients), all in this process, the hand-written steps checked
     against numpy. Returns the rows by optimizer and the batches timed."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "contenders"))
     from graphkit_peer import make
 
     from graphkit import backends
