@@ -14,6 +14,7 @@ from conftest import INSTALLED_BACKENDS, export_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
+from zoo.models import torch_export
 
 import graphkit as gk
 from graphkit import optimizers, schedules
@@ -141,18 +142,31 @@ def test_left_alone_where_the_decay_is_computed():
 
 
 @pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "per-weight"])
-@pytest.mark.parametrize("rate", ["constant", "exponential"])
-def test_adamw_epoch_matches_torch(backend, packed, rate, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "packed, rate, dynamo",
+    [
+        (True, "constant", False),
+        (True, "exponential", False),
+        (False, "constant", False),
+        (False, "exponential", False),
+        (True, "exponential", True),
+        (False, "constant", True),
+    ],
+)
+def test_adamw_epoch_matches_torch(backend, packed, rate, dynamo, monkeypatch, tmp_path):
     """AdamW trained a fused epoch at a time (its weights carried laid end to end or one
-    tensor each, its learning rate fixed or a schedule) against torch.optim.AdamW on the
-    same network and batches; the epoch's step gathered its decay."""
+    tensor each, its learning rate fixed or a schedule; the network exported by either
+    torch exporter) against torch.optim.AdamW on the same network and batches; the
+    epoch's step gathered its decay."""
     torch = pytest.importorskip("torch")
     if not packed:
         monkeypatch.setattr(step_module, "PACK_UP_TO_BYTES", 0)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    onx = export_torch(net, tmp_path / "net.onnx", 4)
+    if dynamo:
+        onx = torch_export(net, np.zeros((2, 4), np.float32), dynamo=True)
+    else:
+        onx = export_torch(net, tmp_path / "net.onnx", 4)
     rng = np.random.default_rng(0)
     X = rng.normal(size=(64, 4)).astype(np.float32)
     y = rng.normal(size=64).astype(np.float32)
