@@ -213,6 +213,20 @@ class _Uses:
                     return True
         return False
 
+    def reaches(self, node: onnx.NodeProto, targets: set[str]) -> bool:
+        """Whether a result of ``node`` flows, through any readers, into ``targets``."""
+        names, seen = list(node.output), set()
+        while names:
+            name = names.pop()
+            if name in targets:
+                return True
+            if name in seen:
+                continue
+            seen.add(name)
+            for reader, _ in self.readers.get(name, []):
+                names.extend(reader.output)
+        return False
+
     def _source(self, name: str) -> onnx.NodeProto | None:
         seen = set()
         while name in self.producer and name not in seen:
@@ -251,7 +265,9 @@ def explain(onx: onnx.ModelProto) -> dict[str, str]:
     return report
 
 
-def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelProto:
+def untie_constants(
+    onx: onnx.ModelProto, trained: Iterable[str], loss_outputs: Iterable[str] = ()
+) -> onnx.ModelProto:
     """A copy where a trained initializer no longer feeds constant roles.
 
     Exporters merge initializers with equal values: torch's TorchScript exporter writes a
@@ -259,9 +275,16 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
     ``weight`` would then move the running statistics too. Each constant-role reader of
     a trained initializer reads a frozen copy instead; parameter readers stay tied
     (tied embeddings keep training together).
+
+    A reader whose results reach no output but ``loss_outputs`` is a term of the loss
+    written on the weight itself, a penalty (``add_loss_output(..., penalty=...)``
+    writes ``l2 * ReduceSum(w * w)``): it stays tied, or the penalty would be computed
+    on the initial weights and never trained.
     """
     trained = set(trained)
     uses = _Uses(onx.graph)
+    losses = set(loss_outputs)
+    outputs = {o.name for o in onx.graph.output}
     model = onnx.ModelProto()
     model.CopyFrom(onx)
     taken = graph_names(model.graph)
@@ -273,6 +296,8 @@ def untie_constants(onx: onnx.ModelProto, trained: Iterable[str]) -> onnx.ModelP
                 continue  # read inside a subgraph: left tied
             roles = [role for role, _, _ in uses.edge_roles(node, position)]
             if roles and all(role == "constant" for role in roles):
+                if losses and not uses.reaches(node, outputs - losses):
+                    continue  # a loss term on the weight itself: a penalty
                 direct_constant_readers.append((node, position))
         if not direct_constant_readers or all(
             role == "constant" for role, _, _ in uses.roles(name)

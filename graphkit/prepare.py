@@ -32,7 +32,13 @@ from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
-from graphkit.rewrite import check_weight_names, float_initializers, get_train_initializer
+from graphkit.rewrite import (
+    META_LOSS,
+    check_weight_names,
+    float_initializers,
+    get_train_initializer,
+    metadata,
+)
 
 
 def prepare_for_training(
@@ -40,6 +46,7 @@ def prepare_for_training(
     weights_to_train: Sequence[str] | str | None,
     backend: str | None = None,
     untie_shared_weights: bool = True,
+    loss_output_name: str | None = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(rewritten model, weights to train)`` for a user's prediction or training graph.
 
@@ -47,12 +54,15 @@ def prepare_for_training(
     the rewrites above are applied, the last ones by ``backend`` (None: the default).
     With ``untie_shared_weights``, a weight read by several parameter slots (an
     exporter's merge of equal initializers) becomes one weight per slot
-    (:func:`graphkit.parameters.untie_shared_parameters`).
+    (:func:`graphkit.parameters.untie_shared_parameters`). ``loss_output_name`` (None:
+    the one :func:`graphkit.add_loss_output` recorded, if any) names a training graph's
+    loss, whose own terms on a weight (a penalty) keep reading the trained weight.
     """
     model = gathers_as_split(linear_models_as_standard_ops(compatible_for_training(model)))
     refuse_training_mode(model)
     weights = trainable_weights(model, weights_to_train)
-    model = untie_constants(model, weights)
+    loss = loss_output_name or metadata(model).get(META_LOSS)
+    model = untie_constants(model, weights, [loss] if loss else [])
     if untie_shared_weights:
         model, weights = untie_shared_parameters(model, weights)
     return backends.get(backend).prepare(model), weights

@@ -55,7 +55,7 @@ class TrainingProblem:
         are chosen here, once (None: the model's parameters that the loss depends on,
         never its constants)."""
         prepared, weights = prepare_for_training(
-            model, weights_to_train, backend, untie_shared_weights
+            model, weights_to_train, backend, untie_shared_weights, loss_output_name
         )
         if weights_to_train is None:  # the parameters of another output's head stay put
             weights = reaching(prepared, weights, [loss_output_name])
