@@ -22,7 +22,12 @@ graph:
     * as an **affine scale or shift**: an operand of ``Mul`` or ``Add`` after a
       normalization (:data:`NORMALIZATIONS`): torch's GroupNorm exports as
       InstanceNormalization over the groups, then ``Mul`` and ``Add`` by its weight and
-      bias (the InstanceNormalization's own ones and zeros are then constants).
+      bias (the InstanceNormalization's own ones and zeros are then constants); or
+      after a normalization written out in arithmetic, ``x`` times or divided by a
+      function of a mean of ``x``'s powers (:data:`NORMALIZING_MATH`): an RMSNorm
+      (``x * rsqrt(mean(x^2) + eps)``, torch's ``nn.RMSNorm`` by dynamo, Llama's and
+      T5's norms by both exporters) or a LayerNorm spelled out by an older exporter.
+      A scalar operand there stays a constant (a fixed factor, not a per-feature scale).
 
     Every other float initializer is a **constant**.
 
@@ -32,6 +37,7 @@ Any float initializer can still be trained by naming it in ``weights_to_train``.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -74,6 +80,15 @@ NORMALIZATIONS = frozenset(
 )
 """Operators after which a ``Mul``/``Add`` operand is an affine scale or shift."""
 
+NORMALIZING_MATH = frozenset(
+    {"Add", "Sub", "Sqrt", "Reciprocal", "Pow", "Div", "Mul", "Max", "Clip", "Expand"}
+)
+"""What lies between a mean of a tensor's powers and the factor that normalizes the
+tensor (``rsqrt(mean(x^2) + eps)``, ``sqrt(var + eps)``)."""
+
+MEANS = frozenset({"ReduceMean", "ReduceSumSquare", "ReduceL2"})
+"""Reductions a normalization written in arithmetic takes of its input."""
+
 LAYOUT_OPS: dict[str, tuple[int, ...]] = {
     "Identity": (0,),
     "Cast": (0,),
@@ -108,6 +123,9 @@ class _Uses:
         self.readers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
         self.producer: dict[str, onnx.NodeProto] = {}
         self.index: dict[int, int] = {}  # id of a main-graph node object -> its position
+        self.scalars = {
+            init.name for init in graph.initializer if math.prod(init.dims) <= 1
+        }  # at most one value: a fixed factor wherever it is read
         for i, node in enumerate(graph.node):
             # one pass: protobuf hands out a new wrapper object at every access, so the
             # node kept in ``readers`` must be the one whose id is indexed
@@ -162,7 +180,10 @@ class _Uses:
         if standard and node.op_type in ("Add", "Mul") and len(node.input) == 2:
             other = node.input[1 - position]
             bias = node.op_type == "Add" and self.linear(other)
-            role = "parameter" if bias or self.normalized(other) else "constant"
+            affine = self.normalized(other) and self.origin(node.input[position]) not in (
+                self.scalars
+            )
+            role = "parameter" if bias or affine else "constant"
             return [(role, node, position)]
         return [("constant", node, position)]
 
@@ -193,11 +214,60 @@ class _Uses:
         source = self._source(name)
         if source is None:
             return False
-        if source.op_type in NORMALIZATIONS:
+        if source.op_type in NORMALIZATIONS or self.normalizes(source):
             return True
         return source.op_type == "Mul" and any(
-            self.source_op(i) in NORMALIZATIONS for i in source.input
+            self.source_op(i) in NORMALIZATIONS
+            or (self._source(i) is not None and self.normalizes(self._source(i)))  # type: ignore[arg-type]
+            for i in source.input
         )
+
+    def normalizes(self, node: onnx.NodeProto) -> bool:
+        """Whether ``node`` is a normalization written in arithmetic: ``x * f`` or
+        ``x / f`` where ``f`` comes, through :data:`NORMALIZING_MATH`, from a mean
+        (:data:`MEANS`) of ``x`` or of a power of ``x`` (``x * x``, ``Pow(x, 2)``)."""
+        if node.op_type not in ("Mul", "Div") or len(node.input) != 2:
+            return False
+        pairs = [(node.input[0], node.input[1])]
+        if node.op_type == "Mul":
+            pairs.append((node.input[1], node.input[0]))
+        return any(self._mean_of(factor, self.origin(x)) for x, factor in pairs)
+
+    def _mean_of(self, factor: str, x: str, depth: int = 8) -> bool:
+        """Whether ``factor`` is computed from a mean of ``x``'s powers (a few nodes of
+        :data:`NORMALIZING_MATH` at most)."""
+        names = [(factor, 0)]
+        while names:
+            name, steps = names.pop()
+            node = self.producer.get(name)
+            if node is None or steps > depth:
+                continue
+            if node.op_type in MEANS and node.input:
+                reduced = self.producer.get(self.origin(node.input[0]))
+                powers = (
+                    [self.origin(i) for i in reduced.input[:1 if reduced.op_type == "Pow" else 2]]
+                    if reduced is not None and reduced.op_type in ("Pow", "Mul")
+                    else []
+                )
+                if x == self.origin(node.input[0]) or (powers and set(powers) == {x}):
+                    return True
+            elif node.op_type in NORMALIZING_MATH or node.op_type in LAYOUT_OPS:
+                names.extend((i, steps + 1) for i in node.input if i)
+            elif node.op_type == "CastLike":
+                names.append((node.input[0], steps + 1))
+        return False
+
+    def origin(self, name: str) -> str:
+        """``name`` with the layout operators that produced it looked through (a
+        ``Cast`` to float32 and back, an ``Identity``)."""
+        seen = set()
+        while name in self.producer and name not in seen:
+            seen.add(name)
+            node = self.producer[name]
+            if node.op_type not in LAYOUT_OPS and node.op_type != "CastLike":
+                break
+            name = node.input[0]
+        return name
 
     def feeds_an_affine(self, node: onnx.NodeProto) -> bool:
         """Whether ``node``'s output, through layout operators, is multiplied: both
