@@ -289,6 +289,34 @@ def test_warm_start_continues_exactly(data):
     assert split.train_losses_ == five.train_losses_
 
 
+@pytest.mark.parametrize("changed", ["schedule", "optimizer"])
+def test_warm_start_continues_after_a_parameter_that_rebuilds(data, changed):
+    """A new learning rate (or optimizer) between fits rebuilds the step; warm_start=True
+    still continues from the weights of the last fit (numpy's SGD), never from the
+    initial ones."""
+    X, y = data
+    trainer = gk_trainer = OrtGradientOptimizer(
+        gk.add_loss_output(zero_linear()), max_iter=2, batch_size=len(X), learning_rate=0.01,
+        shuffle=False,
+    ).fit(X, y)  # fmt: skip
+    before = gk_trainer.get_state()
+    if changed == "schedule":
+        trainer.set_params(learning_rate=0.05, warm_start=True, max_iter=1)
+    else:  # momentum: new state, which starts at zero (its first step is SGD's)
+        trainer.set_params(
+            learning_rate=(optimizers.get("momentum", momentum=0.9), 0.05),
+            warm_start=True,
+            max_iter=1,
+        )
+    trainer.fit(X, y)
+    residual = X @ before["coef"] + before["intercept"] - y[:, None]
+    np.testing.assert_allclose(
+        trainer.get_state()["coef"], before["coef"] - 0.05 * 2 * X.T @ residual / len(X),
+        rtol=1e-12,
+    )  # fmt: skip
+    assert len(trainer.train_losses_) == 3 and trainer.get_state()["step"] == 3
+
+
 def test_without_warm_start_fit_restarts(data):
     X, y = data
     trainer = shuffled_trainer(max_iter=2).fit(X, y)

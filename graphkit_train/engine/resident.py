@@ -20,7 +20,7 @@ import numpy as np
 
 from graphkit.backends import ort_engine as engine
 from graphkit.compat import load_model
-from graphkit.errors import ShapeError, UnknownNameError, not_fitted
+from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
 from graphkit.training.step import LOSS, STEP, UpdateStep, grad_name, next_name
 from graphkit_train import checkpoint
 from graphkit_train.distributed import ProcessGroup
@@ -121,9 +121,30 @@ class ResidentState:
             {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
         )
 
+    def _non_finite_state(self) -> str | None:
+        """The first weight or optimizer-state entry holding an inf or a nan, described
+        (``"weight 'coef'"``), or None when every value is finite."""
+        state = self.get_state()
+        weights = set(self.update_step_.weights)
+        for name, value in state.items():
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                return f"{'Weight' if name in weights else 'Optimizer state'} {name!r}"
+        return None
+
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write weights, optimizer state, step, the shuffling generator, the epoch count
-        and the loss history to ``path``, atomically (see :mod:`graphkit_train.checkpoint`)."""
+        and the loss history to ``path``, atomically (see :mod:`graphkit_train.checkpoint`).
+
+        Raises:
+            ConvergenceError: a weight or optimizer-state value is inf or nan (set by
+                ``set_state``: training never keeps one); nothing is written.
+        """
+        broken = self._non_finite_state()
+        if broken is not None:
+            raise ConvergenceError(
+                f"{broken} holds inf or nan: a checkpoint of it could not resume training; "
+                f"nothing was written to {os.fspath(path)!r}."
+            )
         arrays = self.get_state()
         header = {
             "trainer": type(self).__name__,

@@ -69,6 +69,14 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     # -- building --------------------------------------------------------------------------
 
     def _invalidate(self) -> None:
+        # a parameter that rebuilds the graphs (the schedule, the optimizer) changed after
+        # a fit: warm_start=True then continues from that fit's weights (see _carry_over)
+        fitted = getattr(self, "_buffers", None) is not None and getattr(self, "_built", False)
+        self._carried: tuple[Any, ...] | None = (
+            (self.get_state(), self.train_losses_, self.validation_losses_, self._rng)
+            if fitted
+            else None
+        )
         self._built = False
         self._buffers: list[dict[str, Any]] | None = None
         self._current = 0
@@ -148,7 +156,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
 
         Raises:
             ConvergenceError: the loss of an epoch is NaN, infinite, or negative for a
-                loss that cannot be (probabilities outside [0, 1]); the weights and the
+                loss that cannot be (probabilities outside [0, 1]), or an update left a
+                weight or an optimizer-state value inf or NaN (checked at the end of
+                every epoch, before any checkpoint is written); the weights and the
                 optimizer state are restored to the end of the last good epoch (with
                 ``exc=False``, a warning instead, and training stops). Any error during
                 a streamed epoch (a bad batch, the iterable's own) restores them too.
@@ -215,6 +225,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         early = self.early_stopping
         period = 1 if early else validation_period(self.validation_every, max_iter)
         self._refuse_one_shot(stream, validation, first_epoch, max_iter, period)
+        if self.warm_start and not resumed and not self._fitted and self._carried is not None:
+            self._carry_over()
+        self._carried = None
         if not ((self.warm_start or resumed) and self._fitted):
             self._allocate(self.update_step_.initial)
             self.train_losses_ = []
@@ -241,6 +254,22 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             callback=callback,
             stream=stream,
         )
+
+    def _carry_over(self) -> None:
+        """Start from the state of the fit before the parameters changed: the weights,
+        ``step`` and the optimizer state entries the new step still has (same name and
+        shape; a new optimizer's own state starts at its initial value), the loss
+        history and the shuffling generator."""
+        state, train_losses, validation_losses, rng = self._carried  # type: ignore[misc]
+        step = self.update_step_
+        expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
+        kept = {
+            n: v for n, v in state.items() if n in expected and v.shape == expected[n].shape
+        }
+        self.set_state(kept)
+        self.train_losses_ = list(train_losses)
+        self.validation_losses_ = list(validation_losses)
+        self._rng = rng
 
     def _stream(self, train: tuple[Any, Any, Any]) -> BatchSource | None:
         """The source of streamed batches ``fit(batches)`` was given (None for
@@ -328,12 +357,24 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 self._restore(snapshot)
                 raise
         problem = self._loss_problem(loss)
-        if problem:
+        # a last update can overflow while the loss it was computed with is finite
+        overflow = None if problem else self._non_finite_state()
+        if problem or overflow:
             self._restore(snapshot)
-            message = (
-                f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
-                f"{problem}; the weights and optimizer state are those of the previous epoch."
-            )
+            if overflow:
+                message = (
+                    f"{overflow} became non-finite (inf or nan) during epoch "
+                    f"{len(self.train_losses_) + 1} while the loss stayed finite "
+                    f"({loss:.6g}): an update overflowed. Lower the learning rate or scale "
+                    "the features; the weights and optimizer state are those of the "
+                    "previous epoch."
+                )
+            else:
+                message = (
+                    f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
+                    f"{problem}; the weights and optimizer state are those of the previous "
+                    "epoch."
+                )
             if self.exc:
                 raise ConvergenceError(message)
             warnings.warn(message, RuntimeWarning, stacklevel=4)  # at the caller of fit

@@ -1,0 +1,79 @@
+"""No non-finite weight is ever kept: an update that overflows while its loss is still
+finite is rolled back to the end of the previous epoch, with a ConvergenceError naming
+the epoch and the weight, and no checkpoint holds it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import INSTALLED_BACKENDS, linear_regression_onnx
+
+from graphkit import ConvergenceError
+from graphkit_train import ForwardBackwardTrainer, Trainer
+
+OVERFLOW = 3e38
+"""A float32 learning rate whose first SGD step takes a weight past float32's maximum
+(3.4e38) while the loss it was computed with is about 0.8."""
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(20, 3)).astype(np.float32)
+    return X, (X @ np.ones((3, 1))).astype(np.float32)
+
+
+def model():
+    return linear_regression_onnx(np.full((3, 1), 0.5, np.float32), np.zeros(1, np.float32))
+
+
+TRAINERS = [Trainer, ForwardBackwardTrainer]
+
+
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+def test_an_overflowing_update_is_rolled_back_and_named(cls, backend, data, tmp_path):
+    X, y = data
+    settings = dict(loss="squared_error", batch_size=20, shuffle=False, backend=backend)
+    trainer = cls(model(), max_iter=2, schedule=0.01, **settings).fit(X, y)
+    good = trainer.get_state()
+    # numpy's SGD with the overflowing rate: the loss is finite, a weight is not
+    residual = X @ good["coef"] + good["intercept"] - y
+    assert np.isfinite((residual**2).mean())
+    with np.errstate(over="ignore"):
+        stepped = good["coef"] - np.float32(OVERFLOW) * (2 * X.T @ residual / len(X))
+    assert not np.isfinite(stepped).all()
+
+    trainer.set_params(schedule=OVERFLOW, max_iter=1, warm_start=True)
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(ConvergenceError, match=r"Weight 'coef'.*non-finite.*epoch 3"):
+        trainer.fit(X, y, checkpoint=path)
+    state = trainer.get_state()
+    for name, value in good.items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    assert trainer.train_losses_ == pytest.approx(trainer.train_losses_[:2])
+    assert len(trainer.train_losses_) == 2
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+def test_without_exc_a_warning_and_the_previous_weights(cls, data):
+    if cls is Trainer:
+        pytest.skip("the full trainer always raises (the seed's exc is forward/backward's)")
+    X, y = data
+    trainer = cls(
+        model(), loss="squared_error", max_iter=1, batch_size=20, schedule=OVERFLOW, exc=False
+    )
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        trainer.fit(X, y)
+    np.testing.assert_array_equal(trainer.get_state()["coef"], np.full((3, 1), 0.5, np.float32))
+
+
+def test_no_checkpoint_of_a_non_finite_state(data, tmp_path):
+    X, y = data
+    trainer = Trainer(model(), loss="squared_error", max_iter=1).fit(X, y)
+    trainer.set_state({"coef": np.array([[np.inf], [0.0], [0.0]], np.float32)})
+    path = tmp_path / "bad.ckpt"
+    with pytest.raises(ConvergenceError, match=r"'coef' holds inf or nan.*nothing was written"):
+        trainer.save_checkpoint(path)
+    assert not path.exists()
