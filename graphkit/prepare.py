@@ -21,6 +21,7 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import onnx
@@ -102,15 +103,43 @@ EXPORT_RECIPE = (
 )
 
 
+TRAINING_BATCH_NORMS = ("_native_batch_norm_legit_functional", "_native_batch_norm_legit.")
+"""The aten operators torch's dynamo exporter records (in a node's name and its
+``pkg.torch.onnx.*`` metadata) for a BatchNorm of a network left in ``train()``; in
+``eval()`` it records ``_native_batch_norm_legit_no_training``. Its translation is an
+inference ``BatchNormalization`` (no ``training_mode``), or, with ``optimize=True``, a
+``Gemm`` or ``Conv`` it was folded into: nothing else in the graph tells."""
+
+RUNNING_STATISTICS = re.compile(r"running_(mean|var)")
+
+
 def refuse_training_mode(model: onnx.ModelProto) -> None:
     """Raise :class:`~graphkit.errors.IncompatibleModelError` naming the first node
     exported in training mode: a ``BatchNormalization`` with ``training_mode=1`` (or,
     before opset 14, with its running statistics as outputs)
     normalizes with each batch's statistics (its predictions would change with the
     batch) and never updates its running ones here; a ``Dropout`` whose
-    ``training_mode`` input is a constant true drops units at prediction time too."""
+    ``training_mode`` input is a constant true drops units at prediction time too; a
+    node torch's dynamo exporter wrote for a BatchNorm in ``train()`` mode
+    (:data:`TRAINING_BATCH_NORMS`, in its name or metadata), and a graph output holding
+    running statistics, are refused the same way."""
     constants = _constant_values(model)
+    for output in model.graph.output:
+        if RUNNING_STATISTICS.search(output.name):
+            raise IncompatibleModelError(
+                f"The graph's output {output.name!r} holds a BatchNorm's running statistics: "
+                "the model was exported in training mode, and graphkit trains the inference "
+                "graph (it would never update them). " + EXPORT_RECIPE
+            )
     for node in model.graph.node:
+        exported_as = _dynamo_training_batch_norm(node)
+        if exported_as:
+            raise IncompatibleModelError(
+                f"{node.op_type} node {node.name or node.output[0]!r} is torch's "
+                f"{exported_as} of a BatchNorm in train() mode (dynamo exported the network "
+                "without net.eval()): graphkit trains the inference graph, and this one "
+                "holds no running statistics it would use. " + EXPORT_RECIPE
+            )
         if node.domain not in ("", "ai.onnx"):
             continue
         training = False
@@ -127,6 +156,17 @@ def refuse_training_mode(model: onnx.ModelProto) -> None:
                 "training mode, and graphkit trains the inference graph (batch statistics "
                 "and dropout at prediction time would change every prediction). " + EXPORT_RECIPE
             )
+
+
+def _dynamo_training_batch_norm(node: onnx.NodeProto) -> str | None:
+    """The aten operator of :data:`TRAINING_BATCH_NORMS` that dynamo recorded for
+    ``node`` (its name or its metadata), or None."""
+    texts = [node.name, *(p.value for p in node.metadata_props if p.key.startswith("pkg.torch"))]
+    for text in texts:
+        for aten in TRAINING_BATCH_NORMS:
+            if aten in text:
+                return aten.rstrip(".")
+    return None
 
 
 def _constant_values(model: onnx.ModelProto) -> dict[str, object]:

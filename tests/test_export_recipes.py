@@ -202,3 +202,66 @@ def test_a_dropout_in_training_mode_is_refused():
     X = np.ones((4, 4), np.float32)
     with pytest.raises(gk.IncompatibleModelError, match="Dropout node .* training mode"):
         Trainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
+
+
+def _dynamo_in_train_mode(optimize: bool):
+    """Linear -> BatchNorm1d -> ReLU -> Linear left in train() (no Dropout), by dynamo."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    ).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            net,
+            (torch.randn(4, 4),),
+            dynamo=True,
+            input_names=["X"],
+            output_names=["Y"],
+            dynamic_shapes=({0: torch.export.Dim("N", min=1)},),
+            opset_version=18,
+            optimize=optimize,
+            verbose=False,
+        )
+    return program.model_proto
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["optimize=False", "optimize=True"])
+@pytest.mark.parametrize("trainer", ["full", "forward_backward"])
+def test_a_dynamo_export_in_train_mode_is_refused(optimize, trainer):
+    """dynamo writes a train()-mode BatchNorm as an inference BatchNormalization (or,
+    optimized, folds it into the Gemm), which trains silently as another network; the
+    aten operator it records for the node gives it away."""
+    onx = _dynamo_in_train_mode(optimize)
+    assert not any(a.name == "training_mode" for n in onx.graph.node for a in n.attribute)
+    X = np.ones((4, 4), np.float32)
+    pattern = r"node .* is torch's _native_batch_norm_legit_functional of a BatchNorm in train"
+    with pytest.raises(gk.IncompatibleModelError, match=pattern):
+        if trainer == "full":
+            Trainer(onx, loss="squared_error", max_iter=1).fit(X, np.ones(4, np.float32))
+        else:
+            ForwardBackwardTrainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
+
+
+def test_a_dynamo_export_in_eval_mode_is_not_refused():
+    net = _net()
+    onx = _export(net, "dynamo optimize=False")
+    assert any("no_training" in n.name for n in onx.graph.node)
+    Trainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
+
+
+def test_running_statistics_as_graph_outputs_are_refused():
+    import onnx
+    from onnx import TensorProto, helper
+
+    onx = _in_training_mode(torch.nn.BatchNorm1d(8), 18)
+    # an export that returns the updated buffers, as a functionalized graph does
+    node = next(n for n in onx.graph.node if n.op_type == "BatchNormalization")
+    onx.graph.output.append(
+        helper.make_tensor_value_info(node.output[1], TensorProto.FLOAT, [8])
+    )
+    onx.graph.output[-1].name = "bn.running_mean"
+    node.output[1] = "bn.running_mean"
+    assert isinstance(onx, onnx.ModelProto)
+    with pytest.raises(gk.IncompatibleModelError, match="'bn.running_mean' holds a BatchNorm"):
+        Trainer(onx, max_iter=1).fit(np.ones((4, 4), np.float32), np.ones(4, np.float32))
