@@ -257,9 +257,7 @@ def test_running_statistics_as_graph_outputs_are_refused():
     onx = _in_training_mode(torch.nn.BatchNorm1d(8), 18)
     # an export that returns the updated buffers, as a functionalized graph does
     node = next(n for n in onx.graph.node if n.op_type == "BatchNormalization")
-    onx.graph.output.append(
-        helper.make_tensor_value_info(node.output[1], TensorProto.FLOAT, [8])
-    )
+    onx.graph.output.append(helper.make_tensor_value_info(node.output[1], TensorProto.FLOAT, [8]))
     onx.graph.output[-1].name = "bn.running_mean"
     node.output[1] = "bn.running_mean"
     assert isinstance(onx, onnx.ModelProto)
