@@ -28,7 +28,7 @@ from graphkit._graph import shape_matches, static_shape
 from graphkit.backends import ort_engine as engine
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
-from graphkit_train.engine.forward_backward import OrtGradientForwardBackward
+from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, PendingForward
 
 _TORCH_TO_NUMPY = {
     torch.float32: np.float32,
@@ -136,37 +136,94 @@ class OnnxModule(torch.nn.Module):
 
 
 class _OnnxFunction(torch.autograd.Function):
-    """Forward and backward of an :class:`OnnxModule` through the TrainingAgent."""
+    """Forward and backward of an :class:`OnnxModule` through the TrainingAgent.
+
+    The inputs and weights go through ``ctx.save_for_backward``: the backend's state reads
+    their memory (DLPack shares it), so torch's version check must refuse a backward after
+    one of them was modified in place, and torch's freeing of saved tensors is what makes a
+    second backward without ``retain_graph`` raise its usual error.
+    """
 
     @staticmethod
     def forward(
         ctx: Any, module: OnnxModule, n_inputs: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         fb = module.forward_backward
-        inputs, weights = tensors[:n_inputs], tensors[n_inputs:]
         requiring = frozenset(
             name for i, name in enumerate(fb.input_names) if ctx.needs_input_grad[2 + i]
         )
         variant = fb._variant(requiring)
-        by_name = dict(zip(fb.input_names, inputs))
-        by_name.update(zip(module.parameter_names.values(), weights))
-        ordered = [by_name[n] for n in fb.feed_sources(variant)]
-        feeds = [_to_ortvalue(t) for t in ordered]
-        pending = fb.run_forward(variant, feeds)
-        pending.keep_alive.append(ordered)
-        ctx.pending, ctx.module, ctx.n_inputs = pending, module, n_inputs
+        pending = _run_forward(module, variant, n_inputs, tensors)
+        ctx.save_for_backward(*tensors)
+        ctx.pending, ctx.variant, ctx.module, ctx.n_inputs = pending, variant, module, n_inputs
         # backward reuses the memory of the forward outputs: clone them (on their device)
         return tuple(_to_tensor(o).clone() for o in pending.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
-        fb = ctx.module.forward_backward
-        grads = fb.run_backward(ctx.pending, [_to_ortvalue(g) for g in grad_outputs])
-        ctx.pending = None  # release the execution state
-        result: list[Any] = [None, None]
-        result += [_to_tensor(grads[n]) if n in grads else None for n in fb.input_names]
-        result += [_to_tensor(grads[w]) for w in ctx.module.parameter_names.values()]
-        return tuple(result)
+        # first: raises if a saved tensor was freed (a second backward without
+        # retain_graph) or modified in place since the forward
+        tensors = ctx.saved_tensors
+        if not torch.is_grad_enabled():  # the usual backward, without create_graph
+            return (None, None, *_layer_gradients(ctx, grad_outputs, tensors))
+        # create_graph: the gradients come out of a node of their own whose backward
+        # refuses, linked to everything they depend on. (once_differentiable links its
+        # error node to fresh leaves only, so autograd.grad(..., inputs=x) never reaches
+        # it and silently drops this layer's second derivative.)
+        n_grads = len(grad_outputs)
+        return (None, None, *_NoSecondDerivative.apply(ctx, n_grads, *grad_outputs, *tensors))
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients of an :class:`OnnxModule`, differentiable only into an error: the
+    backend's gradient graph has no gradient of its own here."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, layer_ctx: Any, n_grads: int, *values: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        return tuple(_layer_gradients(layer_ctx, values[:n_grads], values[n_grads:]))
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        raise RuntimeError(
+            "OnnxModule has no second derivative: its gradients come from an ONNX gradient "
+            "graph that is not differentiated again (create_graph=True reached the ONNX "
+            "layer's backward, then a derivative of its result was requested)."
+        )
+
+
+def _layer_gradients(
+    ctx: Any, grad_outputs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The gradients of the layer's inputs then weights (None for an input that asked for
+    none), given those of its outputs and the saved inputs and weights."""
+    module, pending = ctx.module, ctx.pending
+    fb = module.forward_backward
+    ctx.pending = None  # release the execution state: one backward consumes it
+    if pending is None:
+        # a second backward through a retained graph: onnxruntime-training's state
+        # served the first one and cannot serve another, so run the forward again
+        # (the graph is deterministic: prepare refuses dropout in training mode)
+        pending = _run_forward(module, ctx.variant, ctx.n_inputs, tensors)
+    grads = fb.run_backward(pending, [_to_ortvalue(g) for g in grad_outputs])
+    result: list[torch.Tensor | None] = []
+    result += [_to_tensor(grads[n]) if n in grads else None for n in fb.input_names]
+    result += [_to_tensor(grads[w]) for w in module.parameter_names.values()]
+    return result
+
+
+def _run_forward(
+    module: OnnxModule, variant: Any, n_inputs: int, tensors: Sequence[torch.Tensor]
+) -> PendingForward:
+    """The training forward of ``variant`` on the layer's inputs then its weights."""
+    fb = module.forward_backward
+    by_name = dict(zip(fb.input_names, tensors[:n_inputs]))
+    by_name.update(zip(module.parameter_names.values(), tensors[n_inputs:]))
+    ordered = [by_name[n] for n in fb.feed_sources(variant)]
+    pending = fb.run_forward(variant, [_to_ortvalue(t) for t in ordered])
+    pending.keep_alive.append(ordered)  # the feeds share these tensors' memory
+    return pending
 
 
 __all__ = ["OnnxModule"]
