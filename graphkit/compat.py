@@ -11,8 +11,11 @@ the rest with a message saying what to do.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from collections.abc import Iterator
+from pathlib import PureWindowsPath
 
 import onnx
 from onnx import TensorProto
@@ -38,22 +41,40 @@ _REEXPORT_HINT = (
 def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.ModelProto:
     """A ModelProto from itself, its serialized bytes or a path to a .onnx file.
 
+    A model given by path may keep its weights in external data files (``onnx.save_model(
+    ..., save_as_external_data=True)``): they are read from the model file's own folder,
+    whatever the working directory, and only from there. A location that is absolute,
+    holds a ``..`` component or leads out of that folder through a symbolic link is
+    refused: a downloaded model could otherwise pull any readable file into its weights.
+    A ModelProto or bytes still referring to external data are refused (there is no
+    folder to read it from safely): pass the model's path instead.
+
     Raises:
         FileNotFoundError: the path does not exist.
+        IsADirectoryError: the path is a folder; the message names the .onnx files in it.
         IncompatibleModelError: the file or bytes are not a valid ONNX model (truncated,
-            corrupted, another format); the message names the file.
+            corrupted, another format); an external data file is missing, too short or
+            outside the model's folder; a ModelProto or bytes refer to external data; a
+            tensor holds more or fewer bytes than its dims say. The message names the
+            file and the tensor.
         TypeError: ``model`` is none of these.
     """
     if isinstance(model, onnx.ModelProto):
+        _refuse_external_data(model, "The ModelProto given")
         return model
+    folder = None
     if isinstance(model, (bytes, bytearray)):
         where, data = "The bytes given", bytes(model)
     elif isinstance(model, (str, os.PathLike)):
-        where = f"{os.fspath(model)!r}"
-        if not os.path.isfile(model):
+        path = os.fspath(model)
+        where = f"{path!r}"
+        if os.path.isdir(path):
+            raise IsADirectoryError(_directory_message(path))
+        if not os.path.isfile(path):
             raise FileNotFoundError(f"No ONNX model at {where}: the file does not exist.")
-        with open(model, "rb") as handle:
+        with open(path, "rb") as handle:
             data = handle.read()
+        folder = os.path.dirname(os.path.abspath(path))
     else:
         raise TypeError(
             "A model must be an onnx.ModelProto, its serialized bytes or a path to a .onnx "
@@ -61,7 +82,7 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.
         )
     try:
         loaded = onnx.load_from_string(data)
-    except Exception as exc:  # protobuf's DecodeError, or a truncated external-data model
+    except Exception as exc:  # protobuf's DecodeError
         raise IncompatibleModelError(
             f"{where} is not a valid ONNX model (truncated or corrupted?): {exc}. "
             "Export or download it again."
@@ -71,7 +92,253 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.
             f"{where} is not a valid ONNX model: it decodes to an empty graph (truncated, "
             "corrupted or another file format?). Export or download it again."
         )
+    if folder is None:
+        _refuse_external_data(loaded, where)
+    else:
+        _load_external_data(loaded, folder, where)
+    check_tensor_sizes(loaded, where)
     return loaded
+
+
+def _directory_message(path: str) -> str:
+    """Why a folder is no model, and the path to pass instead."""
+    try:
+        found = sorted(name for name in os.listdir(path) if name.endswith(".onnx"))
+    except OSError:
+        found = []
+    if found:
+        shown = ", ".join(repr(name) for name in found[:5])
+        example = os.path.join(path, found[0])
+        return (
+            f"{path!r} is a directory, not an ONNX model file; it holds {shown}: pass the "
+            f"path of the model file, e.g. {example!r}."
+        )
+    return (
+        f"{path!r} is a directory, not an ONNX model file, and it holds no .onnx file: pass "
+        "the path of the model file itself (e.g. 'folder/model.onnx')."
+    )
+
+
+def _tensors(model: onnx.ModelProto) -> Iterator[tuple[str, TensorProto]]:
+    """Every tensor stored in ``model`` with what holds it ("initializer 'W'"...): the
+    initializers, sparse ones and node attributes of the graph, of its subgraphs, of the
+    training graphs and of the model's functions."""
+    yield from _graph_tensors(model.graph)
+    for info in model.training_info:
+        yield from _graph_tensors(info.initialization)
+        yield from _graph_tensors(info.algorithm)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, TensorProto]]:
+    for init in graph.initializer:
+        yield f"initializer {init.name!r}", init
+    for sparse in graph.sparse_initializer:
+        yield f"sparse initializer {sparse.values.name!r} (values)", sparse.values
+        yield f"sparse initializer {sparse.values.name!r} (indices)", sparse.indices
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[tuple[str, TensorProto]]:
+    for attr in node.attribute:
+        what = f"tensor {{}} of node {node.name!r} ({node.op_type}, attribute {attr.name!r})"
+        if attr.HasField("t"):
+            yield what.format(repr(attr.t.name)), attr.t
+        for tensor in attr.tensors:
+            yield what.format(repr(tensor.name)), tensor
+        sparse = [attr.sparse_tensor] if attr.HasField("sparse_tensor") else []
+        for tensor in [*sparse, *attr.sparse_tensors]:
+            yield what.format(repr(tensor.values.name)), tensor.values
+            yield what.format(repr(tensor.values.name)) + " indices", tensor.indices
+        if attr.HasField("g"):
+            yield from _graph_tensors(attr.g)
+        for graph in attr.graphs:
+            yield from _graph_tensors(graph)
+
+
+def _external(tensor: TensorProto) -> dict[str, str]:
+    """The external-data entries of ``tensor`` ({"location": ..., "offset": ...})."""
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
+    """Refuse a model in memory that still refers to external data files.
+
+    Resolving them against the working directory (what onnxruntime and onnx's checker
+    would do) lets a model read any file there; without the model's folder there is no
+    safe place to read them from.
+    """
+    for what, tensor in _tensors(model):
+        if tensor.data_location == TensorProto.EXTERNAL:
+            location = _external(tensor).get("location", "")
+            raise IncompatibleModelError(
+                f"{where} keeps the data of {what} in an external file ({location!r}), "
+                "which graphkit cannot read safely from a model in memory: it has no folder "
+                "to resolve the file against. Pass the path of the .onnx file instead "
+                "(graphkit then reads the external data from the model's own folder), or "
+                "load it with onnx.load(path), which reads the data into the ModelProto."
+            )
+
+
+_SEPARATORS = re.compile(r"[\\/]")
+
+
+def _unsafe_location(location: str) -> str:
+    """Why ``location`` cannot name a file inside the model's folder ("" when it can)."""
+    if not location:
+        return "which names no file"
+    if "\0" in location:
+        return "which holds a NUL character"
+    if os.path.isabs(location) or PureWindowsPath(location).anchor:
+        return "an absolute path"
+    if ".." in _SEPARATORS.split(location):
+        return "a path with a '..' component"
+    return ""
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether the resolved ``path`` lies inside the resolved ``folder``."""
+    try:
+        return os.path.commonpath([folder, path]) == folder
+    except ValueError:  # on Windows, another drive
+        return False
+
+
+def _load_external_data(model: onnx.ModelProto, folder: str, where: str) -> None:
+    """Read the external data of ``model`` (loaded from a file in ``folder``) into its
+    tensors, from files inside ``folder`` only (in place).
+
+    Raises:
+        IncompatibleModelError: a location is absolute, holds ``..`` or resolves (through
+            a symbolic link) outside ``folder``; the file is missing, or shorter than the
+            tensor's offset and length. The message names the tensor and the file.
+    """
+    root = os.path.realpath(folder)
+    for what, tensor in _tensors(model):
+        if tensor.data_location != TensorProto.EXTERNAL:
+            continue
+        entries = _external(tensor)
+        location = entries.get("location", "")
+        unsafe = _unsafe_location(location)
+        if unsafe:
+            raise IncompatibleModelError(
+                f"{where} keeps the data of {what} at {location!r}, {unsafe}: graphkit reads "
+                f"external data only from files inside the model's folder {folder!r}, named "
+                "relative to it. Refusing it (a model naming such a path could read any "
+                "file into its weights). If the model is yours, save it again with "
+                "onnx.save_model(model, path, save_as_external_data=True, "
+                "location='weights.data')."
+            )
+        path = os.path.join(folder, location)  # as the user knows the folder
+        real = os.path.realpath(os.path.join(root, location))
+        if not _inside(real, root):
+            raise IncompatibleModelError(
+                f"{where} keeps the data of {what} at {location!r}, which leads out of the "
+                f"model's folder {folder!r} (to {real!r}, through a symbolic link): graphkit "
+                "reads external data only from files inside that folder. Refusing it; copy "
+                "the data file into the folder if you trust it."
+            )
+        if not os.path.isfile(real):
+            state = "is not a file" if os.path.exists(real) else "does not exist"
+            raise IncompatibleModelError(
+                f"{where} keeps the data of {what} in {path!r}, which {state}. Copy the "
+                "model's external data files next to it (they are named relative to the "
+                "model's folder), or export the model again."
+            )
+        try:
+            offset = int(entries.get("offset", 0))
+            length = int(entries["length"]) if "length" in entries else None
+        except ValueError:
+            raise IncompatibleModelError(
+                f"{where} gives {what} an external data offset {entries.get('offset')!r} or "
+                f"length {entries.get('length')!r} in {path!r} that is not an integer: the "
+                "model is corrupted; export or download it again."
+            ) from None
+        size = os.path.getsize(real)
+        if length is None:
+            length = size - offset
+        end = offset + length
+        data = b""
+        if offset >= 0 and length >= 0 and end <= size:
+            with open(real, "rb") as handle:
+                handle.seek(offset)
+                data = handle.read(length)
+        if len(data) != length or offset < 0:
+            raise IncompatibleModelError(
+                f"{where} keeps the data of {what} in bytes {offset} to {end} of {path!r}, "
+                f"but that file holds {size} bytes: it is truncated, or not this model's "
+                "data. Copy or download the model's files again."
+            )
+        tensor.raw_data = data
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+# Element types packed several to a byte in raw_data (bits per element).
+_PACKED_BITS = {
+    getattr(TensorProto, name): bits
+    for name, bits in (("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2))
+    if hasattr(TensorProto, name)
+}
+# Whole-byte element types with a known size (others, such as 6-bit floats, are not checked).
+_ITEM_BYTES = {
+    getattr(TensorProto, name): size
+    for name, size in (
+        ("FLOAT", 4), ("UINT8", 1), ("INT8", 1), ("UINT16", 2), ("INT16", 2), ("INT32", 4),
+        ("INT64", 8), ("BOOL", 1), ("FLOAT16", 2), ("DOUBLE", 8), ("UINT32", 4),
+        ("UINT64", 8), ("COMPLEX64", 8), ("COMPLEX128", 16), ("BFLOAT16", 2),
+        ("FLOAT8E4M3FN", 1), ("FLOAT8E4M3FNUZ", 1), ("FLOAT8E5M2", 1), ("FLOAT8E5M2FNUZ", 1),
+        ("FLOAT8E8M0", 1),
+    )
+    if hasattr(TensorProto, name)
+}  # fmt: skip
+
+
+def check_tensor_sizes(model: onnx.ModelProto, where: str = "The model") -> None:
+    """Refuse a tensor whose data does not fill its dims (raw bytes or typed values).
+
+    Cheap (lengths only), and before anything reads the tensor: numpy's reshape or
+    onnxruntime's "buffer size mismatch" would say neither which tensor nor why.
+
+    Raises:
+        IncompatibleModelError: naming the tensor, its dims and the byte (or value)
+            counts.
+    """
+    for what, tensor in _tensors(model):
+        elem = tensor.data_type
+        if tensor.data_location == TensorProto.EXTERNAL or elem == TensorProto.STRING:
+            continue
+        if elem not in _ITEM_BYTES and elem not in _PACKED_BITS:
+            continue
+        dims = list(tensor.dims)
+        count = math.prod(dims)
+        if tensor.HasField("raw_data"):
+            if elem in _PACKED_BITS:
+                expected = -(-count * _PACKED_BITS[elem] // 8)
+            else:
+                expected = count * _ITEM_BYTES[elem]
+            got = len(tensor.raw_data)
+            unit = "bytes"
+        elif elem in _PACKED_BITS:
+            continue  # packed into typed fields: numpy_helper knows the layout
+        else:
+            field = onnx.helper.tensor_dtype_to_field(elem)
+            complex_ = elem in (TensorProto.COMPLEX64, TensorProto.COMPLEX128)
+            expected = count * (2 if complex_ else 1)
+            got = len(getattr(tensor, field))
+            unit = f"values in {field}"
+            if got == 0 and expected:
+                unit = "values (no raw_data and no typed data)"
+        if got != expected:
+            raise IncompatibleModelError(
+                f"{where}: {what} declares dims {dims} of {_type_name(elem)} ({count} "
+                f"values, {expected} {unit.split(' (')[0]}), but holds {got} {unit}. The "
+                "file is truncated or corrupted, or the exporter wrote a wrong shape: export "
+                "or download the model again."
+            )
 
 
 def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
@@ -102,8 +369,12 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
         A converted copy with IR version <= 10 and ``min_opset <= opset <= 21``.
 
     Raises:
-        IncompatibleModelError: the IR version or opset cannot be converted.
+        IncompatibleModelError: the IR version or opset cannot be converted; the model
+            refers to external data (:func:`load_model` reads it from a path); a tensor's
+            data does not fill its dims.
     """
+    _refuse_external_data(model, "The model")
+    check_tensor_sizes(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     _merge_opset_imports(out)

@@ -41,7 +41,13 @@ from graphkit._graph import (
     static_shape,
     value_info,
 )
-from graphkit.compat import DSL_OPSET, finalize, load_model, make_compatible
+from graphkit.compat import (
+    DSL_OPSET,
+    check_tensor_sizes,
+    finalize,
+    load_model,
+    make_compatible,
+)
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
@@ -94,6 +100,7 @@ def get_train_initializer(onx: onnx.ModelProto) -> dict[str, np.ndarray]:
     rule is :mod:`graphkit.parameters`; :func:`graphkit.parameters.explain` shows the
     role of each initializer.
     """
+    check_tensor_sizes(onx)  # a tensor shorter than its dims: named, not numpy's reshape
     names = set(parameter_names(onx))
     return {
         init.name: numpy_helper.to_array(init)

@@ -22,6 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 try:
+    from graphkit.compat import load_model
     from graphkit.training.batches import NamedRows, epoch_batches
     from graphkit.training_info import initial_state, session, set_initial_state
 except ImportError:  # loaded from its file where graphkit is not installed: so are these
@@ -40,6 +41,11 @@ except ImportError:  # loaded from its file where graphkit is not installed: so 
     set_initial_state = _info.set_initial_state  # type: ignore[attr-defined]
     _batches = _load("training/batches.py")
     epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows  # type: ignore[attr-defined]
+
+    def load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
+        """onnx's own loading (external data read relative to the model's folder)."""
+        return model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+
 
 META = "graphkit.training_step"
 """The metadata key of an exported step: JSON with features, inputs, label, labels and
@@ -66,7 +72,8 @@ class StepTrainer:
         random_state: int | None = None,
         runtime: str = "onnxruntime",
     ) -> None:
-        self.model = step if isinstance(step, onnx.ModelProto) else onnx.load(os.fspath(step))
+        # by path, external data is read from the step's own folder only (load_model)
+        self.model = load_model(step)
         meta = {p.key: p.value for p in self.model.metadata_props}
         if META not in meta:
             raise ValueError(

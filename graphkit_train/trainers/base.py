@@ -212,6 +212,10 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             X, y, w, validation = self._checked_data(train, held_out, group, seed, batch_size)
             if isinstance(X, np.ndarray) and X.ndim == 2:  # one input (scikit-learn's habit)
                 self.n_features_in_ = int(X.shape[1])
+            self._fit_feature_names(train[0], held_out[0])
+            # as scikit-learn's MLP: a batch holds at most every row (a larger batch_size
+            # would size the fused epoch's batches, and their buffers, by itself)
+            batch_size = min(batch_size, len(X))
         else:  # the batches are checked as they come
             X = y = w = None  # type: ignore[assignment]
             validation = self._checked_held_out(held_out)
@@ -758,6 +762,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             state["train_losses_"] = self.train_losses_
             state["validation_losses_"] = self.validation_losses_
             state["rng"] = self._rng.bit_generator.state if self._rng is not None else None
+        # what fit learnt of the data (scikit-learn's attributes), checked at predict
+        learnt = ("n_features_in_", "feature_names_in_")
+        state.update({name: getattr(self, name) for name in learnt if hasattr(self, name)})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -771,6 +778,9 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             if state["rng"] is not None:
                 self._rng = np.random.default_rng()
                 self._rng.bit_generator.state = state["rng"]
+        for name in ("n_features_in_", "feature_names_in_"):
+            if name in state:
+                setattr(self, name, state[name])
 
     # -- subclass hooks --------------------------------------------------------------------
 

@@ -16,7 +16,12 @@ import onnx
 from graphkit.errors import ShapeError, not_fitted
 from graphkit.training.batches import NamedRows, Rows
 from graphkit_train.trainers.heads import Head
-from graphkit_train.trainers.params import check_inputs, check_sample_weight
+from graphkit_train.trainers.params import (
+    check_feature_names,
+    check_inputs,
+    check_sample_weight,
+    feature_names,
+)
 
 
 class EstimatorMixin:
@@ -25,7 +30,33 @@ class EstimatorMixin:
     The trainer provides ``_build``, ``_fitted``, ``_allocate``, ``_predict_outputs``,
     ``_loss``, ``_check``, ``_is_classifier``, ``loss_``, ``_input_values`` and
     ``_prediction_shape``.
+
+    Data frames follow scikit-learn's convention: ``fit`` on a frame whose column names
+    are all strings records them as ``feature_names_in_`` (``n_features_in_`` is the
+    column count); ``predict``, ``predict_proba``, ``score``, ``compute_loss`` and a
+    warm-started ``fit`` refuse a frame whose columns are not those names in that order
+    (a ValueError listing the unexpected and the missing names, or saying the order
+    differs). They are not reordered by name: the graph reads columns by position, and
+    scikit-learn raises too. Select them as fitted: ``X[trainer.feature_names_in_]``.
     """
+
+    def _fit_feature_names(self, X: Any, X_val: Any = None) -> None:
+        """At ``fit``: record the column names of a data frame ``X`` as
+        ``feature_names_in_`` (forget them for data without names), or, for a warm start
+        of a fitted trainer, check them against those recorded; check held-out ``X_val``
+        against them too (when it is a frame)."""
+        owner = type(self).__name__
+        if getattr(self, "warm_start", False) and self._fitted:
+            check_feature_names(getattr(self, "feature_names_in_", None), X, owner, "X", 5)
+        else:
+            names = feature_names(X)
+            if names is not None:
+                self.feature_names_in_ = names
+            else:
+                self.__dict__.pop("feature_names_in_", None)
+        if X_val is not None and feature_names(X_val) is not None:
+            fitted = getattr(self, "feature_names_in_", None)
+            check_feature_names(fitted, X_val, owner, "X_val", 5)
 
     def predict(self, X: Any) -> np.ndarray | dict[str, np.ndarray]:
         """Predictions with the trained weights, for ``X`` as ``fit`` takes it (one
@@ -36,6 +67,9 @@ class EstimatorMixin:
         the probabilities or logits; for one column, probability > 0.5 or score > 0).
         A graph with a loss per output returns ``{output name: prediction}`` for every
         output with a loss, each as above (the class labels of a classification head).
+
+        A data frame must have the columns ``fit`` saw, in the same order
+        (``feature_names_in_``): see the class docstring.
         """
         self._build()
         return self._predict_checked(self._features(X))
@@ -58,6 +92,9 @@ class EstimatorMixin:
             raise not_fitted(
                 f"This {type(self).__name__} is not fitted yet: call fit() or set_state() first."
             )
+        # before the width: a frame missing columns is told which (as in scikit-learn)
+        fitted = getattr(self, "feature_names_in_", None)
+        check_feature_names(fitted, X, type(self).__name__, what)
         X = check_inputs(X, self._input_values, what, type(self).__name__)
         if isinstance(X, NamedRows):
             return X

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -172,14 +174,14 @@ def check_features(
             f"{what} is a sparse matrix; an ONNX graph takes dense tensors. Pass "
             f"{what}.toarray() (or densify it batch by batch for large data)."
         )
-    X = np.asarray(X)
+    X = as_array(X, what)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
     if X.dtype.kind == "c":
         raise ValueError(f"Complex data not supported: {what} is {X.dtype}.")
     if X.dtype.kind == "O":
-        X = X.astype(np.float64)  # numbers stored as objects; strings raise numpy's error
+        X = objects_as_numbers(X, what)  # numbers stored as objects (a mixed data frame)
     if X.dtype.kind not in "iufb":
-        raise DTypeError(f"{what} must be numeric, got dtype {X.dtype}.")
+        raise DTypeError(_not_numeric_message(X, what))
     dims = static_shape(value) or []
     if X.ndim != len(dims) or X.ndim == 0:
         hint = (
@@ -225,6 +227,231 @@ def check_features(
                 f"(input {value.name!r} is {dims})."
             )
     return np.ascontiguousarray(X, dtype=dtype)
+
+
+def as_array(X: Any, what: str = "X") -> np.ndarray:
+    """``numpy.asarray(X)``, with a :class:`ShapeError` naming the row where nested lists
+    are ragged (``[[1.0, 2.0], [3.0]]``) instead of numpy's "inhomogeneous shape"."""
+    try:
+        return np.asarray(X)
+    except ValueError as exc:
+        ragged = _ragged(X)
+        if ragged is None:
+            raise
+        raise ShapeError(_ragged_message(what, *ragged)) from exc
+
+
+_ENCODE_HINT = (
+    "Encode text or categories as numbers first (sklearn.preprocessing.OrdinalEncoder or "
+    "OneHotEncoder), or drop those columns."
+)
+
+
+def objects_as_numbers(
+    X: np.ndarray, what: str = "X", prefix: str = "", fix: str = _ENCODE_HINT
+) -> np.ndarray:
+    """An object array (numbers kept as Python objects: a data frame with mixed columns)
+    as float64.
+
+    Raises:
+        DTypeError: a cell is not a number (a string, None, a dict...); the message names
+            its row (and column), and keeps Python's own words ("float() argument must be
+            a string or a real number") after ``prefix``.
+        ShapeError: a cell is a sequence (rows of different lengths); the message names
+            the row.
+    """
+    try:
+        return X.astype(np.float64)
+    except (TypeError, ValueError) as exc:
+        for index in np.ndindex(X.shape):
+            cell = X[index]
+            if isinstance(cell, (list, tuple)) or (isinstance(cell, np.ndarray) and cell.ndim):
+                ragged = _ragged(X.tolist())
+                if ragged is not None:
+                    raise ShapeError(_ragged_message(what, *ragged)) from None
+                raise ShapeError(
+                    f"{what} holds a sequence of {len(cell)} values at "
+                    f"{_position(index, what)}, where a number is expected: pass one number "
+                    "per cell (numpy.stack the rows if they are arrays)."
+                ) from None
+            try:
+                float(cell)
+            except (TypeError, ValueError) as cell_exc:
+                raise DTypeError(
+                    f"{prefix}{what} holds {cell!r} (a {type(cell).__name__}) at "
+                    f"{_position(index, what)}, where a number is expected ({cell_exc}). "
+                    f"{fix}"
+                ) from None
+        raise DTypeError(
+            f"{prefix}{what} holds objects that are not numbers ({exc}). {fix}"
+        ) from None
+
+
+def _position(index: tuple[int, ...], what: str) -> str:
+    """Where a cell is, in words: "row 3", "row 3, column 1", "row 3, X[3, 1, 2]"."""
+    if len(index) == 1:
+        return f"row {index[0]}"
+    if len(index) == 2:
+        return f"row {index[0]}, column {index[1]}"
+    return f"row {index[0]}, {what}[{', '.join(map(str, index))}]"
+
+
+def _not_numeric_message(X: np.ndarray, what: str) -> str:
+    """Why an array of another kind than numbers (text, dates...) is refused: for text,
+    the first cell that is no number (its row and column), or that every cell is a
+    number written as text."""
+    message = f"{what} must be numeric, got dtype {X.dtype}"
+    if X.dtype.kind not in "US":
+        return f"{message}. {_ENCODE_HINT}"
+    try:
+        X.astype(np.float64)
+    except (TypeError, ValueError):
+        for index in np.ndindex(X.shape):
+            try:
+                float(X[index])
+            except (TypeError, ValueError):
+                return (
+                    f"{message}: it holds {X[index].item()!r} at {_position(index, what)}, "
+                    f"where a number is expected. {_ENCODE_HINT}"
+                )
+    return f"{message}: numbers written as text; pass {what}.astype(numpy.float32)."
+
+
+def _length(value: Any) -> int | None:
+    """The length of a row that is a sequence; None for a scalar (a string is one)."""
+    if isinstance(value, (str, bytes, Mapping)):
+        return None
+    if isinstance(value, np.ndarray):
+        return len(value) if value.ndim else None
+    try:
+        return len(value)
+    except TypeError:
+        return None
+
+
+def _ragged(
+    rows: Any, path: tuple[int, ...] = ()
+) -> tuple[tuple[int, ...], int | None, int | None] | None:
+    """The first place where nested sequences differ in length: ``(index of the odd
+    one, its length, the length of the first sibling)`` (None for a single value), or
+    None when they do not."""
+    if _length(rows) is None:
+        return None
+    lengths = [_length(row) for row in rows]
+    for i, length in enumerate(lengths):
+        if length != lengths[0]:
+            return (*path, i), length, lengths[0]
+    if not lengths or lengths[0] is None:
+        return None
+    for i, row in enumerate(rows):
+        found = _ragged(row, (*path, i))
+        if found is not None:
+            return found
+    return None
+
+
+def _ragged_message(
+    what: str, index: tuple[int, ...], length: int | None, first: int | None
+) -> str:
+    """Where nested lists are ragged: the odd one at ``index`` (``length`` values, None
+    for a single number) and its first sibling (``first`` values)."""
+
+    def count(n: int | None) -> str:
+        return "is a single number" if n is None else f"has {n} value{'s' if n != 1 else ''}"
+
+    if len(index) == 1:
+        place, sibling = f"row {index[0]}", "row 0"
+    else:
+        inner = "".join(f"[{i}]" for i in index[:-1])
+        place = f"{what}{inner}[{index[-1]}] (row {index[0]})"
+        sibling = f"{what}{inner}[0]"
+    return (
+        f"{what} is ragged: {place} {count(length)} where {sibling} {count(first)}; "
+        "every row must have the same number of values (pad the short rows, or drop them)."
+    )
+
+
+def feature_names(X: Any) -> np.ndarray | None:
+    """The column names of a data frame ``X`` when they are all strings, as an object
+    array; None for anything else (an array, a dict of inputs, a frame with integer
+    column names). scikit-learn's rule (``feature_names_in_``), without importing pandas:
+    a pandas DataFrame, or any frame with the interchange protocol (``__dataframe__``:
+    polars, pyarrow...).
+
+    Raises:
+        TypeError: the names mix strings and other types (as scikit-learn).
+    """
+    pandas = sys.modules.get("pandas")  # loaded already if X is one of its frames
+    if pandas is not None and isinstance(X, pandas.DataFrame):
+        names = np.asarray(X.columns, dtype=object)
+    elif hasattr(X, "__dataframe__") and not isinstance(X, Mapping):
+        names = np.asarray(list(X.__dataframe__().column_names()), dtype=object)
+    else:
+        return None
+    if not len(names):
+        return None
+    types = sorted({type(name).__qualname__ for name in names})
+    if len(types) > 1 and "str" in types:
+        raise TypeError(
+            "Feature names are only supported if all input features have string names, but "
+            f"your input has {types} as feature name / column name types. Convert them all "
+            "to strings (X.columns = X.columns.astype(str)), or pass X.to_numpy()."
+        )
+    return names if types == ["str"] else None
+
+
+def check_feature_names(
+    fitted: np.ndarray | None, X: Any, owner: str, what: str = "X", stacklevel: int = 4
+) -> None:
+    """Refuse a data frame ``X`` whose column names are not ``fitted`` (the trainer's
+    ``feature_names_in_``) in the same order: the graph reads columns by position, so a
+    frame with its columns reordered would predict from the wrong features. Raises, as
+    scikit-learn does, rather than reordering; warns as scikit-learn does when only one
+    of them has names (``stacklevel`` 4: at the caller of the method that calls this).
+
+    Raises:
+        ValueError: scikit-learn's message ("The feature names should match those that
+            were passed during fit."), listing the unexpected and the missing names, or
+            saying the order differs; then how to select the columns.
+    """
+    names = feature_names(X)
+    if fitted is None and names is None:
+        return
+    if fitted is None:
+        warnings.warn(
+            f"{what} has feature names, but {owner} was fitted without feature names",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+        return
+    if names is None:
+        warnings.warn(
+            f"{what} does not have valid feature names, but {owner} was fitted with feature names",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+        return
+    if len(names) == len(fitted) and (names == fitted).all():
+        return
+    unexpected = sorted(set(names) - set(fitted))
+    missing = sorted(set(fitted) - set(names))
+
+    def listed(found: list[str]) -> str:
+        shown = "".join(f"- {name}\n" for name in found[:5])
+        return shown + ("- ...\n" if len(found) > 5 else "")
+
+    message = "The feature names should match those that were passed during fit.\n"
+    if unexpected:
+        message += "Feature names unseen at fit time:\n" + listed(unexpected)
+    if missing:
+        message += "Feature names seen at fit time, yet now missing:\n" + listed(missing)
+    if not unexpected and not missing:
+        message += "Feature names must be in the same order as they were in fit.\n"
+    raise ValueError(
+        message + f"{owner} reads the columns of {what} by position: pass them as fitted, "
+        f"{what}[trainer.feature_names_in_] (the {len(fitted)} columns "
+        f"{list(fitted[:5])}{'...' if len(fitted) > 5 else ''})."
+    )
 
 
 def check_inputs(
@@ -281,15 +508,14 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
         raise ValueError(
             "This estimator requires y to be passed, but the target y is None: fit(X, y)."
         )
-    y = np.asarray(y)
+    y = as_array(y, what)
     if y.dtype.kind == "O":
-        try:
-            y = y.astype(np.float64)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"Unknown label type: {what} holds objects that are not numbers; encode "
-                "them first (sklearn.preprocessing.LabelEncoder for classes)."
-            ) from None
+        y = objects_as_numbers(
+            y,
+            what,
+            "Unknown label type: ",
+            "Encode the labels as numbers first (sklearn.preprocessing.LabelEncoder for classes).",
+        )
     elem = value.type.tensor_type.elem_type
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     if len(y) != n:
