@@ -18,7 +18,7 @@
 
 from graphkit.training.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 from graphkit_train import checkpoint, distributed
-from graphkit_train.checkpoint import CheckpointError
+from graphkit_train.checkpoint import CheckpointError, CheckpointWriteError
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward
 from graphkit_train.trainers.full import OrtGradientOptimizer, Trainer
 from graphkit_train.trainers.partial import (
@@ -28,6 +28,7 @@ from graphkit_train.trainers.partial import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "checkpoint",
     "distributed",
     "ForwardBackwardTrainer",

@@ -8,17 +8,27 @@ scikit-learn's bundled diabetes data (feature and target scaling inside the grap
 and prints its held-out score next to scikit-learn's MLPRegressor trained on the same
 split. It writes the trained model, the fused training-step graph, ``report.json`` and
 ``loss_curve.png`` into ``--output``.
+
+Ctrl-C keeps the finished epochs: the state after the last one is saved (to
+``--checkpoint PATH``, else to ``checkpoint.ckpt`` in the output folder), and the same
+command with ``--resume`` trains the epochs left. The output folder (and the checkpoint's
+and ``--web``'s) is checked to be writable before training, not after.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import csv
 import inspect
 import json
 import os
+import shlex
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +43,23 @@ from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, loss_heads, metadata
 from graphkit_train.trainers.full import Trainer
 
+# where Ctrl-C saves the training state when --checkpoint is not given (in --output), and
+# where --resume then reads it
+DEFAULT_CHECKPOINT = "checkpoint.ckpt"
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+
 
 class CliError(Exception):
     """A problem with the command line or the data: printed as one line, exit code 2."""
+
+
+class _Interrupted(Exception):
+    """Ctrl-C during a run: the one line to print (where the state went), and whether a
+    checkpoint to resume from exists (exit code 130)."""
+
+    def __init__(self, message: str, resumable: bool) -> None:
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class _Parser(argparse.ArgumentParser):
@@ -147,6 +171,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", default="graphkit-out", help="folder for the results")
     parser.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="save the training state (weights, optimizer state, epochs done, shuffling) "
+        "to PATH at the end of every epoch, and on Ctrl-C; an existing PATH is refused "
+        "unless --resume is given, so that a new run never overwrites an old one's state. "
+        "Without it, Ctrl-C saves the state to checkpoint.ckpt in the --output folder",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --checkpoint PATH (default: checkpoint.ckpt in the "
+        "--output folder, where Ctrl-C saves it): give the same command (model, data, "
+        "options) and --resume, and it trains the epochs left to --epochs, ending with the "
+        "weights of an uninterrupted run; it goes on saving to that file every epoch",
+    )
+    parser.add_argument(
         "--nproc",
         type=_positive_int,
         default=1,
@@ -201,11 +242,42 @@ def _npz_arrays(path: str, keys: list[str]) -> dict[str, np.ndarray]:
         missing = [k for k in keys if k not in data]
         if missing:
             raise CliError(f"{path} has no array {missing}; it holds {sorted(data)}")
-        arrays = {k: data[k] for k in keys}
+        arrays = {k: _npz_array(data, path, k) for k in keys}
     for name, array in arrays.items():
         if array.dtype.kind not in "iufb":
             raise CliError(f"{path}: array {name!r} is {array.dtype}, not numeric")
     return arrays
+
+
+def _npz_array(data: Any, path: str, name: str) -> np.ndarray:
+    """The array ``name`` of the open NPZ file ``path`` (a CliError names the file and
+    the array when it cannot be read: Python objects, a damaged member)."""
+    try:
+        return data[name]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        if _npz_dtype(data, name) == np.dtype(object):
+            raise CliError(
+                f"{path}: array {name!r} holds Python objects (dtype object), which are "
+                "not read (they would need pickle); save numeric arrays, e.g. "
+                f"np.savez(..., {name}=array.astype(float))"
+            ) from None
+        raise CliError(
+            f"{path}: array {name!r} cannot be read ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _npz_dtype(data: Any, name: str) -> np.dtype | None:
+    """The dtype the ``.npy`` header of ``name`` in an NPZ file declares (None when the
+    header itself cannot be read)."""
+    from numpy.lib import format as npy
+
+    readers = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
+    try:
+        with data.zip.open(f"{name}.npy") as member:
+            reader = readers.get(npy.read_magic(member))
+            return None if reader is None else reader(member)[2]
+    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
 
 
 def _read_npz(
@@ -220,7 +292,33 @@ def _read_npz(
 
 
 def _read_csv(path: str, label: str | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    with open(path, newline="") as handle:
+    try:
+        return _parse_csv(path, label)
+    except UnicodeDecodeError:  # its position is within a chunk the reader decoded
+        raise CliError(_not_utf8(path)) from None
+
+
+def _not_utf8(path: str) -> str:
+    """What is wrong with a CSV file that is not UTF-8 text: its first byte that is not
+    UTF-8, by line and by position in the file."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        data[start:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = start + exc.start
+        line = data.count(b"\n", 0, at) + 1
+        return (
+            f"{path} is not UTF-8 text (byte 0x{data[at]:02x} on line {line}, at position "
+            f"{at} of the file; Latin-1 or Windows-1252, maybe): save it as UTF-8"
+        )
+    return f"{path} is not UTF-8 text: save it as UTF-8"
+
+
+def _parse_csv(path: str, label: str | None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    # utf-8-sig: a byte-order mark (Excel's "CSV UTF-8") is not part of the first name
+    with open(path, newline="", encoding="utf-8-sig") as handle:
         reader = csv.reader(handle)
         header = [h.strip() for h in next(reader, [])]
         if not header:
@@ -435,7 +533,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--epochs 0 trains nothing: it is for 'graphkit-train export --web DIR', which "
             "then writes the untrained model for a web page to train"
         )
+    checkpoint = _checkpoint_file(args)
     job = _job(args)
+    if rank == 0:  # rank 0 writes: a folder it cannot write fails now, not after training
+        _check_writable(args.output, "--output")
+        if checkpoint is not None:
+            _check_writable(os.path.dirname(os.path.abspath(checkpoint)), "--checkpoint's")
+        if args.web:
+            _check_writable(args.web, "--web")
     say(
         f"graphkit-train: {job.dataset}, {len(job.train_rows)} training rows, "
         f"{len(job.test_rows)} held out; loss {job.loss.name}, optimizer {args.optimizer}, "
@@ -443,7 +548,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.epochs == 0:
         return _export_untrained(job, args, say)
-    trainer, seconds, epoch_ends = _train(job, args, quiet)
+    last = _LastEpoch(keep=not args.distributed)
+    try:
+        return _train_and_write(job, args, quiet, checkpoint, last, rank, world_size, say)
+    except KeyboardInterrupt:
+        target = checkpoint or os.path.join(args.output, DEFAULT_CHECKPOINT)
+        raise last.interrupted(target, args.epochs, resumed=args.resume) from None
+
+
+def _train_and_write(
+    job: _Job,
+    args: argparse.Namespace,
+    quiet: bool,
+    checkpoint: str | None,
+    last: _LastEpoch,
+    rank: int,
+    world_size: int,
+    say: Any,
+) -> dict[str, Any]:
+    """Train, compare with scikit-learn (the default job), write the results; the
+    report."""
+    trainer, seconds, epoch_ends = _train(job, args, quiet, checkpoint, last)
     report = _report(job, args, trainer, seconds, epoch_ends, world_size, say)
     if rank != 0:  # rank 0 compares and writes
         return report
@@ -458,6 +583,123 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["files"]["web"] = _write_web(trainer, job, args.web)
     say(f"wrote {', '.join(sorted(report['files'].values()))}")
     return report
+
+
+def _checkpoint_file(args: argparse.Namespace) -> str | None:
+    """The checkpoint ``fit`` resumes from and saves to every epoch: ``--checkpoint``,
+    or with ``--resume`` alone the file Ctrl-C saves to; None without either.
+
+    Raises:
+        CliError: a checkpoint option with ``--nproc`` or ``--distributed``, ``--resume``
+            without a file to resume from, or an existing ``--checkpoint`` file without
+            ``--resume`` (a new run would overwrite another run's state).
+    """
+    if args.checkpoint is None and not args.resume:
+        return None
+    if args.distributed or args.nproc > 1:
+        raise CliError(
+            "--checkpoint and --resume are not supported with --nproc or --distributed yet; "
+            "train in one process to checkpoint"
+        )
+    path = args.checkpoint or os.path.join(args.output, DEFAULT_CHECKPOINT)
+    exists = os.path.exists(path)
+    if args.resume and not exists:
+        raise CliError(
+            f"--resume: there is no checkpoint {path!r} to resume from (Ctrl-C saves one, "
+            "and so does --checkpoint PATH every epoch); run without --resume to start over"
+        )
+    if not args.resume and exists:
+        raise CliError(
+            f"--checkpoint {path!r} already exists: add --resume to continue that run, or "
+            "remove the file (or choose another PATH) to start over"
+        )
+    return path
+
+
+def _check_writable(folder: str, option: str) -> None:
+    """Create ``folder`` and write and remove a file in it, so that a folder the results
+    cannot go to fails before the training rather than after it. The folders it had to
+    create are removed again: an error found later (a bad option) leaves none behind."""
+    folder = os.path.abspath(folder)
+    created = []  # the missing folders, deepest first
+    parent = folder
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        created.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".graphkit-write-test-", dir=folder)
+        try:
+            os.write(fd, b"graphkit")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise CliError(
+            f"{option} folder {folder!r} cannot be written ({type(exc).__name__}: "
+            f"{exc.strerror or exc}): choose another folder, or make this one writable"
+        ) from None
+    finally:
+        for path in created:
+            with contextlib.suppress(OSError):  # never made (the error above), or filled
+                os.rmdir(path)
+
+
+class _LastEpoch:
+    """The training state at the end of the last finished epoch, kept in memory, so that
+    Ctrl-C can save it whatever the trainer was doing when it came: the middle of an
+    epoch has updated weights, optimizer state and the shuffling generator that no
+    finished epoch accounts for."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep  # distributed ranks keep nothing: their runs cannot checkpoint
+        self.trainer: Trainer | None = None
+        self.state: dict[str, np.ndarray] = {}
+        self.losses: tuple[list[float], list[float | None]] = ([], [])
+        self.rng: dict[str, Any] | None = None
+
+    def record(self, trainer: Trainer) -> None:
+        """Keep ``trainer``'s state: called at the end of every epoch."""
+        if not self.keep:
+            return
+        self.trainer = trainer
+        self.state = trainer.get_state()  # copies
+        self.losses = (list(trainer.train_losses_), list(trainer.validation_losses_))
+        # the shuffling generator: the next epoch's order (a checkpoint holds it too)
+        rng = trainer._rng
+        self.rng = None if rng is None else rng.bit_generator.state
+
+    def interrupted(self, path: str, epochs: int, resumed: bool) -> _Interrupted:
+        """Save the kept state to ``path`` (the run resumed from it when ``resumed``);
+        the :class:`_Interrupted` that says where."""
+        if self.trainer is None:
+            if resumed:  # and no epoch ended since: the file holds what it resumed from
+                return _Interrupted(
+                    f"interrupted before an epoch ended; {path} holds the state the run "
+                    "was resumed from",
+                    resumable=True,
+                )
+            reason = "distributed runs are not checkpointed" if not self.keep else "no epoch ended"
+            return _Interrupted(f"interrupted: {reason}, nothing was saved", resumable=False)
+        trainer = self.trainer
+        trainer.set_state(self.state)
+        trainer.train_losses_, trainer.validation_losses_ = map(list, self.losses)
+        if self.rng is not None:
+            trainer._rng = np.random.default_rng()
+            trainer._rng.bit_generator.state = self.rng
+        done = len(self.losses[0])
+        try:
+            trainer.save_checkpoint(path)
+        except (OSError, gk.GraphkitError) as exc:
+            return _Interrupted(
+                f"interrupted after epoch {done} of {epochs}, and its state could not be "
+                f"saved: {exc}",
+                resumable=False,
+            )
+        return _Interrupted(
+            f"interrupted after epoch {done} of {epochs}; saved its state to {path}",
+            resumable=True,
+        )
 
 
 def _job(args: argparse.Namespace) -> _Job:
@@ -557,19 +799,30 @@ def _trainer(job: _Job, args: argparse.Namespace, quiet: bool) -> Trainer:
     )
 
 
-def _train(job: _Job, args: argparse.Namespace, quiet: bool) -> tuple[Trainer, float, list[float]]:
-    """The fitted trainer, the training time and the time at the end of each epoch."""
+def _train(
+    job: _Job, args: argparse.Namespace, quiet: bool, checkpoint: str | None, last: _LastEpoch
+) -> tuple[Trainer, float, list[float]]:
+    """The fitted trainer, the training time and the time at the end of each epoch (of
+    this run: a resumed one times the epochs left). The trainer resumes from
+    ``checkpoint`` when it exists and saves to it every epoch; ``last`` keeps the state
+    of every finished epoch for Ctrl-C."""
     trainer = _trainer(job, args, quiet)
     test = job.test_rows
     held_out = (_rows(job.X, test), job.y[test]) if len(test) else (None, None)
     epoch_ends: list[float] = []
     start = time.perf_counter()
+
+    def after_epoch(epoch: int, losses: dict[str, float | None], fitted: Any) -> None:
+        epoch_ends.append(time.perf_counter() - start)
+        last.record(fitted)
+
     trainer.fit(
         _rows(job.X, job.train_rows),
         job.y[job.train_rows],
         X_val=held_out[0],
         y_val=held_out[1],
-        callback=lambda epoch, losses, _: epoch_ends.append(time.perf_counter() - start),
+        callback=after_epoch,
+        checkpoint=checkpoint,
     )
     return trainer, time.perf_counter() - start, epoch_ends
 
@@ -730,15 +983,25 @@ def _write(trainer: Trainer, folder: str, report: dict[str, Any]) -> dict[str, s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; every error is one line on stderr and exit code 2."""
+    """Run the command line; every error is one line on stderr and exit code 2; Ctrl-C
+    is one line saying where the finished epochs were saved, and exit code 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     export = bool(argv) and argv[0] == "export"
     try:
         args = build_parser().parse_args(argv[1:] if export else argv)
         args.export = export
         if args.nproc > 1 and not args.distributed:
+            _checkpoint_file(args)  # refused before the processes start
             return _relaunch(argv, args.nproc)
         run(args)
+    except _Interrupted as exc:
+        resume = [*argv, "--resume"] if "--resume" not in argv else argv
+        how = f"; resume with: {shlex.join(['graphkit-train', *resume])}" if exc.resumable else ""
+        _fail(f"{exc}{how}")
+        return INTERRUPTED
+    except KeyboardInterrupt:  # before training (reading the data, building the graphs)
+        _fail("interrupted: nothing was saved")
+        return INTERRUPTED
     except CliError as exc:
         return _fail(f"error: {exc}")
     except (gk.GraphkitError, FileNotFoundError) as exc:

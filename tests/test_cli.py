@@ -33,6 +33,8 @@ def test_help_lists_every_option():
         "--weights",
         "--output",
         "--input",
+        "--checkpoint",
+        "--resume",
     ):
         assert option in text
     assert "squared_error" in text and "adam" in text and "cosine" in text
