@@ -8,7 +8,10 @@ coupled or decoupled weight decay where it has one, and the learning rate::
 
 ``learning_rate`` is a schedule, its name or a number; left ``None`` it stays *open* and
 the trainers (or :meth:`~graphkit.transforms.GradientTransformation.with_learning_rate`)
-fill it. Per-weight state is named ``"{weight}.{rule}.{field}"`` (``"coef.adam.m"``)::
+fill it. Every optimizer takes ``learning_rate`` first and its other hyper-parameters by
+keyword only, in optax's and torch's order: ``adam(1e-3)`` is Adam at rate 0.001, and
+``adam(1e-3, 0.9)`` is a TypeError, never a silent ``b1``. Per-weight state is named
+``"{weight}.{rule}.{field}"`` (``"coef.adam.m"``)::
 
     opt = graphkit.optimizers.adam()
     state = opt.init({"coef": w})
@@ -48,7 +51,6 @@ Optimizer = GradientTransformation
 """An optimizer is a gradient transformation (a chain ending with the learning rate)."""
 
 OPTIMIZERS: Registry[GradientTransformation] = Registry("optimizer")
-
 
 
 def _named(name: str, parts: list[GradientTransformation | None], **params: Any) -> Chain:
@@ -358,6 +360,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
 @factory
 def scale_by_adafactor(
     learning_rate: Any = None,
+    *,
     beta2_decay: float = -0.8,
     eps1: float | None = None,
     eps2: float = 1e-3,
@@ -462,7 +465,7 @@ def scale_by_adafactor(
 
 @OPTIMIZERS.register("sgd")
 @factory
-def sgd(learning_rate: Any = None, weight_decay: float = 0.0) -> Chain:
+def sgd(learning_rate: Any = None, *, weight_decay: float = 0.0) -> Chain:
     """p <- p - lr (g + weight_decay p)  (coupled L2, as torch's SGD)"""
     return _named(
         "sgd",
@@ -474,12 +477,13 @@ def sgd(learning_rate: Any = None, weight_decay: float = 0.0) -> Chain:
 @OPTIMIZERS.register("momentum", "sgd_momentum")
 @factory
 def momentum(
+    learning_rate: Any = None,
+    *,
     momentum: float = 0.9,
     nesterov: bool = False,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     convention: str = "torch",
-    learning_rate: Any = None,
 ) -> Chain:
     """SGD with momentum, heavy-ball or Nesterov (see :func:`trace`).
 
@@ -488,7 +492,7 @@ def momentum(
     v <- momentum v - lr g, which matters when it changes over time.
     ``weight_decay`` adds a coupled L2 term to g in both.
     """
-    buffer = trace(momentum, nesterov, dampening, convention)
+    buffer = trace(momentum, nesterov=nesterov, dampening=dampening, convention=convention)
     rate = scale_by_learning_rate(learning_rate)
     parts = [rate, buffer] if convention == "sklearn" else [buffer, rate]
     return _named(
@@ -508,25 +512,34 @@ _momentum = momentum
 @OPTIMIZERS.register("nesterov")
 @factory
 def nesterov(
+    learning_rate: Any = None,
+    *,
     momentum: float = 0.9,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     convention: str = "torch",
-    learning_rate: Any = None,
 ) -> Chain:
-    """SGD with Nesterov momentum: ``momentum(..., nesterov=True)``."""
-    return _momentum(momentum, True, dampening, weight_decay, convention, learning_rate)
+    """SGD with Nesterov momentum: ``momentum(learning_rate, ..., nesterov=True)``."""
+    return _momentum(
+        learning_rate,
+        momentum=momentum,
+        nesterov=True,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        convention=convention,
+    )
 
 
 @OPTIMIZERS.register("adam")
 @factory
 def adam(
+    learning_rate: Any = None,
+    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     eps_mode: str = "corrected",
-    learning_rate: Any = None,
 ) -> Chain:
     """Adam: ``chain(add_decayed_weights, scale_by_adam, scale_by_learning_rate)``.
 
@@ -541,12 +554,13 @@ def adam(
 @OPTIMIZERS.register("adamw")
 @factory
 def adamw(
+    learning_rate: Any = None,
+    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     eps_mode: str = "corrected",
-    learning_rate: Any = None,
 ) -> Chain:
     """AdamW (Loshchilov & Hutter): the decay comes after Adam's rescaling,
     p <- p - lr (adam(g) + weight_decay p), which is torch.optim.AdamW's update."""
@@ -559,11 +573,12 @@ def adamw(
 @OPTIMIZERS.register("adagrad")
 @factory
 def adagrad(
+    learning_rate: Any = None,
+    *,
     eps: float = 1e-10,
     lr_decay: float = 0.0,
     initial_accumulator_value: float = 0.0,
     weight_decay: float = 0.0,
-    learning_rate: Any = None,
 ) -> Chain:
     """Adagrad (torch.optim.Adagrad's form, eps outside the sqrt)."""
     rule = scale_by_adagrad(eps, lr_decay, initial_accumulator_value)
@@ -581,7 +596,11 @@ def adagrad(
 @OPTIMIZERS.register("rmsprop")
 @factory
 def rmsprop(
-    alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0, learning_rate: Any = None
+    learning_rate: Any = None,
+    *,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
 ) -> Chain:
     """RMSprop (torch.optim.RMSprop's form, eps outside the sqrt, no momentum)."""
     rule = scale_by_rms(alpha, eps)
@@ -591,7 +610,7 @@ def rmsprop(
 @OPTIMIZERS.register("lion")
 @factory
 def lion(
-    b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0, learning_rate: Any = None
+    learning_rate: Any = None, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0
 ) -> Chain:
     """Lion: p <- p - lr (sign(b1 m + (1 - b1) g) + weight_decay p)."""
     return _decoupled("lion", scale_by_lion(b1, b2), weight_decay, learning_rate, b1=b1, b2=b2)
@@ -600,11 +619,12 @@ def lion(
 @OPTIMIZERS.register("lamb")
 @factory
 def lamb(
+    learning_rate: Any = None,
+    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-6,
     weight_decay: float = 0.0,
-    learning_rate: Any = None,
 ) -> Chain:
     """LAMB (You et al. 2020): Adam's direction plus decoupled decay, rescaled per
     weight by the trust ratio ||p|| / ||r||: p <- p - lr trust r."""
@@ -626,11 +646,12 @@ def lamb(
 @OPTIMIZERS.register("radam")
 @factory
 def radam(
+    learning_rate: Any = None,
+    *,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    learning_rate: Any = None,
 ) -> Chain:
     """RAdam (torch.optim.RAdam, coupled ``weight_decay``)."""
     rule = scale_by_radam(b1, b2, eps)
@@ -640,7 +661,7 @@ def radam(
 @OPTIMIZERS.register("adadelta")
 @factory
 def adadelta(
-    rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0, learning_rate: Any = None
+    learning_rate: Any = None, *, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0
 ) -> Chain:
     """Adadelta (torch.optim.Adadelta; torch's default learning rate is 1.0)."""
     rule = scale_by_adadelta(rho, eps)
@@ -650,15 +671,18 @@ def adadelta(
 @OPTIMIZERS.register("adafactor")
 @factory
 def adafactor(
+    learning_rate: Any = None,
+    *,
     beta2_decay: float = -0.8,
     eps1: float | None = None,
     eps2: float = 1e-3,
     d: float = 1.0,
     weight_decay: float = 0.0,
-    learning_rate: Any = None,
 ) -> Chain:
     """Adafactor (torch.optim.Adafactor; see :func:`scale_by_adafactor`)."""
-    rule = scale_by_adafactor(learning_rate, beta2_decay, eps1, eps2, d, weight_decay)
+    rule = scale_by_adafactor(
+        learning_rate, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, weight_decay=weight_decay
+    )
     return _named(
         "adafactor",
         [rule],

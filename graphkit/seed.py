@@ -397,7 +397,7 @@ class LearningRateSGDNesterov(BaseLearningRate):
             learning_rate,
         )
         self.momentum, self.nesterov = momentum, nesterov
-        optimizer = _optimizers.momentum(momentum, nesterov=nesterov, convention="sklearn")
+        optimizer = _optimizers.momentum(momentum=momentum, nesterov=nesterov, convention="sklearn")
         super().__init__(optimizer, _sgd_schedule(learning_rate, eta0, alpha, power_t))
 
 
@@ -424,7 +424,9 @@ class LearningRateAdam(BaseLearningRate):
         eps_mode: str = "corrected",
         learning_rate: Any = "constant",
     ) -> None:
-        optimizer = self._factory(b1, b2, eps, weight_decay, eps_mode)
+        optimizer = self._factory(
+            b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode
+        )
         super().__init__(optimizer, _schedule(learning_rate, eta0))
 
 
@@ -452,7 +454,9 @@ class LearningRateAdagrad(BaseLearningRate):
         initial_accumulator_value: float = 0.0,
         learning_rate: Any = "constant",
     ) -> None:
-        optimizer = _optimizers.adagrad(eps, lr_decay, initial_accumulator_value)
+        optimizer = _optimizers.adagrad(
+            eps=eps, lr_decay=lr_decay, initial_accumulator_value=initial_accumulator_value
+        )
         super().__init__(optimizer, _schedule(learning_rate, eta0))
 
 
@@ -468,7 +472,7 @@ class LearningRateRMSProp(BaseLearningRate):
         eps: float = 1e-8,
         learning_rate: Any = "constant",
     ) -> None:
-        super().__init__(_optimizers.rmsprop(alpha, eps), _schedule(learning_rate, eta0))
+        super().__init__(_optimizers.rmsprop(alpha=alpha, eps=eps), _schedule(learning_rate, eta0))
 
 
 def hint(kind: str, name: object) -> str:

@@ -93,7 +93,7 @@ def test_mlp_regressor_same_weights(solver, data):
     onx = to_onnx(mlp, X[:1])  # float64, from those weights
     del mlp._optimizer  # the next partial_fit starts a fresh optimizer, as graphkit does
     if solver == "sgd":
-        rule = optimizers.momentum(0.9, nesterov=True, convention="sklearn")
+        rule = optimizers.momentum(momentum=0.9, nesterov=True, convention="sklearn")
     else:
         rule = optimizers.adam(eps=1e-8, eps_mode="uncorrected")
     trainer = OrtGradientOptimizer(
@@ -123,7 +123,7 @@ def test_same_loss_as_torch_at_every_step(name, data, tmp_path):
         torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
     ).double()
     if name == "momentum":
-        ours = (optimizers.momentum(0.9), 0.05)
+        ours = (optimizers.momentum(momentum=0.9), 0.05)
         theirs = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     else:
         ours = (optimizers.adam(), 0.05)

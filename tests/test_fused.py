@@ -204,7 +204,7 @@ def test_float64_and_old_opset_graphs_keep_their_kernels():
 
 OPTIMIZERS = {
     "sgd": lambda: optimizers.sgd(learning_rate=0.05),
-    "nesterov": lambda: optimizers.nesterov(0.9, learning_rate=0.05),
+    "nesterov": lambda: optimizers.nesterov(momentum=0.9, learning_rate=0.05),
     "adam": lambda: optimizers.adam(learning_rate=0.01),
     "adamw": lambda: optimizers.adamw(weight_decay=0.1, learning_rate=0.01),
     "adagrad": lambda: optimizers.adagrad(learning_rate=0.05),

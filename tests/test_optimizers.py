@@ -24,15 +24,15 @@ TORCH_CASES = {
         lambda p, lr: torch.optim.SGD(p, lr=lr, weight_decay=0.1),
     ),
     "momentum": (
-        lambda: optimizers.momentum(0.9),
+        lambda: optimizers.momentum(momentum=0.9),
         lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9),
     ),
     "momentum_dampening": (
-        lambda: optimizers.momentum(0.8, dampening=0.3),
+        lambda: optimizers.momentum(momentum=0.8, dampening=0.3),
         lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.8, dampening=0.3),
     ),
     "nesterov": (
-        lambda: optimizers.momentum(0.9, nesterov=True, weight_decay=0.01),
+        lambda: optimizers.momentum(momentum=0.9, nesterov=True, weight_decay=0.01),
         lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01),
     ),
     "adam": (lambda: optimizers.adam(), lambda p, lr: torch.optim.Adam(p, lr=lr)),
@@ -101,7 +101,7 @@ def test_momentum_sklearn_convention_matches_sklearn(nesterov, rng):
     w = rng.normal(size=(4, 3))
     ref_params = [w.copy()]
     reference = SGDOptimizer(ref_params, learning_rate_init=0.1, momentum=0.9, nesterov=nesterov)
-    opt = optimizers.momentum(0.9, nesterov=nesterov, convention="sklearn")
+    opt = optimizers.momentum(momentum=0.9, nesterov=nesterov, convention="sklearn")
     params = {"w": w.copy()}
     state = opt.init(params)
     for step, g in enumerate(fixed_gradients(rng, w.shape)):
@@ -194,7 +194,7 @@ def test_momentum_hypothesis_against_torch(momentum, lr, nesterov, seed):
     w = rng.normal(size=(3,))
     t = torch.tensor(w.copy(), requires_grad=True)
     reference = torch.optim.SGD([t], lr=lr, momentum=momentum, nesterov=nesterov)
-    opt = optimizers.momentum(momentum, nesterov=nesterov)
+    opt = optimizers.momentum(momentum=momentum, nesterov=nesterov)
     params = {"w": w}
     state = opt.init(params)
     for step in range(5):
@@ -210,7 +210,7 @@ def test_bad_optimizer_input():
     with pytest.raises(UnknownNameError, match="Valid names.*adam"):
         optimizers.get("adamm")
     with pytest.raises(ValueError, match="momentum"):
-        optimizers.momentum(1.5)
+        optimizers.momentum(momentum=1.5)
     with pytest.raises(ValueError, match="eps_mode"):
         optimizers.adam(eps_mode="inside")
     with pytest.raises(ValueError, match="convention"):
@@ -225,3 +225,136 @@ def test_bad_optimizer_input():
         opt.update(w, {}, w, 0, 0.1)
     with pytest.raises(ValueError, match="open learning rate"):
         opt.update(w, opt.init(w), w, 0)
+
+
+# -- the learning rate is the first argument (optax's and torch's order) -----------------
+
+RATE = 1e-3
+
+
+def _lion_numpy(w, grads, lr, b1=0.9, b2=0.99):
+    """Lion from the paper (Chen et al. 2023, Algorithm 2), no decay."""
+    m = np.zeros_like(w)
+    for g in grads:
+        w = w - lr * np.sign(b1 * m + (1 - b1) * g)
+        m = b2 * m + (1 - b2) * g
+    return w
+
+
+def _lamb_numpy(w, grads, lr, b1=0.9, b2=0.999, eps=1e-6):
+    """LAMB from the paper (You et al. 2020, Algorithm 2), no decay, phi = identity."""
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        r = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        w = w - lr * np.linalg.norm(w) / np.linalg.norm(r) * r
+    return w
+
+
+def _torch_reference(make):
+    def reference(w, grads, lr):
+        t = torch.tensor(w.copy(), requires_grad=True)
+        opt = make([t], lr)
+        for g in grads:
+            t.grad = torch.tensor(g)
+            opt.step()
+        return t.detach().numpy()
+
+    return reference
+
+
+# every optimizer factory, at its defaults, with the reference for those defaults
+RATE_FIRST = {
+    "sgd": _torch_reference(lambda p, lr: torch.optim.SGD(p, lr=lr)),
+    "momentum": _torch_reference(lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9)),
+    "nesterov": _torch_reference(
+        lambda p, lr: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True)
+    ),
+    "adam": _torch_reference(lambda p, lr: torch.optim.Adam(p, lr=lr)),
+    "adamw": _torch_reference(lambda p, lr: torch.optim.AdamW(p, lr=lr, weight_decay=1e-2)),
+    "adagrad": _torch_reference(lambda p, lr: torch.optim.Adagrad(p, lr=lr)),
+    "rmsprop": _torch_reference(lambda p, lr: torch.optim.RMSprop(p, lr=lr)),
+    "radam": _torch_reference(lambda p, lr: torch.optim.RAdam(p, lr=lr)),
+    "adadelta": _torch_reference(lambda p, lr: torch.optim.Adadelta(p, lr=lr)),
+    "adafactor": _torch_reference(lambda p, lr: torch.optim.Adafactor(p, lr=lr)),
+    "lion": _lion_numpy,
+    "lamb": _lamb_numpy,
+}
+
+
+def test_every_registered_optimizer_is_checked_for_its_argument_order():
+    assert sorted(RATE_FIRST) == optimizers.OPTIMIZERS.names()
+
+
+@pytest.mark.parametrize("name", sorted(RATE_FIRST))
+def test_learning_rate_is_the_first_argument(name, rng):
+    """``adam(1e-3)`` is Adam at rate 0.001 (it once set b1 = 0.001 silently): three
+    steps on fixed gradients against torch.optim at lr=1e-3 (numpy from the paper for
+    Lion and LAMB), the rate a number, a schedule object, or filled from ``get``."""
+    factory = getattr(optimizers, name)
+    w = rng.normal(size=(3, 4))
+    grads = [rng.normal(size=w.shape) for _ in range(3)]
+    expected = RATE_FIRST[name](w, grads, RATE)
+    for opt in (
+        factory(RATE),
+        factory(schedules.constant(RATE)),
+        optimizers.get(name, learning_rate=RATE),
+        factory().with_learning_rate(RATE),
+    ):
+        assert not opt.has_open_learning_rate
+        params = {"w": w}
+        state = opt.init(params)
+        for step, g in enumerate(grads):
+            updates, state = opt.update({"w": g}, state, params, step)
+            params = apply_updates(params, updates)
+        np.testing.assert_allclose(params["w"], expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", sorted(RATE_FIRST))
+def test_a_second_positional_number_is_a_type_error(name):
+    factory = getattr(optimizers, name)
+    with pytest.raises(TypeError):
+        factory(RATE, 0.9)
+    # left open, as before: the trainers fill it (DEFAULT_LEARNING_RATE when given none)
+    assert factory().has_open_learning_rate
+    filled = optimizers.resolve(factory())
+    assert {float(s(0)) for s in filled.schedules()} == {optimizers.DEFAULT_LEARNING_RATE}
+
+
+def test_seed_learning_rates_keep_their_hyper_parameters(rng):
+    """The seed classes pass their hyper-parameters by name: LearningRateAdam(b1=0.8)
+    is torch's Adam with betas (0.8, 0.99) at eta0, not a rate of 0.8."""
+    from graphkit import seed
+
+    w = rng.normal(size=(5,))
+    grads = [rng.normal(size=w.shape) for _ in range(4)]
+    cases = [
+        (
+            seed.LearningRateAdam(eta0=0.01, b1=0.8, b2=0.99, eps=1e-6),
+            lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.99), eps=1e-6),
+        ),
+        (
+            seed.LearningRateAdamW(eta0=0.01, weight_decay=0.1),
+            lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        ),
+        (
+            seed.LearningRateAdagrad(eta0=0.05, lr_decay=0.1, initial_accumulator_value=0.2),
+            lambda p: torch.optim.Adagrad(p, lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2),
+        ),
+        (
+            seed.LearningRateRMSProp(eta0=0.01, alpha=0.9, eps=1e-6),
+            lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9, eps=1e-6),
+        ),
+    ]
+    for rate, make in cases:
+        expected = _torch_reference(lambda p, lr, make=make: make(p))(w, grads, None)
+        opt = rate.to_transformation()
+        params = {"w": w}
+        state = opt.init(params)
+        for step, g in enumerate(grads):
+            updates, state = opt.update({"w": g}, state, params, step)
+            params = apply_updates(params, updates)
+        np.testing.assert_allclose(params["w"], expected, rtol=1e-12)
+    nesterov = seed.LearningRateSGDNesterov(momentum=0.7).to_transformation()
+    assert nesterov.params["momentum"] == 0.7 and nesterov.params["nesterov"]

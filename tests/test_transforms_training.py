@@ -55,7 +55,7 @@ CHAINS = {
     "adafactor": lambda: optimizers.adafactor(),
     "clipped_adam": lambda: tx.chain(tx.clip_by_global_norm(0.5), optimizers.adam()),
     "adaptive_clip_sgd": lambda: tx.chain(tx.adaptive_clip(0.05), optimizers.sgd()),
-    "lookahead": lambda: tx.lookahead(optimizers.momentum(0.9), sync_period=3),
+    "lookahead": lambda: tx.lookahead(optimizers.momentum(momentum=0.9), sync_period=3),
     "accumulated": lambda: tx.multi_steps(optimizers.adam(), every_k=2),
     "skip_non_finite": lambda: tx.apply_if_finite(optimizers.rmsprop()),
     "ema": lambda: tx.chain(optimizers.adamw(), tx.ema(0.8)),
@@ -163,12 +163,12 @@ def test_update_step_takes_a_transformation_and_a_schedule(rng):
 
     weights = {"w": rng.normal(size=(3,))}
     step = build_update_step(
-        weights, optimizers.momentum(0.9), learning_rate=gk.schedules.invscaling(0.1, 0.5)
+        weights, optimizers.momentum(momentum=0.9), learning_rate=gk.schedules.invscaling(0.1, 0.5)
     )
     onnx.checker.check_model(step.model, full_check=True)
     runner = Runner(step.model)
     feeds = dict(step.initial)
-    reference = optimizers.momentum(0.9, learning_rate=gk.schedules.invscaling(0.1, 0.5))
+    reference = optimizers.momentum(gk.schedules.invscaling(0.1, 0.5), momentum=0.9)
     params, state = {"w": weights["w"]}, reference.init(weights)
     for t in range(5):
         g = rng.normal(size=3)
