@@ -3,9 +3,13 @@ functions into typed models, and splicing one graph into another without name cl
 
 from __future__ import annotations
 
-import functools
+import collections
+import contextlib
+import hashlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,7 +18,7 @@ import onnx.inliner
 from onnx import TensorProto, helper
 
 from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, finalize, opset_of, set_opset
-from graphkit.errors import DTypeError
+from graphkit.errors import DTypeError, IncompatibleModelError
 
 FLOAT_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}
 ELEM_TO_DTYPE = {v: k for k, v in FLOAT_TYPES.items()} | {
@@ -45,15 +49,102 @@ Dim = int | str | None
 Shape = tuple[Dim, ...]
 
 
-@functools.lru_cache(maxsize=1024)
+class CompiledModels:
+    """Serialized models by key, the least recently used dropped first once there are
+    more than ``max_entries`` of them or they hold more than ``max_bytes``: the cache of
+    :func:`compile_function`, bounded in what it holds, not only in its count."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._models: collections.OrderedDict[Hashable, bytes] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, key: Hashable) -> bytes | None:
+        with self._lock:
+            found = self._models.get(key)
+            if found is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._models.move_to_end(key)
+            return found
+
+    def put(self, key: Hashable, model: bytes) -> None:
+        with self._lock:
+            old = self._models.pop(key, None)
+            self.nbytes -= len(old) if old is not None else 0
+            self._models[key] = model
+            self.nbytes += len(model)
+            while self._models and (
+                len(self._models) > self.max_entries or self.nbytes > self.max_bytes
+            ):
+                _, dropped = self._models.popitem(last=False)
+                self.nbytes -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
+            self.nbytes = self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
+COMPILED = CompiledModels(max_entries=256, max_bytes=32 * 2**20)
+"""The typed models :func:`compile_function` built, by the content of the function and
+the types asked for. 256 entries hold the distinct functions of a few dozen optimizers,
+losses and schedules; a few KB each, they stay far below 32 MB unless a function holds
+large constants, which the bytes bound is for."""
+
+_DIGESTS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
+"""Function object -> :func:`function_digest`, while the object lives."""
+
+
+def function_digest(fn: Any) -> bytes:
+    """A digest of what ``fn`` computes: its model, the functions it calls included.
+
+    Factories build a new onnxscript function per call (a closure over the
+    hyper-parameters), so the function object is no key: two calls with the same
+    hyper-parameters give equal digests, two with different ones different digests
+    (onnxscript writes the values a closure captures as constants in the body, and the
+    functions it calls, with their own constants, in ``model.functions``; the function's
+    own ``to_function_proto`` leaves those out).
+    """
+    try:
+        return _DIGESTS[fn]
+    except (KeyError, TypeError):  # TypeError: an object weakref cannot hold
+        pass
+    digest = hashlib.sha256(fn.to_model_proto().SerializeToString()).digest()
+    with contextlib.suppress(TypeError):
+        _DIGESTS[fn] = digest
+    return digest
+
+
 def _compiled(
-    fn: object,
+    fn: Any,
     dtype: np.dtype,
     shapes: tuple[tuple[str, Shape], ...],
     int64: frozenset[str],
     outputs: tuple[str, ...],
 ) -> bytes:
-    model = fn.to_model_proto()  # type: ignore[attr-defined]
+    key = (function_digest(fn), dtype, shapes, int64, outputs)
+    found = COMPILED.get(key)
+    if found is None:
+        found = _compile(fn, dtype, shapes, int64, outputs)
+        COMPILED.put(key, found)
+    return found
+
+
+def _compile(
+    fn: Any,
+    dtype: np.dtype,
+    shapes: tuple[tuple[str, Shape], ...],
+    int64: frozenset[str],
+    outputs: tuple[str, ...],
+) -> bytes:
+    model = fn.to_model_proto()
     model = onnx.inliner.inline_local_functions(model)
     del model.functions[:]
     if outputs:
@@ -191,7 +282,9 @@ def compile_function(
         int64: names of int64 inputs (labels, step).
         outputs: new names for the outputs, in order (default: the function's).
 
-    The result is cached; each call returns a fresh copy.
+    The result is cached in :data:`COMPILED` by the function's content
+    (:func:`function_digest`), not by the function object, which factories make anew
+    on every call; each call returns a fresh copy.
     """
     key = tuple(sorted((name, tuple(shape)) for name, shape in shapes.items()))
     model = onnx.ModelProto()
@@ -494,12 +587,115 @@ def int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     )
 
 
+AXES_INPUT_SINCE: dict[str, tuple[int, str]] = {
+    "ReduceSum": (13, "axes"),
+    "Squeeze": (13, "axes"),
+    "Unsqueeze": (13, "axes"),
+    "Split": (13, "split"),
+    **{
+        op: (18, "axes")
+        for op in (
+            "ReduceMean",
+            "ReduceMax",
+            "ReduceMin",
+            "ReduceProd",
+            "ReduceL1",
+            "ReduceL2",
+            "ReduceLogSum",
+            "ReduceLogSumExp",
+            "ReduceSumSquare",
+        )
+    },
+}
+"""Operator -> (the ``ai.onnx`` opset from which its second input holds what was the
+attribute, that attribute's name). Below that opset the attribute is the only form;
+from it on, the attribute is refused ("Unrecognized attribute: axes")."""
+
+
+def _int_values(node: onnx.NodeProto) -> list[int] | None:
+    """The int64 values a Constant node holds (``value_ints``, ``value_int`` or an
+    integer ``value`` tensor), or None."""
+    for attribute in node.attribute:
+        if attribute.name == "value_ints":
+            return list(attribute.ints)
+        if attribute.name == "value_int":
+            return [attribute.i]
+        if attribute.name == "value" and attribute.t.data_type in (
+            TensorProto.INT64,
+            TensorProto.INT32,
+        ):
+            return [int(v) for v in onnx.numpy_helper.to_array(attribute.t).ravel()]
+    return None
+
+
+def axes_for_opset(
+    nodes: Sequence[onnx.NodeProto],
+    opset: int | None,
+    constants: Mapping[str, Sequence[int]] | None = None,
+) -> list[onnx.NodeProto]:
+    """``nodes``, written with their axes as inputs (opset 18's form), in the form
+    ``opset`` takes (``ai.onnx``; None: as written).
+
+    Below :data:`AXES_INPUT_SINCE`'s opset of an operator, its axes (``Split``: its
+    sizes), read from a Constant among ``nodes`` or from ``constants``, become its
+    attribute, and ``noop_with_empty_axes`` (which that opset does not have) is dropped:
+    empty axes with it set are an ``Identity``, without it a reduction over every axis,
+    as the attribute left out means. A Constant among ``nodes`` read only as such axes
+    is dropped.
+
+    Raises:
+        IncompatibleModelError: an axes input computed at run time where ``opset`` takes
+            an attribute (naming the node and the opset it needs).
+    """
+    if opset is None or opset >= 18:
+        return list(nodes)
+    known: dict[str, list[int]] = {k: list(v) for k, v in (constants or {}).items()}
+    for node in nodes:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            values = _int_values(node)
+            if values is not None:
+                known[node.output[0]] = values
+    out: list[onnx.NodeProto] = []
+    moved: set[str] = set()  # the Constants read as attributes now
+    for node in nodes:
+        since, attribute = AXES_INPUT_SINCE.get(node.op_type, (0, ""))
+        if node.domain not in ("", "ai.onnx") or opset >= since or len(node.input) < 2:
+            out.append(node)
+            continue
+        source = node.input[1]
+        if source and source not in known:
+            raise IncompatibleModelError(
+                f"{node.op_type} node {node.name or node.output[0]!r} reads its "
+                f"{attribute} from {source!r}, computed at run time, which opset {opset} "
+                f"cannot take (an attribute until opset {since}): convert the model to "
+                f"opset {since} or later."
+            )
+        values = known.get(source, [])
+        moved.add(source)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        noop = attrs.pop("noop_with_empty_axes", 0)
+        inputs = [node.input[0], *node.input[2:]]
+        if not values and noop:  # nothing to reduce over: the data as it is
+            out.append(
+                helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name)
+            )
+            continue
+        if values:
+            attrs[attribute] = values
+        out.append(
+            helper.make_node(node.op_type, inputs, list(node.output), name=node.name, **attrs)
+        )
+    read = {name for node in out for name in outer_reads(node)}
+    return [n for n in out if not (n.op_type == "Constant" and n.output[0] in moved - read)]
+
+
 class GraphInfo:
-    """What a graph rewrite needs to know: the names in use, and the element type and
-    rank of every tensor shape inference can type (inferred once)."""
+    """What a graph rewrite needs to know: the names in use, the ``ai.onnx`` opset, and
+    the element type and rank of every tensor shape inference can type (inferred once)."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self.taken = graph_names(model.graph)
+        self.opset = opset_of(model)
         try:
             typed = onnx.shape_inference.infer_shapes(model)
         except Exception:  # inference is a help: without it, a rewrite may be skipped

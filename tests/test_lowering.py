@@ -569,3 +569,170 @@ def test_an_exported_epoch_is_graphkits_epoch(dtype, rng, tmp_path):
         for name, value in graphkit.get_state().items():
             np.testing.assert_allclose(out[f"{name}.next"], value, rtol=tol, atol=tol)
         np.testing.assert_allclose(out["batch_losses"].mean(), graphkit.train_losses_[0], rtol=tol)
+
+
+# -- the form of the opset a lowering goes into ------------------------------------------
+
+
+def layer_norm_model(dtype, opset):
+    """X -> LayerNormalization(scale, bias, axis=-1) -> MatMul W -> Y."""
+    rng = np.random.default_rng(3)
+    inits = {
+        "scale": rng.normal(size=4).astype(dtype),
+        "bias": rng.normal(size=4).astype(dtype),
+        "W": rng.normal(size=(4, 3)).astype(dtype),
+    }
+    elem = TYPE[np.dtype(dtype)]
+    graph = helper.make_graph(
+        [
+            helper.make_node("LayerNormalization", ["X", "scale", "bias"], ["H"], axis=-1),
+            helper.make_node("MatMul", ["H", "W"], ["Y"]),
+        ],
+        "layer_norm",
+        [helper.make_tensor_value_info("X", elem, ["N", 4])],
+        [helper.make_tensor_value_info("Y", elem, ["N", 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+    return model, inits
+
+
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_float64_layer_norm_trains_one_sgd_step_as_torch(backend, rng):
+    """One SGD step of a float64 LayerNorm + MatMul under the mean squared error equals
+    torch's float64 autograd (onnxruntime-training once inlined its LayerNormalizationGrad
+    function body, whose ReduceMean has an ``axes`` attribute that opset 18 refuses)."""
+    from graphkit_train.trainers.full import Trainer
+
+    model, inits = layer_norm_model(np.float64, 18)
+    X, Y = rng.normal(size=(6, 4)), rng.normal(size=(6, 3))
+    trainer = Trainer(
+        model,
+        loss="squared_error",
+        max_iter=1,
+        batch_size=6,
+        shuffle=False,
+        backend=backend,
+        optimizer="sgd",
+        schedule=0.1,
+    )
+    trainer.fit(X, Y)
+
+    torch = pytest.importorskip("torch")
+    weights = {k: torch.tensor(v, requires_grad=True) for k, v in inits.items()}
+    hidden = torch.nn.functional.layer_norm(
+        torch.tensor(X), (4,), weights["scale"], weights["bias"], eps=1e-5
+    )
+    loss = torch.nn.functional.mse_loss(hidden @ weights["W"], torch.tensor(Y))
+    loss.backward()
+    state = trainer.get_state()
+    np.testing.assert_allclose(trainer.train_losses_[0], loss.item(), rtol=1e-12)
+    for name, w in weights.items():
+        expected = (w - 0.1 * w.grad).detach().numpy()
+        assert state[name].dtype == np.float64
+        # float32 statistics would leave 1e-8 here (see lowering.layer_norm_grad)
+        np.testing.assert_allclose(state[name], expected, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+@requires_ort_training
+@pytest.mark.parametrize("opset", [15, 17, 18])
+def test_layer_norm_grad_lowered_for_the_graphs_opset(opset, rng):
+    """Below opset 18 ReduceMean takes its axes as an attribute: the lowering of a graph
+    of opset 15 or 17 loads and equals the float32 kernel; opset 18 takes them as input."""
+    shape = (4, 5)
+    x = rng.normal(size=shape).astype(np.float32)
+    feeds = {
+        "dy": rng.normal(size=shape).astype(np.float32),
+        "x": x,
+        "scale": rng.normal(size=5).astype(np.float32),
+        "mean": x.mean(axis=1, keepdims=True),
+        "inv_std": (1 / np.sqrt(x.var(axis=1, keepdims=True) + 1e-5)).astype(np.float32),
+    }
+    model = one_node("LayerNormalizationGrad", feeds, 3, axis=-1, epsilon=1e-5)
+    model.opset_import[0].version = opset
+    shapes = {**{n: v.shape for n, v in feeds.items()}, "y0": shape, "y1": (5,), "y2": (5,)}
+    for value in [*model.graph.input, *model.graph.output]:  # the checker wants them
+        value.CopyFrom(helper.make_tensor_value_info(value.name, F32, shapes[value.name]))
+    expected, _ = kernel_outputs(model, feeds)
+    lower_to_standard(model)
+    onnx.checker.check_model(model, full_check=True)
+    means = [n for n in model.graph.node if n.op_type == "ReduceMean"]
+    assert means and all((len(n.input) == 1) == (opset < 18) for n in means)
+    for got in (Runner(model)(feeds), ReferenceEvaluator(model).run(None, feeds)):
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+def test_axes_for_opset():
+    from graphkit._graph import axes_for_opset, int_constant
+
+    nodes = [
+        int_constant("axes", [1]),
+        int_constant("none", []),
+        helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=1),
+        helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=0),
+        helper.make_node("ReduceSum", ["x", "none"], ["same"], noop_with_empty_axes=1),
+        helper.make_node("Unsqueeze", ["m", "outer"], ["u"]),
+    ]
+    # from opset 18 every axes is an input: nothing changes
+    assert axes_for_opset(nodes, 18) == nodes
+    at17 = axes_for_opset(nodes, 17, {"outer": [0]})
+    assert [(n.op_type, list(n.input)) for n in at17] == [
+        ("Constant", []),
+        ("Constant", []),
+        ("ReduceSum", ["x", "axes"]),  # an input from opset 13
+        ("ReduceMean", ["x"]),
+        ("ReduceSum", ["x", "none"]),
+        ("Unsqueeze", ["m", "outer"]),
+    ]
+    at12 = axes_for_opset(nodes, 12, {"outer": [0]})
+    assert [(n.op_type, list(n.input)) for n in at12] == [
+        ("ReduceSum", ["x"]),
+        ("ReduceMean", ["x"]),
+        ("Identity", ["x"]),  # empty axes with noop_with_empty_axes: the data itself
+        ("Unsqueeze", ["m"]),
+    ]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    shapes = {"s": [2, 1], "same": [2, 3], "u": [1, 2]}
+    outputs = [helper.make_tensor_value_info(n, F32, d) for n, d in shapes.items()]
+    graph = helper.make_graph(at12, "g", [helper.make_tensor_value_info("x", F32, [2, 3])], outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 12)], ir_version=7)
+    onnx.checker.check_model(model, full_check=True)
+    s, same, u = Runner(model)({"x": x})
+    np.testing.assert_array_equal(s, x.sum(axis=1, keepdims=True))
+    np.testing.assert_array_equal(same, x)
+    np.testing.assert_array_equal(u, x.mean(axis=1)[None])
+    with pytest.raises(IncompatibleModelError, match="computed at run time.*opset 13"):
+        axes_for_opset(nodes, 12)
+
+
+@requires_ort_training
+@pytest.mark.parametrize("opset", [12, 18])
+def test_unfolded_batch_norm_for_the_graphs_opset(opset, rng):
+    """ort_training's inference BatchNormalization rewrite, X a + b with a, b unsqueezed
+    over the spatial axes, is valid ONNX of the graph's opset and equals numpy's formula."""
+    from graphkit.backends.ort_training.rewrites import unfold_batch_norm
+
+    c = 3
+    inits = {
+        "scale": rng.normal(size=c),
+        "bias": rng.normal(size=c),
+        "mean": rng.normal(size=c),
+        "var": rng.uniform(0.5, 2, size=c),
+    }
+    graph = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["X", *inits], ["Y"], epsilon=1e-3)],
+        "bn",
+        [helper.make_tensor_value_info("X", F32, ["N", c, 4, 5])],
+        [helper.make_tensor_value_info("Y", F32, ["N", c, 4, 5])],
+        [onnx.numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=7)
+    unfolded = unfold_batch_norm(model)
+    assert "BatchNormalization" not in {n.op_type for n in unfolded.graph.node}
+    onnx.checker.check_model(unfolded, full_check=True)
+    x = rng.normal(size=(2, c, 4, 5)).astype(np.float32)
+    spatial = (1, c, 1, 1)
+    a = inits["scale"] / np.sqrt(inits["var"] + 1e-3)
+    expected = x * a.reshape(spatial) + (inits["bias"] - inits["mean"] * a).reshape(spatial)
+    np.testing.assert_allclose(Runner(unfolded)({"X": x})[0], expected, rtol=1e-5, atol=1e-5)

@@ -3,9 +3,12 @@
 onnxruntime-training's gradient graphs use operators of its own (``com.microsoft``:
 ``BroadcastGradientArgs``, ``ReluGrad``...). No other runtime implements them, and some
 of their kernels exist for float32 only. Each entry of :data:`LOWERINGS` replaces one such
-node with standard operators (opset 18) computing the formula in its docstring; each is
+node with standard operators computing the formula in its docstring; each is
 checked against onnxruntime-training's own kernel on random inputs
-(``tests/test_lowering.py``).
+(``tests/test_lowering.py``). The lowerings write opset 18's operators; each replacement
+then takes the form of the opset of the graph it goes into
+(:func:`graphkit._graph.axes_for_opset`: below opset 18 a ``ReduceMean`` takes its axes
+as an attribute, below 13 a ``ReduceSum`` or an ``Unsqueeze`` too).
 
 * :func:`lower_float32_only_ops`: the operators whose kernels are float32-only, on a
   float64 gradient graph.
@@ -23,7 +26,14 @@ from collections.abc import Callable
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkit._graph import NodeWriter, all_graphs, outer_reads, static_shape
+from graphkit._graph import (
+    NodeWriter,
+    all_graphs,
+    axes_for_opset,
+    constant_tensors,
+    outer_reads,
+    static_shape,
+)
 from graphkit.backends import conv_adjoints, pool_adjoints
 from graphkit.backends.ort_engine import is_float64
 from graphkit.compat import opset_of
@@ -516,22 +526,32 @@ def layer_norm_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
 
         dX = inv_std (g - mean(g) - x^ mean(g x^))   (means over the normalized axes)
         dScale = sum over rows of dY x^;  dBias = sum over rows of dY
+
+    mean and inv_std = 1 / sqrt(mean((X - mean)^2) + epsilon) are computed again from X,
+    in X's type: the forward's are float32 by default (``stash_type=1``) even for float64
+    X, whose normalized values onnxruntime computes in float64, and x^ from them would
+    put float32's error (1e-8, relative) into a float64 dScale and dX.
     """
-    dy, x, scale_, mean, inv_std = node.input[:5]
-    axis = int(_attrs(node).get("axis", -1))  # type: ignore[arg-type]
+    dy, x, scale_ = node.input[:3]
+    attrs = _attrs(node)
+    axis = int(attrs.get("axis", -1))  # type: ignore[arg-type]
+    epsilon = float(attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
     dx, dscale, dbias = (list(node.output) + ["", "", ""])[:3]
     base = _base(node)
     nodes = [
         make("Flatten", [dy], [f"{base}/dy"], axis=axis),
         make("Flatten", [x], [f"{base}/x"], axis=axis),
-        make("Flatten", [mean], [f"{base}/mean"], axis=axis),
-        make("Flatten", [inv_std], [f"{base}/inv_std"], axis=axis),
-        make("CastLike", [f"{base}/mean", f"{base}/x"], [f"{base}/mean_x"]),
-        make("CastLike", [f"{base}/inv_std", f"{base}/x"], [f"{base}/inv_x"]),
-        make("Sub", [f"{base}/x", f"{base}/mean_x"], [f"{base}/centered"]),
-        make("Mul", [f"{base}/centered", f"{base}/inv_x"], [f"{base}/xhat"]),
         _ints(f"{base}/rows", [0]),
         _ints(f"{base}/columns", [1]),
+        make("ReduceMean", [f"{base}/x", f"{base}/columns"], [f"{base}/mean_x"], keepdims=1),
+        make("Sub", [f"{base}/x", f"{base}/mean_x"], [f"{base}/centered"]),
+        make("Mul", [f"{base}/centered", f"{base}/centered"], [f"{base}/squares"]),
+        make("ReduceMean", [f"{base}/squares", f"{base}/columns"], [f"{base}/var"], keepdims=1),
+        *_constant_like(f"{base}/epsilon", epsilon, f"{base}/x"),
+        make("Add", [f"{base}/var", f"{base}/epsilon"], [f"{base}/var_eps"]),
+        make("Sqrt", [f"{base}/var_eps"], [f"{base}/std"]),
+        make("Reciprocal", [f"{base}/std"], [f"{base}/inv_x"]),
+        make("Mul", [f"{base}/centered", f"{base}/inv_x"], [f"{base}/xhat"]),
         make("Shape", [scale_], [f"{base}/scale_shape"]),
     ]
     if dx:
@@ -1003,9 +1023,24 @@ WITH_PRODUCERS: dict[str, Callable[..., list[onnx.NodeProto] | None]] = {
 node that produced one of their inputs."""
 
 FLOAT32_ONLY = frozenset(
-    {"FusedMatMul", "Scale", "ReluGrad", "LeakyReluGrad", "SoftmaxGrad_13", "LogSoftmaxGrad_13"}
+    {
+        "FusedMatMul",
+        "Scale",
+        "ReluGrad",
+        "LeakyReluGrad",
+        "SoftmaxGrad_13",
+        "LogSoftmaxGrad_13",
+        "LayerNormalizationGrad",
+    }
 )
-"""The operators onnxruntime-training implements for float32 only."""
+"""The operators onnxruntime-training implements for float32 only.
+
+LayerNormalizationGrad has a kernel for float32 data and statistics only: with float64
+data and float64 statistics its kernel fails at run time ("Tensor type mismatch"), and
+with float32 statistics (a LayerNormalization's default ``stash_type``) onnxruntime
+inlines the operator's function body, whose ``ReduceMean`` carries its axes as an
+attribute, which a graph of opset 18 refuses ("Unrecognized attribute: axes for operator
+ReduceMean")."""
 
 SLOW_ON_CPU = frozenset(
     {"ReluGrad", "LeakyReluGrad", "GeluGrad", "FastGeluGrad", "LogSoftmaxGrad_13", "GatherGrad"}
@@ -1051,12 +1086,38 @@ def _is_standard(node: onnx.NodeProto) -> bool:
 
 def _rewrite(model: onnx.ModelProto, choose: Callable[[onnx.NodeProto], bool]) -> list[str]:
     """Lower the chosen nodes in place; return the ones that could not be."""
-    return _rewrite_graph(model.graph, choose)
+    return _rewrite_graph(model.graph, choose, opset_of(model))
 
 
-def _rewrite_graph(graph: onnx.GraphProto, choose: Callable[[onnx.NodeProto], bool]) -> list[str]:
+def _int_constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
+    """The integer values ``graph`` fixes (the axes a node may read from outside its
+    replacement, as ReduceSumTraining does)."""
+    return {
+        name: [int(v) for v in numpy_helper.to_array(t).ravel()]
+        for name, t in constant_tensors(graph)
+        if t.data_type in (TensorProto.INT64, TensorProto.INT32)
+    }
+
+
+def _for_opset(graph: onnx.GraphProto, opset: int | None) -> Callable[..., list[onnx.NodeProto]]:
+    """Lowerings' nodes (opset 18's operators) -> the form ``opset`` takes in ``graph``."""
+    if opset is None or opset >= 18:
+        return list
+    constants = _int_constants(graph)  # once per graph, for all its replacements
+    return lambda nodes: axes_for_opset(nodes, opset, constants)
+
+
+def _rewrite_graph(
+    graph: onnx.GraphProto,
+    choose: Callable[[onnx.NodeProto], bool],
+    opset: int | None = None,
+) -> list[str]:
+    """Lower the chosen nodes of ``graph`` in place, for ``graph``'s ``ai.onnx`` opset
+    (None: opset 18's form); return the ones that could not be."""
     producers = {out: n for n in graph.node for out in n.output if out}
     shapes = _float32_dims(graph) if any(n.op_type in WITH_PRODUCERS for n in graph.node) else {}
+    chosen = [n for n in graph.node if choose(n)]
+    for_opset = _for_opset(graph, opset) if chosen else list
     nodes: list[onnx.NodeProto] = []
     left = []
     for node in graph.node:
@@ -1068,7 +1129,7 @@ def _rewrite_graph(graph: onnx.GraphProto, choose: Callable[[onnx.NodeProto], bo
                 replacement = WITH_PRODUCERS[node.op_type](node, producers, shapes)
             if replacement is None and not _is_standard(node):
                 left.append(node)
-        nodes.extend(replacement if replacement is not None else [node])
+        nodes.extend(for_opset(replacement) if replacement is not None else [node])
     del graph.node[:]
     graph.node.extend(nodes)
     return [f"{n.domain or 'ai.onnx'}:{n.op_type} (node {n.name!r})" for n in left]
@@ -1109,22 +1170,24 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     lowered = onnx.ModelProto()
     lowered.CopyFrom(model)
     ranks = _ranks(_inferred(lowered)) if missing else {}
+    opset = opset_of(lowered)
     # innermost first: rewriting a graph copies its nodes, subgraphs included
     for graph in reversed(list(all_graphs(lowered.graph))):
         _state_spatial_rank(graph, ranks)
         if slow:
-            _lower_conv_grads(graph)
-            _lower_max_pool_grads(graph)
+            _lower_conv_grads(graph, opset)
+            _lower_max_pool_grads(graph, opset)
         slow_here = _slow_here(graph) if slow else (lambda node: False)
-        _rewrite_graph(graph, lambda node, s=slow_here: _has_no_cpu_kernel(node) or s(node))
+        _rewrite_graph(graph, lambda node, s=slow_here: _has_no_cpu_kernel(node) or s(node), opset)
     return lowered
 
 
-def _lower_conv_grads(graph: onnx.GraphProto) -> None:
+def _lower_conv_grads(graph: onnx.GraphProto, opset: int | None = None) -> None:
     """Each ConvGrad of ``graph`` whose shapes are static, as :func:`conv_grad_on_cpu`
-    (where it applies), in place."""
+    (where it applies), in place, in the form ``opset`` takes."""
     if not any(n.op_type == "ConvGrad" for n in graph.node):
         return
+    for_opset = _for_opset(graph, opset)
     shapes = _static_dims(graph)
     shapes.update({t.name: tuple(t.dims) for t in graph.initializer})
     read = {name for n in graph.node for name in outer_reads(n)}
@@ -1137,18 +1200,19 @@ def _lower_conv_grads(graph: onnx.GraphProto) -> None:
             wanted.CopyFrom(node)  # a gradient nothing reads is not computed
             wanted.output[:] = [o if o in read else "" for o in node.output]
             lowered = conv_grad_on_cpu(wanted, shapes)  # type: ignore[arg-type]
-        nodes.extend([node] if lowered is None else lowered)
+        nodes.extend([node] if lowered is None else for_opset(lowered))
     del graph.node[:]
     graph.node.extend(nodes)
 
 
-def _lower_max_pool_grads(graph: onnx.GraphProto) -> None:
+def _lower_max_pool_grads(graph: onnx.GraphProto, opset: int | None = None) -> None:
     """Each MaxPoolGrad of ``graph`` whose pooling's windows tile its input, as the
-    ``MaxUnpool`` of :func:`max_pool_grad` (in place): the kernel takes 1151 us where
-    MaxUnpool takes 131 (:mod:`graphkit.backends.pool_adjoints`); the others keep the
-    kernel, which is about as fast as the scatter."""
+    ``MaxUnpool`` of :func:`max_pool_grad` (in place, in the form ``opset`` takes): the
+    kernel takes 1151 us where MaxUnpool takes 131 (:mod:`graphkit.backends.pool_adjoints`);
+    the others keep the kernel, which is about as fast as the scatter."""
     if not any(n.op_type == "MaxPoolGrad" for n in graph.node):
         return
+    for_opset = _for_opset(graph, opset)
     shapes = _float32_dims(graph)
     producers = {out: n for n in graph.node for out in n.output if out}
     nodes: list[onnx.NodeProto] = []
@@ -1158,7 +1222,7 @@ def _lower_max_pool_grads(graph: onnx.GraphProto) -> None:
         if pool is not None and pool.op_type == "MaxPool" and node.domain in ("", "ai.onnx"):
             if not _attrs(pool).get("storage_order", 0):
                 lowered = _max_pool_grad_unpooled(node, pool, shapes.get(pool.input[0]))
-        nodes.extend([node] if lowered is None else lowered)
+        nodes.extend([node] if lowered is None else for_opset(lowered))
     del graph.node[:]
     graph.node.extend(nodes)
 

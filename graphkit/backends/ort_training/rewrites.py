@@ -21,7 +21,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit._graph import GraphInfo, copy_model, fresh_name, graph_names, int_constant, namer
+from graphkit._graph import (
+    GraphInfo,
+    axes_for_opset,
+    copy_model,
+    fresh_name,
+    graph_names,
+    int_constant,
+    namer,
+)
 from graphkit.backends.activations import (
     ACTIVATIONS,
     Replacement,
@@ -108,7 +116,8 @@ def _unfold_one_batch_norm(
     scaled = name("scaled")
     nodes.append(helper.make_node("Mul", [x, a], [scaled]))
     nodes.append(helper.make_node("Add", [scaled, b], [node.output[0]]))
-    return nodes
+    # Unsqueeze takes its axes as an attribute below opset 13
+    return axes_for_opset(nodes, info.opset)
 
 
 def _one_average_pool_as_conv(
