@@ -646,32 +646,23 @@ def _check_writable(folder: str, option: str) -> None:
 
 
 class _LastEpoch:
-    """The training state at the end of the last finished epoch, kept in memory, so that
-    Ctrl-C can save it whatever the trainer was doing when it came: the middle of an
-    epoch has updated weights, optimizer state and the shuffling generator that no
-    finished epoch accounts for."""
+    """The trainer once an epoch has ended, so that Ctrl-C can save its state: a trainer
+    interrupted in the middle of an epoch puts back the state of the last finished one
+    (weights, optimizer state, shuffling generator; see ``BaseTrainer._fit_epoch``), so
+    what it holds then is what a checkpoint must."""
 
     def __init__(self, keep: bool) -> None:
         self.keep = keep  # distributed ranks keep nothing: their runs cannot checkpoint
         self.trainer: Trainer | None = None
-        self.state: dict[str, np.ndarray] = {}
-        self.losses: tuple[list[float], list[float | None]] = ([], [])
-        self.rng: dict[str, Any] | None = None
 
     def record(self, trainer: Trainer) -> None:
-        """Keep ``trainer``'s state: called at the end of every epoch."""
-        if not self.keep:
-            return
-        self.trainer = trainer
-        self.state = trainer.get_state()  # copies
-        self.losses = (list(trainer.train_losses_), list(trainer.validation_losses_))
-        # the shuffling generator: the next epoch's order (a checkpoint holds it too)
-        rng = trainer._rng
-        self.rng = None if rng is None else rng.bit_generator.state
+        """An epoch of ``trainer`` ended: called at the end of every epoch."""
+        if self.keep:
+            self.trainer = trainer
 
     def interrupted(self, path: str, epochs: int, resumed: bool) -> _Interrupted:
-        """Save the kept state to ``path`` (the run resumed from it when ``resumed``);
-        the :class:`_Interrupted` that says where."""
+        """Save the trainer's state to ``path`` (the run resumed from it when
+        ``resumed``); the :class:`_Interrupted` that says where."""
         if self.trainer is None:
             if resumed:  # and no epoch ended since: the file holds what it resumed from
                 return _Interrupted(
@@ -682,12 +673,7 @@ class _LastEpoch:
             reason = "distributed runs are not checkpointed" if not self.keep else "no epoch ended"
             return _Interrupted(f"interrupted: {reason}, nothing was saved", resumable=False)
         trainer = self.trainer
-        trainer.set_state(self.state)
-        trainer.train_losses_, trainer.validation_losses_ = map(list, self.losses)
-        if self.rng is not None:
-            trainer._rng = np.random.default_rng()
-            trainer._rng.bit_generator.state = self.rng
-        done = len(self.losses[0])
+        done = len(trainer.train_losses_)
         try:
             trainer.save_checkpoint(path)
         except (OSError, gk.GraphkitError) as exc:

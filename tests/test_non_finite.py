@@ -1,6 +1,7 @@
-"""No non-finite weight is ever kept: an update that overflows while its loss is still
-finite is rolled back to the end of the previous epoch, with a ConvergenceError naming
-the epoch and the weight, and no checkpoint holds it."""
+"""Training state is never lost: an update that overflows while its loss is still finite
+is rolled back to the end of the previous epoch, with a ConvergenceError naming the epoch
+and the weight, and no checkpoint holds it; an epoch interrupted by any error (Ctrl-C
+included) leaves the state of the last finished one, its shuffling generator too."""
 
 from __future__ import annotations
 
@@ -77,3 +78,30 @@ def test_no_checkpoint_of_a_non_finite_state(data, tmp_path):
     with pytest.raises(ConvergenceError, match=r"'coef' holds inf or nan.*nothing was written"):
         trainer.save_checkpoint(path)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+def test_an_interrupted_epoch_leaves_the_last_finished_one(cls, interruption, data, monkeypatch):
+    X, y = data
+    trainer = cls(model(), loss="squared_error", max_iter=1, batch_size=5, random_state=0)
+    trainer.fit(X, y)
+    finished, shuffling = trainer.get_state(), trainer._rng.bit_generator.state
+    original = type(trainer)._run_rows
+
+    def run_then_fail(self, *args, **kwargs):
+        original(self, *args, **kwargs)  # every batch of the epoch updated the weights
+        raise interruption("stopped")
+
+    monkeypatch.setattr(type(trainer), "_run_rows", run_then_fail)
+    with pytest.raises(interruption):
+        trainer.set_params(warm_start=True).fit(X, y)
+    for name, value in finished.items():
+        np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)
+    assert trainer._rng.bit_generator.state == shuffling
+    monkeypatch.undo()
+    # the next epoch is the one an uninterrupted run would have trained
+    trainer.fit(X, y)
+    reference = cls(model(), loss="squared_error", max_iter=2, batch_size=5, random_state=0)
+    for name, value in reference.fit(X, y).get_state().items():
+        np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)

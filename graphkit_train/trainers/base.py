@@ -350,16 +350,20 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         """One epoch of ``fit`` and what follows it (validation, progress, early stopping,
         the callback, the checkpoint); whether training stops."""
         snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
+        shuffling = None if self._rng is None else self._rng.bit_generator.state
         self._resident[LOSS_SUM].update_inplace(np.zeros_like(snapshot[LOSS_SUM]))
         batches = None
-        if run.stream is None:
-            loss = self._run_epoch(*run.data, run.batch_size, run.group)
-        else:
-            try:
+        try:
+            if run.stream is None:
+                loss = self._run_epoch(*run.data, run.batch_size, run.group)
+            else:
                 loss, batches = self._run_stream(run, epoch)
-            except Exception:  # a bad batch, the iterable's own error: the last good epoch
-                self._restore(snapshot)
-                raise
+        except BaseException:
+            # a bad batch, the iterable's own error, a native error, Ctrl-C: the state of
+            # the last finished epoch, its shuffling generator included (so a checkpoint
+            # saved now resumes exactly)
+            self._restore(snapshot, shuffling)
+            raise
         problem = self._loss_problem(loss)
         # a last update can overflow while the loss it was computed with is finite
         overflow = None if problem else self._non_finite_state()
@@ -387,8 +391,8 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         if run.validation is not None and run.period and (epoch + 1) % run.period == 0:
             try:  # a bad held-out batch: the epoch is not kept either
                 held_out = self._held_out_loss(run.validation, run.group)
-            except Exception:
-                self._restore(snapshot)
+            except BaseException:
+                self._restore(snapshot, shuffling)
                 raise
             self.validation_losses_.append(held_out)
         self.train_losses_.append(loss)
