@@ -587,25 +587,28 @@ def int_constant(name: str, values: list[int]) -> onnx.NodeProto:
     )
 
 
+REDUCTIONS = frozenset(
+    {
+        "ReduceSum",
+        "ReduceMean",
+        "ReduceMax",
+        "ReduceMin",
+        "ReduceProd",
+        "ReduceL1",
+        "ReduceL2",
+        "ReduceLogSum",
+        "ReduceLogSumExp",
+        "ReduceSumSquare",
+    }
+)
+"""The reductions (a tensor's values summed, averaged... over some axes)."""
+
 AXES_INPUT_SINCE: dict[str, tuple[int, str]] = {
+    **{op: (18, "axes") for op in REDUCTIONS},
     "ReduceSum": (13, "axes"),
     "Squeeze": (13, "axes"),
     "Unsqueeze": (13, "axes"),
     "Split": (13, "split"),
-    **{
-        op: (18, "axes")
-        for op in (
-            "ReduceMean",
-            "ReduceMax",
-            "ReduceMin",
-            "ReduceProd",
-            "ReduceL1",
-            "ReduceL2",
-            "ReduceLogSum",
-            "ReduceLogSumExp",
-            "ReduceSumSquare",
-        )
-    },
 }
 """Operator -> (the ``ai.onnx`` opset from which its second input holds what was the
 attribute, that attribute's name). Below that opset the attribute is the only form;

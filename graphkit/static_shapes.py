@@ -59,6 +59,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphkit._graph import (
+    REDUCTIONS,
     _subgraphs,
     copy_model,
     fresh_name,
@@ -427,21 +428,6 @@ class _Simplifier:
 
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div"})
 
-REDUCTIONS = frozenset(
-    {
-        "ReduceSum",
-        "ReduceMean",
-        "ReduceMax",
-        "ReduceMin",
-        "ReduceProd",
-        "ReduceL1",
-        "ReduceL2",
-        "ReduceLogSum",
-        "ReduceLogSumExp",
-        "ReduceSumSquare",
-    }
-)
-"""The reductions (a tensor's values summed, averaged... over some axes)."""
 
 GEMV_FUSED_UP_TO = 4096
 """Elements of a one-column product's first operand up to which its Gemm takes the
