@@ -396,8 +396,20 @@ class GradientTransformation(abc.ABC):
         return (_rebuild, self._recipe)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in getattr(self, "params", {}).items())
+        params = dict(getattr(self, "params", {}))
+        rates = [r for r in self._learning_rates() if r is not OPEN]
+        if "learning_rate" not in params and len(rates) == 1 and self.children():
+            # a named optimizer shows the rate it was given: adam(1e-3) is not adam()
+            params = {"learning_rate": rates[0], **params}
+        args = ", ".join(f"{k}={v!r}" for k, v in params.items())
         return f"{self.name}({args})"
+
+    def _learning_rates(self) -> list[Any]:
+        """The learning rates (schedules, or OPEN) of this transformation and its parts."""
+        own = getattr(self, "learning_rate", None)
+        return ([own] if own is not None else []) + [
+            r for c in self.children() for r in c._learning_rates()
+        ]
 
 
 def _rebuild(factory: Callable[..., Any], args: tuple, kwargs: dict, schedule: Any = None) -> Any:

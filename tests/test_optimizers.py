@@ -358,3 +358,12 @@ def test_seed_learning_rates_keep_their_hyper_parameters(rng):
         np.testing.assert_allclose(params["w"], expected, rtol=1e-12)
     nesterov = seed.LearningRateSGDNesterov(momentum=0.7).to_transformation()
     assert nesterov.params["momentum"] == 0.7 and nesterov.params["nesterov"]
+
+
+def test_the_repr_shows_a_given_learning_rate():
+    """adam(1e-3) and adam() must not read alike: the rate given is shown, an open one
+    (filled by the trainers) is not."""
+    assert "learning_rate=Schedule('constant', eta0=0.001)" in repr(optimizers.adam(1e-3))
+    assert "learning_rate" not in repr(optimizers.adam())
+    filled = optimizers.sgd().with_learning_rate(0.5)
+    assert repr(filled).startswith("sgd(learning_rate=Schedule('constant', eta0=0.5)")
