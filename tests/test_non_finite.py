@@ -1,7 +1,8 @@
 """Training state is never lost: an update that overflows while its loss is still finite
 is rolled back to the end of the previous epoch, with a ConvergenceError naming the epoch
-and the weight, and no checkpoint holds it; an epoch interrupted by any error (Ctrl-C
-included) leaves the state of the last finished one, its shuffling generator too."""
+and the weight, and no checkpoint holds it; an epoch interrupted by Ctrl-C leaves the state of
+the last finished one, its shuffling generator too (so a checkpoint saved then resumes
+exactly)."""
 
 from __future__ import annotations
 
@@ -80,9 +81,8 @@ def test_no_checkpoint_of_a_non_finite_state(data, tmp_path):
     assert not path.exists()
 
 
-@pytest.mark.parametrize("interruption", [KeyboardInterrupt, RuntimeError])
 @pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
-def test_an_interrupted_epoch_leaves_the_last_finished_one(cls, interruption, data, monkeypatch):
+def test_an_interrupted_epoch_leaves_the_last_finished_one(cls, data, monkeypatch):
     X, y = data
     trainer = cls(model(), loss="squared_error", max_iter=1, batch_size=5, random_state=0)
     trainer.fit(X, y)
@@ -91,10 +91,10 @@ def test_an_interrupted_epoch_leaves_the_last_finished_one(cls, interruption, da
 
     def run_then_fail(self, *args, **kwargs):
         original(self, *args, **kwargs)  # every batch of the epoch updated the weights
-        raise interruption("stopped")
+        raise KeyboardInterrupt("stopped")
 
     monkeypatch.setattr(type(trainer), "_run_rows", run_then_fail)
-    with pytest.raises(interruption):
+    with pytest.raises(KeyboardInterrupt):
         trainer.set_params(warm_start=True).fit(X, y)
     for name, value in finished.items():
         np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)

@@ -358,11 +358,17 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 loss = self._run_epoch(*run.data, run.batch_size, run.group)
             else:
                 loss, batches = self._run_stream(run, epoch)
-        except BaseException:
-            # a bad batch, the iterable's own error, a native error, Ctrl-C: the state of
-            # the last finished epoch, its shuffling generator included (so a checkpoint
-            # saved now resumes exactly)
+        except KeyboardInterrupt:
+            # Ctrl-C: the state of the last finished epoch, its shuffling generator
+            # included, so that a checkpoint saved now resumes exactly
             self._restore(snapshot, shuffling)
+            raise
+        except Exception:
+            # a bad streamed batch, the iterable's own error: the last good epoch; a
+            # batch of in-memory rows that failed in onnxruntime changed nothing, and the
+            # weights stay those of the batches before it
+            if run.stream is not None:
+                self._restore(snapshot, shuffling)
             raise
         problem = self._loss_problem(loss)
         # a last update can overflow while the loss it was computed with is finite
