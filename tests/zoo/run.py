@@ -2,9 +2,10 @@
 support table.
 
 ``python -m tests.zoo.run`` trains every case with both trainers on every installed backend
-and rewrites the README's support table (between the ``zoo:start`` / ``zoo:end`` markers;
-the rows it cannot run here, of a backend not installed or of a torch model without torch,
-are kept as they are); ``make zoo-table`` runs it.
+and rewrites the support table of the documentation's model zoo page, ``docs/zoo.md``
+(between the ``zoo:start`` / ``zoo:end`` markers; the rows it cannot run here, of a
+backend not installed or of a torch model without torch, are kept as they are);
+``make zoo-table`` runs it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptim
 
 from .models import CASES, FORWARD_BACKWARD, FULL, Case, Data
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SUPPORT_TABLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "zoo.md"
+"""The page that holds the support table, between :data:`START` and :data:`END`."""
 START, END = "<!-- zoo:start -->", "<!-- zoo:end -->"
 TRAINER_NAMES = {FULL: "full", FORWARD_BACKWARD: "forward/backward"}
 INSTALLED = [b.name for b in backends.available() if b.installed]
@@ -137,7 +139,7 @@ def render_row(o: Outcome) -> str:
 
 
 def table_lines(text: str) -> dict[tuple[str, str, str, str], str]:
-    """``{(model, converter, trainer, backend): the row's line}`` from the README's table."""
+    """``{(model, converter, trainer, backend): the row's line}`` from the page's table."""
     found = re.search(re.escape(START) + "(.*?)" + re.escape(END), text, re.S)
     if not found:
         return {}
@@ -151,8 +153,8 @@ def table_lines(text: str) -> dict[tuple[str, str, str, str], str]:
     return rows
 
 
-def readme_rows(text: str) -> dict[tuple[str, str, str, str], str]:
-    """``{(model, converter, trainer, backend): result}`` from the README's table."""
+def table_rows(text: str) -> dict[tuple[str, str, str, str], str]:
+    """``{(model, converter, trainer, backend): result}`` from the page's table."""
     return {
         key: [c.strip() for c in line.strip().strip("|").split("|")][4]
         for key, line in table_lines(text).items()
@@ -161,7 +163,7 @@ def readme_rows(text: str) -> dict[tuple[str, str, str, str], str]:
 
 def render(outcomes: list[Outcome], previous: dict[tuple[str, str, str, str], str]) -> str:
     """The table: a row per outcome and, for every other case, trainer and registered
-    backend, its ``previous`` line (the README's, kept when it could not run here), in
+    backend, its ``previous`` line (the page's, kept when it could not run here), in
     the order of :data:`CASES`, trainers, then backends."""
     rows = [
         (c.name, c.exporter, TRAINER_NAMES[t], b)
@@ -173,13 +175,13 @@ def render(outcomes: list[Outcome], previous: dict[tuple[str, str, str, str], st
     return "\n".join([*HEADER, *(lines[k] for k in rows if k in lines)])
 
 
-def write_readme(outcomes: list[Outcome]) -> None:
-    text = README.read_text()
+def write_table(outcomes: list[Outcome]) -> None:
+    text = SUPPORT_TABLE_PAGE.read_text()
     table = f"{START}\n{render(outcomes, table_lines(text))}\n{END}"
     pattern = re.escape(START) + ".*?" + re.escape(END)
     if not re.search(pattern, text, re.S):
-        raise SystemExit(f"{README} has no {START} ... {END} markers")
-    README.write_text(re.sub(pattern, lambda _: table, text, flags=re.S))
+        raise SystemExit(f"{SUPPORT_TABLE_PAGE} has no {START} ... {END} markers")
+    SUPPORT_TABLE_PAGE.write_text(re.sub(pattern, lambda _: table, text, flags=re.S))
 
 
 def main() -> int:
@@ -192,7 +194,7 @@ def main() -> int:
     ]
     for o in outcomes:
         print(" | ".join(o.row), o.before, o.after, o.error or "", file=sys.stderr)
-    write_readme(outcomes)
+    write_table(outcomes)
     return 0
 
 
