@@ -3,10 +3,12 @@
     graphkit-train model.onnx --data train.csv --label price --loss huber \\
         --optimizer adam --lr 0.01 --epochs 50 --batch-size 32 --output out/
 
-Without a model and data it trains the embedded default job: an MLP built for
-scikit-learn's bundled diabetes data (feature and target scaling inside the graph),
-and prints its held-out score next to scikit-learn's MLPRegressor trained on the same
-split. It writes the trained model, the fused training-step graph, ``report.json`` and
+Without a model and data it trains the embedded default job: an MLP built for the
+diabetes data (Efron et al. 2004; ``graphkit_train/data/diabetes.npz``, scikit-learn's
+copy, shipped so that the demo runs on a bare install), with feature and target scaling
+inside the graph. When scikit-learn is installed, it prints the held-out score of
+scikit-learn's MLPRegressor trained on the same split next to its own. It writes the
+trained model, the fused training-step graph, ``report.json`` and (with matplotlib)
 ``loss_curve.png`` into ``--output``.
 
 Ctrl-C keeps the finished epochs: the state after the last one is saved (to
@@ -41,6 +43,7 @@ import graphkit as gk
 from graphkit import losses, optimizers, schedules
 from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, loss_heads, metadata
+from graphkit.runtime_check import OnnxruntimeInstallError, OnnxruntimeNotInstalledError
 from graphkit_train.trainers.full import Trainer
 
 # where Ctrl-C saves the training state when --checkpoint is not given (in --output), and
@@ -90,21 +93,87 @@ def _output_index(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
+def version() -> str:
+    """graphkit's version: its installed distribution's (``graphkit-onnx``, formerly
+    ``graphkit``: the one that declares the ``graphkit-train`` command, not another
+    project's of that name), else ``graphkit.__version__`` (a source tree on the path)."""
+    from importlib import metadata
+
+    for name in ("graphkit-onnx", "graphkit"):
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if any(e.name == "graphkit-train" for e in distribution.entry_points):
+            return distribution.version
+    return gk.__version__
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, but the description and epilog keep their paragraphs (each
+    one wrapped), where argparse would run them into one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(
+            super(_Formatter, self)._fill_text(paragraph, width, indent)
+            for paragraph in text.split("\n\n")
+        )
+
+
+def _backend_help() -> str:
+    """``--backend``'s help: the registered names, what each installed one is (a backend
+    that is not installed here is not described)."""
+    from graphkit import backends
+
+    installed = [b for b in backends.available() if b.installed]
+    described = "".join(f" {b.name}: {b.description}." for b in installed)
+    first = f" ({installed[0].name} here)" if installed else ""
+    return (
+        f"where gradients come from and what runs the graphs.{described} Default: the "
+        f"backend the {backends.ENVIRONMENT_VARIABLE} environment variable names, else "
+        f"graphkit's default, the first installed{first}"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from graphkit import backends
+
     parser = _Parser(
-        prog="graphkit-train",
+        # the usage line shows both commands: 'graphkit-train export ...' takes the same
+        # options (main strips the word before parsing)
+        prog="graphkit-train [export]",
         description=(
-            "Train the weights of an ONNX model with onnxruntime-training. With no MODEL "
-            "and no --data, train the embedded default job (an MLP on scikit-learn's "
-            "diabetes data) and compare it with scikit-learn. Besides the trained model, "
-            "the output folder gets the training step and a whole epoch in standard ONNX "
-            "(training_step.portable.onnx, training_epoch.portable.onnx) and the trained "
-            "model carrying the step as a "
-            "TrainingInfoProto (model.trainable.onnx), so that training can continue on "
-            "any ONNX runtime; 'graphkit-train export ...' (same options) makes a model "
-            "that cannot be exported so an error."
+            "Train the weights of an ONNX model on a CSV or NPZ dataset, with onnxruntime."
+            "\n\n"
+            "With no MODEL and no --data, train the embedded default job: an MLP on the "
+            "diabetes data (Efron et al. 2004; 442 rows, shipped with graphkit), and, when "
+            "scikit-learn is installed, compare its held-out R^2 with scikit-learn's "
+            "MLPRegressor trained on the same split."
+            "\n\n"
+            "The output folder gets the trained model (model.onnx), the fused training step "
+            "(training_step.onnx), report.json and, with matplotlib, loss_curve.png. To "
+            "continue training on any ONNX runtime, it also gets the step and a whole epoch "
+            "in standard ONNX (training_step.portable.onnx, training_epoch.portable.onnx) "
+            "and the trained model carrying the step as a TrainingInfoProto "
+            "(model.trainable.onnx). A model whose training cannot be written in standard "
+            "ONNX still trains, without those three files (a line says why); "
+            "'graphkit-train export ...' (same options) makes that an error instead."
+            "\n\n"
+            "The defaults differ from graphkit_train.Trainer's: here --optimizer adam, --lr "
+            "0.001 and --batch-size 32; Trainer(model) trains with optimizer='sgd' at a "
+            "learning rate of 0.01 and batch_size=10."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            "onnxruntime's own log lines are hidden but for errors; "
+            "GRAPHKIT_ORT_LOG_SEVERITY=2 shows its warnings too (0 shows everything)."
+        ),
+        formatter_class=_Formatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"graphkit-train {version()}",
+        help="print graphkit-train's version and exit",
     )
     parser.add_argument(
         "model",
@@ -116,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--label",
         default=None,
-        help="CSV: the label column (default: the last one); NPZ: the label array (default 'y')",
+        help="CSV: the label column (default: the last one); NPZ: the label array (default: 'y')",
     )
-    parser.add_argument("--features", default="X", help="NPZ: the feature array")
+    parser.add_argument("--features", default="X", help="NPZ: the feature array (default: 'X')")
     parser.add_argument(
         "--input",
         action="append",
@@ -132,28 +201,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loss",
         default="squared_error",
-        help=f"loss name, one of {', '.join(losses.LOSSES.names())}",
+        help=f"loss name, one of {', '.join(losses.LOSSES.names())} (default: squared_error)",
     )
     parser.add_argument(
         "--optimizer",
         default="adam",
-        help=f"optimizer name, one of {', '.join(optimizers.OPTIMIZERS.names())}",
+        help=f"optimizer name, one of {', '.join(optimizers.OPTIMIZERS.names())} (default: adam)",
     )
     parser.add_argument(
         "--schedule",
         default="constant",
-        help=f"learning-rate schedule, one of {', '.join(schedules.SCHEDULES.names())}",
+        help=f"learning-rate schedule, one of {', '.join(schedules.SCHEDULES.names())} "
+        "(default: constant)",
     )
-    parser.add_argument("--lr", type=float, default=0.001, help="initial learning rate (eta0)")
+    parser.add_argument(
+        "--lr", type=float, default=0.001, help="initial learning rate (eta0; default: 0.001)"
+    )
     parser.add_argument(
         "--epochs",
         type=_epochs,
         default=100,
-        help="number of epochs; 0 with 'export --web' writes the untrained model for a web "
-        "page to train",
+        help="number of epochs (default: 100); 0 with 'export --web' writes the untrained "
+        "model for a web page to train",
     )
     parser.add_argument(
-        "--batch-size", type=_positive_int, default=32, help="rows per training step"
+        "--batch-size",
+        type=_positive_int,
+        default=32,
+        help="rows per training step (default: 32)",
     )
     parser.add_argument(
         "--output-index",
@@ -163,13 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
         "float output, e.g. a skl2onnx classifier's probabilities)",
     )
     parser.add_argument(
-        "--validation-split", type=float, default=0.2, help="fraction of rows held out"
+        "--validation-split",
+        type=float,
+        default=0.2,
+        help="fraction of rows held out (default: 0.2)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split and the shuffling")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the split and the shuffling (default: 0)"
+    )
     parser.add_argument(
         "--weights", default=None, help="comma-separated weights to train (default: all)"
     )
-    parser.add_argument("--output", default="graphkit-out", help="folder for the results")
+    parser.add_argument("--backend", choices=backends.names(), default=None, help=_backend_help())
+    parser.add_argument(
+        "--output", default="graphkit-out", help="folder for the results (default: graphkit-out)"
+    )
     parser.add_argument(
         "--checkpoint",
         default=None,
@@ -191,8 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=_positive_int,
         default=1,
-        help="train data-parallel in N processes on this machine (relaunches itself with "
-        "torchrun; needs torch)",
+        help="train data-parallel in N processes on this machine (default: 1; relaunches "
+        "itself with torchrun; needs torch)",
     )
     parser.add_argument(
         "--distributed",
@@ -382,12 +465,12 @@ def read_inputs(
     wanted = {name: arrays[0] for name, arrays in inputs.items()}
     label = label or "y"
     arrays = _npz_arrays(path, [*wanted.values(), label])
-    X = {name: arrays[array] for name, array in wanted.items()}
+    features = {name: arrays[array] for name, array in wanted.items()}
     y = arrays[label]
-    for name, array in [*X.items(), (label, y)]:
+    for name, array in [*features.items(), (label, y)]:
         if len(array) != len(y):
             raise CliError(f"{path}: array {name!r} has {len(array)} rows, {label!r} {len(y)}")
-    return X, y, list(wanted.values())
+    return features, y, list(wanted.values())
 
 
 def _columns_to_inputs(
@@ -438,6 +521,20 @@ def split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- the embedded default job ---------------------------------------------------------
+
+DIABETES = "diabetes (Efron et al. 2004)"  # the default job's dataset, as reports name it
+
+
+def diabetes() -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The default job's data: ``(X, y, feature names)`` of the diabetes data, 442 rows
+    of 10 float64 features and a float64 target, exactly as scikit-learn's
+    ``load_diabetes()`` returns them (graphkit_train/data/README.md says how the file was
+    made), read from the copy shipped with graphkit_train."""
+    from importlib import resources
+
+    shipped = resources.files("graphkit_train").joinpath("data", "diabetes.npz")
+    with shipped.open("rb") as handle, np.load(handle) as data:
+        return data["X"], data["y"], [str(name) for name in data["feature_names"]]
 
 
 def default_mlp(X: np.ndarray, y: np.ndarray, hidden: int, seed: int) -> onnx.ModelProto:
@@ -511,7 +608,7 @@ class _Job:
     y: np.ndarray
     names: list[str]
     dataset: str
-    default: bool  # the embedded default job (scikit-learn's diabetes data, an MLP)
+    default: bool  # the embedded default job (the diabetes data, an MLP)
     loss: losses.Loss
     train_rows: np.ndarray
     test_rows: np.ndarray
@@ -544,7 +641,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     say(
         f"graphkit-train: {job.dataset}, {len(job.train_rows)} training rows, "
         f"{len(job.test_rows)} held out; loss {job.loss.name}, optimizer {args.optimizer}, "
-        f"schedule {args.schedule}, lr {args.lr}"
+        f"schedule {args.schedule}, lr {args.lr}, backend {_backend_name(args.backend)}"
     )
     if args.epochs == 0:
         return _export_untrained(job, args, say)
@@ -566,19 +663,27 @@ def _train_and_write(
     world_size: int,
     say: Any,
 ) -> dict[str, Any]:
-    """Train, compare with scikit-learn (the default job), write the results; the
-    report."""
+    """Train, compare with scikit-learn (the default job, where it is installed), write
+    the results; the report."""
     trainer, seconds, epoch_ends = _train(job, args, quiet, checkpoint, last)
     report = _report(job, args, trainer, seconds, epoch_ends, world_size, say)
     if rank != 0:  # rank 0 compares and writes
         return report
     if job.default and len(job.test_rows):
-        report["sklearn"] = _sklearn_reference(job.X, job.y, job.train_rows, job.test_rows, args)
-        say(
-            f"held-out R^2 (scikit-learn {report['sklearn']['estimator']}): "
-            f"{report['sklearn']['held_out_r2']:.4f}"
-        )
-    report["files"] = _write(trainer, args.output, report)
+        assert isinstance(job.X, np.ndarray)  # the default job has one input
+        reference = _sklearn_reference(job.X, job.y, job.train_rows, job.test_rows, args)
+        if reference is None:
+            say(
+                "held-out R^2 (scikit-learn): not compared, the comparison needs "
+                "scikit-learn (pip install scikit-learn)"
+            )
+        else:
+            report["sklearn"] = reference
+            say(
+                f"held-out R^2 (scikit-learn {reference['estimator']}): "
+                f"{reference['held_out_r2']:.4f}"
+            )
+    report["files"] = _write(trainer, args.output, report, say)
     if args.web:
         report["files"]["web"] = _write_web(trainer, job, args.web)
     say(f"wrote {', '.join(sorted(report['files'].values()))}")
@@ -694,13 +799,10 @@ def _job(args: argparse.Namespace) -> _Job:
     inputs = parse_inputs(args.input) if args.input else None
     X: np.ndarray | dict[str, np.ndarray]
     if default_job:
-        from sklearn.datasets import load_diabetes
-
         if inputs is not None:
             raise CliError("--input maps the columns of --data; the default job has one input")
-        X, y = load_diabetes(return_X_y=True)
-        names = list(load_diabetes().feature_names)
-        dataset = "scikit-learn diabetes"
+        X, y, names = diabetes()
+        dataset = DIABETES
     elif args.model is None:
         raise CliError("--data needs a MODEL to train (an .onnx file)")
     elif args.data is None:
@@ -721,7 +823,9 @@ def _job(args: argparse.Namespace) -> _Job:
         y = y.astype(np.int64)
     else:
         y = y.astype(np.float32)
+    weights: list[str] | None
     if default_job:
+        assert isinstance(X, np.ndarray)  # the diabetes rows: one input
         model = default_mlp(X[train_rows], y[train_rows], hidden=32, seed=args.seed)
         weights = ["W1", "b1", "W2", "b2"]
     else:
@@ -777,6 +881,7 @@ def _trainer(job: _Job, args: argparse.Namespace, quiet: bool) -> Trainer:
         optimizer=args.optimizer,  # graphkit.optimizers.get(args.optimizer), as everywhere
         schedule=cli_schedule(args.schedule, args.lr, total_steps),
         max_iter=max(args.epochs, 1),  # 0: exported untrained, never fitted
+        backend=args.backend,  # None: GRAPHKIT_BACKEND, else graphkit's default
         batch_size=args.batch_size,
         validation_every=1,
         random_state=args.seed,
@@ -831,11 +936,13 @@ def _report(
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
+        "backend": trainer._backend.name,
         "epoch_end_seconds": epoch_ends,
         "export": getattr(args, "export", False),
     }
     if len(job.test_rows):
         prediction = trainer.predict(_rows(job.X, job.test_rows))
+        assert isinstance(prediction, np.ndarray)  # one loss (a loss per output is refused)
         if job.loss.task == "regression":
             report["held_out_r2"] = r2(job.y[job.test_rows], prediction)
             say(f"held-out R^2 (graphkit): {report['held_out_r2']:.4f}")
@@ -846,13 +953,24 @@ def _report(
     return report
 
 
-def _sklearn_reference(X, y, train_rows, test_rows, args) -> dict[str, Any]:  # noqa: ANN001
+def _sklearn_reference(
+    X: np.ndarray,
+    y: np.ndarray,
+    train_rows: np.ndarray,
+    test_rows: np.ndarray,
+    args: argparse.Namespace,
+) -> dict[str, Any] | None:
+    """scikit-learn's MLPRegressor on the default job's split, and its held-out R^2;
+    None where scikit-learn is not installed (it is no dependency of graphkit)."""
     import warnings
 
-    from sklearn.compose import TransformedTargetRegressor
-    from sklearn.neural_network import MLPRegressor
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
+    try:
+        from sklearn.compose import TransformedTargetRegressor
+        from sklearn.neural_network import MLPRegressor
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+    except ImportError:
+        return None
 
     # the same model as the default job: scaled features and target, 32 tanh units, Adam
     mlp = MLPRegressor(
@@ -915,7 +1033,10 @@ def _write_web(trainer: Trainer, job: _Job, folder: str) -> str:
     return folder
 
 
-def _write(trainer: Trainer, folder: str, report: dict[str, Any]) -> dict[str, str]:
+def _write(trainer: Trainer, folder: str, report: dict[str, Any], say: Any) -> dict[str, str]:
+    """Write the trained model, the training step, its portable exports and (with
+    matplotlib) the loss curve into ``folder``, then ``report.json``; ``{kind: path}``.
+    A missing matplotlib is one line through ``say``: the rest is written all the same."""
     os.makedirs(folder, exist_ok=True)
     files = {
         "model": os.path.join(folder, "model.onnx"),
@@ -945,7 +1066,7 @@ def _write(trainer: Trainer, folder: str, report: dict[str, Any]) -> dict[str, s
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no loss_curve.png", file=sys.stderr)
+        say("loss_curve.png: not drawn, the loss curve needs matplotlib (pip install matplotlib)")
     else:
         files["loss_curve"] = os.path.join(folder, "loss_curve.png")
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -992,6 +1113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"error: {exc}")
     except (gk.GraphkitError, FileNotFoundError) as exc:
         return _fail(f"{type(exc).__name__}: {exc}")
+    except (OnnxruntimeInstallError, OnnxruntimeNotInstalledError) as exc:  # the install
+        return _fail(f"{type(exc).__name__}: {exc}")
     except (ValueError, TypeError, OSError) as exc:  # graphkit's input checks and the OS
         return _fail(f"{type(exc).__name__}: {exc}")
     return 0
@@ -1014,11 +1137,25 @@ def _relaunch(argv: list[str], nproc: int) -> int:
     try:
         import torch  # noqa: F401 - torchrun needs it
     except ImportError:
-        raise CliError("--nproc needs torch: pip install 'graphkit[torch]'") from None
+        raise CliError(
+            "--nproc needs torch: pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu"
+        ) from None
     done = subprocess.run(command)
     if done.returncode:
         return _fail(f"error: {nproc} processes failed (exit code {done.returncode}); see above")
     return 0
+
+
+def _backend_name(name: str | None) -> str:
+    """The backend ``--backend name`` trains with (None: the default), for the first
+    line; a name that cannot be resolved is shown as given (the trainer reports why)."""
+    from graphkit import backends
+
+    try:
+        return backends.canonical(name)
+    except gk.GraphkitError:
+        return str(name)
 
 
 def _fail(message: str) -> int:

@@ -1,9 +1,11 @@
-"""graphkit-train end to end: a CSV and an NPZ dataset, and the embedded default job
-(make demo's entry point) against scikit-learn."""
+"""graphkit-train end to end: a CSV and an NPZ dataset, its options and its help (the
+embedded default job, make demo's entry point, is tests/test_first_run.py's)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -48,6 +50,133 @@ def test_console_script_help():
         check=True,
     )
     assert "graphkit-train" in out.stdout
+
+
+def test_version_prints_the_distributions_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    printed = capsys.readouterr().out
+    installed = []
+    for name in ("graphkit-onnx", "graphkit"):  # the distribution, renamed from graphkit
+        try:
+            installed.append(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            pass
+    assert printed == f"graphkit-train {(installed or [gk.__version__])[0]}\n"
+
+
+def test_version_falls_back_to_the_package_and_ignores_another_projects(monkeypatch):
+    """A source tree on sys.path has no distribution; a distribution named graphkit
+    that does not declare graphkit-train is another project."""
+    from importlib import metadata
+
+    from graphkit_train import cli
+
+    class Foreign:
+        version = "9.9.9"
+        entry_points: list = []
+
+    def distribution(name):
+        if name == "graphkit":
+            return Foreign()
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", distribution)
+    monkeypatch.setattr(gk, "__version__", "1.2.3")
+    assert cli.version() == "1.2.3"
+
+
+def _option_helps(parser):
+    return {a.option_strings[-1] if a.option_strings else a.dest: a.help for a in parser._actions}
+
+
+def test_help_reads_well_and_prints_each_default_once():
+    parser = build_parser()
+    text = parser.format_help()
+    assert text.startswith("usage: graphkit-train [export] ")
+    assert "so an error" not in text  # the old sentence about export, garbled
+    assert "makes that an error instead" in text
+    # the help strings say their defaults: argparse's formatter would add each again
+    assert not issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    assert "(default: None)" not in text and "(default: False)" not in text
+    helps = _option_helps(parser)
+    for option, help_text in helps.items():
+        said = re.findall(r"\(default: [^)]*\)", help_text or "")
+        assert len(said) == len(set(said)) and "%(default)" not in (help_text or ""), option
+    for option, default in [("--lr", "0.001"), ("--batch-size", "32"), ("--epochs", "100")]:
+        assert f"default: {default})" in helps[option]
+    assert "(default: adam)" in helps["--optimizer"]
+    assert "GRAPHKIT_BACKEND" in helps["--backend"]
+    assert "GRAPHKIT_ORT_LOG_SEVERITY" in text
+
+
+def test_help_states_how_its_defaults_differ_from_the_trainers():
+    """The help's numbers are Trainer's own: checked against its signature."""
+    import inspect
+
+    from graphkit.optimizers import DEFAULT_LEARNING_RATE
+    from graphkit_train import Trainer
+
+    text = " ".join(build_parser().format_help().split())
+    assert "The defaults differ from graphkit_train.Trainer's: here --optimizer adam" in text
+    trainer = inspect.signature(Trainer).parameters
+    assert f"optimizer='{trainer['optimizer'].default}'" in text
+    assert f"learning rate of {DEFAULT_LEARNING_RATE}" in text
+    assert f"batch_size={trainer['batch_size'].default}" in text
+
+
+def test_help_names_onnxruntime_training_only_where_it_is_installed(monkeypatch):
+    from graphkit.backends.base import BackendInfo
+
+    registered = backends.available()
+    assert any("onnxruntime-training" in b.description for b in registered)
+    text = build_parser().format_help()
+    installed = any(b.installed and "onnxruntime-training" in b.description for b in registered)
+    assert ("onnxruntime-training" in text) == installed
+    missing = [
+        BackendInfo(b.name, b.name != "ort_training", b.install, b.description) for b in registered
+    ]
+    monkeypatch.setattr(backends, "available", lambda: missing)
+    text = build_parser().format_help()
+    assert "onnxruntime-training" not in text
+    assert "--backend {" + ",".join(backends.names()) + "}" in text
+
+
+def test_backend_option_trains_with_that_backend(csv_problem, tmp_path, monkeypatch):
+    """--backend native trains natively, even where GRAPHKIT_BACKEND names another."""
+    data, model, _, _ = csv_problem
+    other = [n for n in backends.names() if n != "native"]
+    if other:
+        monkeypatch.setenv(backends.ENVIRONMENT_VARIABLE, other[0])
+    out = tmp_path / "out"
+    argv = [str(model), "--data", str(data), "--epochs", "2", "--quiet", "--output", str(out)]
+    assert main([*argv, "--backend", "native"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["backend"] == "native" and report["settings"]["backend"] == "native"
+
+
+def test_the_first_line_names_the_backend(csv_problem, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(backends.ENVIRONMENT_VARIABLE, raising=False)
+    data, model, _, _ = csv_problem
+    argv = [str(model), "--data", str(data), "--epochs", "1", "--output", str(tmp_path)]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert first.endswith(f", backend {report['backend']}")
+    assert report["backend"] == backends.canonical(None)
+
+
+def test_an_unknown_backend_is_one_line_and_exit_code_2(csv_problem, tmp_path, capsys):
+    data, model, _, _ = csv_problem
+    argv = [str(model), "--data", str(data), "--backend", "tensorflow", "--output", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "argument --backend: invalid choice: 'tensorflow'" in err
+    assert not (tmp_path / "report.json").exists()
 
 
 @pytest.fixture
@@ -129,16 +258,6 @@ def test_npz_classification(tmp_path):
     assert code == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["held_out_accuracy"] > 0.85
-
-
-def test_default_job_matches_sklearn(tmp_path):
-    """make demo: the MLP on scikit-learn's diabetes data, next to MLPRegressor."""
-    code = main(["--quiet", "--output", str(tmp_path)])
-    assert code == 0
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["dataset"] == "scikit-learn diabetes"
-    assert report["held_out_r2"] == pytest.approx(report["sklearn"]["held_out_r2"], abs=0.05)
-    assert report["held_out_r2"] > 0.4
 
 
 def _write(path, text):

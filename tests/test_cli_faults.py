@@ -205,3 +205,21 @@ def test_the_write_check_leaves_no_folder_when_a_later_check_fails(job, tmp_path
     assert main([*job, "--optimizer", "lions", "--output", str(out)]) == 2
     assert "Unknown optimizer" in _one_error_line(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["linear.onnx", "train.csv"]
+
+
+def test_a_broken_onnxruntime_install_is_one_line(monkeypatch, capsys):
+    """Two onnxruntime builds installed over each other: the runtime check's message,
+    one line and exit code 2, not a traceback."""
+    from graphkit.runtime_check import OnnxruntimeInstallError
+    from graphkit_train import cli
+
+    def broken(args):
+        raise OnnxruntimeInstallError("onnxruntime 1.32.0 and onnxruntime-training-cpu 1.19.2")
+
+    monkeypatch.setattr(cli, "run", broken)
+    assert cli.main(["--epochs", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "graphkit-train: OnnxruntimeInstallError: onnxruntime 1.32.0 and "
+        "onnxruntime-training-cpu 1.19.2"
+    ]
