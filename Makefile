@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test test-native test-plain-torch lint bench bench-envs bench-peers zoo-table web web-deps clean
+.PHONY: demo test docs test-native test-plain-torch test-floors lint typecheck bench bench-envs bench-peers zoo-table web web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,23 +33,42 @@ NATIVE_STAMP := $(NATIVE)/.graphkit-installed
 $(NATIVE_STAMP): pyproject.toml
 	$(NEWEST_PYTHON) -m venv $(NATIVE)
 	$(NATIVE)/bin/python -m pip install --quiet --upgrade pip
-	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev]"
+	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev,cpu]"
 	touch $(NATIVE_STAMP)
 
 # The torch bridge (OnnxModule, DDP) on plain onnxruntime, where torch's wheel is (CPython
-# 3.11): graphkit's dependencies but onnxruntime-training, with plain onnxruntime and torch.
+# 3.11): graphkit's dependencies with its `cpu` extra (plain onnxruntime), and torch.
 PLAIN_TORCH       := .venv-plain-torch
 PLAIN_TORCH_STAMP := $(PLAIN_TORCH)/.installed
 
 $(PLAIN_TORCH_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(PLAIN_TORCH)
 	$(PLAIN_TORCH)/bin/python -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
-	print("\n".join(x.split(";")[0] for x in d["project"]["dependencies"] if "training" not in x))' \
+	print("\n".join(d["project"]["dependencies"] + d["project"]["optional-dependencies"]["cpu"]))' \
 	> $(PLAIN_TORCH)/requirements.txt
 	$(PLAIN_TORCH)/bin/python -m pip install --quiet -r $(PLAIN_TORCH)/requirements.txt \
-	onnxruntime torch==2.13.0 pytest hypothesis scikit-learn skl2onnx
+	torch==2.13.0 pytest hypothesis scikit-learn skl2onnx
 	$(PLAIN_TORCH)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(PLAIN_TORCH_STAMP)
+
+# The floors: graphkit-onnx[cpu] with the lowest release of each dependency that
+# pyproject.toml allows (.ci/floors.txt), on the oldest CPython it supports, runs a short
+# part of the suite (about a minute, the install included), so that a floor that stops
+# holding fails here rather than for a user. Without CPython 3.10 it says so and skips.
+FLOORS_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) \
+	$(shell command -v python3.10 2>/dev/null))
+FLOORS       := .venv-floors
+FLOORS_STAMP := $(FLOORS)/.graphkit-installed
+FLOORS_TESTS := tests/test_install.py tests/test_fused.py tests/test_counter.py \
+	tests/test_decay_factors.py tests/test_training_info.py tests/test_step_trainer.py \
+	tests/test_gradient.py
+
+# made anew each time, so that it holds exactly the floors
+$(FLOORS_STAMP): pyproject.toml .ci/floors.txt
+	rm -rf $(FLOORS)
+	$(FLOORS_PYTHON) -m venv $(FLOORS)
+	$(FLOORS)/bin/python -m pip install --quiet -c .ci/floors.txt -e ".[cpu]" pytest hypothesis
+	touch $(FLOORS_STAMP)
 
 # The web export's browser tests and benchmark: onnxruntime-web and playwright-core from
 # web/package-lock.json (npm ci, again whenever the lockfile changes), and Debian's chromium,
@@ -82,18 +101,38 @@ web: $(STAMP) web-deps
 	@echo "open http://127.0.0.1:$(WEB_PORT)/ (Ctrl-C stops the server)"
 	$(BIN)/python -m http.server $(WEB_PORT) --bind 127.0.0.1 --directory web
 
-# Reinstall when the dependency list changes.
+# Reinstall when the dependency list changes. The training build of onnxruntime, so that
+# both backends run and check each other; torch==2.13.0 by name, the CPU wheel (no extra
+# names torch: on Linux, PyPI's torch pulls CUDA). `graphkit` is the distribution's name
+# before graphkit-onnx: an environment made before the rename drops it.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev,torch]"
+	$(BIN)/python -m pip uninstall --quiet --yes graphkit 2>/dev/null || true
+	$(BIN)/python -m pip install --quiet -e ".[dev,ort-training,docs]" torch==2.13.0
 	touch $(STAMP)
+
+# pytest-xdist workers for the two whole-suite runs (the machine's two cores; 1 runs the
+# suite in one process, as it ran before: measured 7:03 one process, 5:20 on two)
+PYTEST_WORKERS ?= 2
 
 demo: $(STAMP)
 	$(BIN)/graphkit-train --output out/demo
 
 test: $(STAMP) $(PLAIN_STAMP) web-deps
-	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests
+	$(MAKE) --no-print-directory typecheck
+	$(MAKE) --no-print-directory docs
+	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests -n $(PYTEST_WORKERS)
 	$(MAKE) --no-print-directory test-plain-torch
 	$(MAKE) --no-print-directory test-native
+	$(MAKE) --no-print-directory test-floors
+
+test-floors:
+ifeq ($(FLOORS_PYTHON),)
+	@echo "test-floors: no CPython 3.10 found (pyenv or PATH): the dependency floors are not checked"
+else
+	$(MAKE) --no-print-directory $(FLOORS_STAMP)
+	$(FLOORS)/bin/python -m pip check
+	$(FLOORS)/bin/python -m pytest $(FLOORS_TESTS)
+endif
 
 test-plain-torch: $(PLAIN_TORCH_STAMP)
 	$(PLAIN_TORCH)/bin/python -c 'import onnxruntime as o, graphkit.backends as b; \
@@ -107,13 +146,22 @@ ifeq ($(NEWEST_PYTHON),)
 else
 	$(MAKE) --no-print-directory $(NATIVE_STAMP)
 	GRAPHKIT_PLAIN_ORT_PYTHON=$(NATIVE)/bin/python GRAPHKIT_WEB_TESTS=0 \
-	$(NATIVE)/bin/python -m pytest tests
+	$(NATIVE)/bin/python -m pytest tests -n $(PYTEST_WORKERS)
 endif
+
+# The documentation site (mkdocs.yml, docs/) into site/. --strict fails on any warning: a
+# broken link or anchor, a missing include, a module mkdocstrings cannot read.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# regenerate the README's support table from the model zoo (tests/zoo)
+# mypy on graphkit and graphkit_train, configured in pyproject.toml's [tool.mypy]
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+# regenerate the support table of docs/zoo.md from the model zoo (tests/zoo)
 zoo-table: $(STAMP)
 	$(BIN)/python -m tests.zoo.run
 
@@ -150,5 +198,5 @@ bench-peers: $(STAMP) bench-envs
 	$(BIN)/python benchmarks/peers.py
 
 clean:
-	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) $(BENCH_JAX) $(BENCH_TORCH) web/node_modules \
-	.pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) $(FLOORS) $(BENCH_JAX) $(BENCH_TORCH) web/node_modules \
+	.pytest_cache .ruff_cache .mypy_cache .hypothesis site

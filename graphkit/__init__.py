@@ -8,11 +8,17 @@ training graph. The training runtime lives in ``graphkit_train``.
 The seed library's classes (``LearningRateSGD``, ``SquareLearningLoss``...) live in
 :mod:`graphkit.seed`; ``graphkit.LearningRateSGD`` still finds them, but they are not
 part of graphkit's own names (``__all__``).
+
+graphkit logs through :mod:`logging`, under the ``graphkit`` logger (``graphkit_train``
+under its own): silent unless the application configures logging, e.g.
+``logging.basicConfig(level=logging.INFO)``. What onnxruntime logs from C++ is set apart:
+``GRAPHKIT_ORT_LOG_SEVERITY`` (:mod:`graphkit.backends.ort_engine`).
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from graphkit import (
@@ -23,6 +29,7 @@ from graphkit import (
     optimizers,
     parameters,
     penalties,
+    runtime_check,
     schedules,
     transforms,
 )
@@ -52,6 +59,14 @@ from graphkit.rewrite import (
 )
 from graphkit.schedules import Schedule
 from graphkit.transforms import GradientTransformation, chain
+
+# the PyPI project `graphkit` (another library) installs this import package too: its
+# modules written into this folder are refused here, naming the repair
+runtime_check.check_namesake(__path__[0])
+
+# a library's loggers stay silent until the application configures logging: without a
+# handler here, Python's last resort would print graphkit's warnings-level records
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 

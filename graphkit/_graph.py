@@ -20,8 +20,11 @@ from onnx import TensorProto, helper
 from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, finalize, opset_of, set_opset
 from graphkit.errors import DTypeError, IncompatibleModelError
 
-FLOAT_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float64): TensorProto.DOUBLE}
-ELEM_TO_DTYPE = {v: k for k, v in FLOAT_TYPES.items()} | {
+FLOAT_TYPES: dict[np.dtype, int] = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float64): TensorProto.DOUBLE,
+}
+ELEM_TO_DTYPE: dict[int, np.dtype] = {v: k for k, v in FLOAT_TYPES.items()} | {
     TensorProto.FLOAT16: np.dtype(np.float16),
     TensorProto.INT64: np.dtype(np.int64),
     TensorProto.INT32: np.dtype(np.int32),
@@ -488,7 +491,7 @@ def splice(
 
 
 def value_info(
-    name: str, dtype_or_elem: object, shape: Iterable[object] | None
+    name: str, dtype_or_elem: object, shape: Iterable[Dim] | None
 ) -> onnx.ValueInfoProto:
     elem = dtype_or_elem if isinstance(dtype_or_elem, int) else elem_type(dtype_or_elem)
     return helper.make_tensor_value_info(name, elem, None if shape is None else list(shape))

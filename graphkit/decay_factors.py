@@ -100,23 +100,33 @@ class _Finder:
         rate = self.only(u, "Mul")
         scaled = self.factors(rate, rank)
         total = self.only(scaled[1], "Add") if scaled else None
-        if total is None or len(total.input) != 2:
+        if rate is None or scaled is None or total is None or len(total.input) != 2:
             return None
-        for d, q in (total.input, reversed(total.input)):
-            decaying = self.only(q, "Mul")
-            decay = self.factors(decaying, rank)
-            if decay is not None and decay[1] == p and self.shapes.get(d) == shape:
-                break
-        else:
+        found = self._decaying(total, p, shape, rank)
+        if found is None:
             return None
+        d, decaying, decay = found
         nodes = [rate, total, decaying]
         quotient = self.only(d, "Div")
         top = self.only(quotient.input[0], "Mul") if quotient is not None else None
         numerator = self.factors(top, rank)
-        if numerator is None:
+        if numerator is None or quotient is None or top is None:
             return _Decay(p, scaled[0], decay[0], d, None, nodes)
         s, m = numerator
         return _Decay(p, scaled[0], decay[0], d, (s, m, quotient.input[1]), [*nodes, quotient, top])
+
+    def _decaying(
+        self, total: onnx.NodeProto, p: str, shape: tuple[int, ...], rank: int
+    ) -> tuple[str, onnx.NodeProto, tuple[str, str]] | None:
+        """``(d, the Mul, (wd, p))`` where ``total`` adds ``d`` of ``p``'s shape to
+        ``wd p``, or None."""
+        for d, q in (total.input, reversed(total.input)):
+            decaying = self.only(q, "Mul")
+            decay = self.factors(decaying, rank)
+            if decaying is not None and decay is not None and decay[1] == p:
+                if self.shapes.get(d) == shape:
+                    return d, decaying, decay
+        return None
 
 
 def gather_decay(

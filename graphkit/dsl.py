@@ -12,6 +12,10 @@ A user-written loss looks like the built-in ones::
 Write constants with ``op.CastLike(value, x)`` so one body serves float32 and float64;
 a hyper-parameter captured from Python goes in as :func:`f64` (a float64 0-d array,
 which onnxscript keeps exact in eager mode, where a Python float becomes float32).
+
+graphkit's own functions put ``@typing.no_type_check`` under ``@script()``: their
+bodies are ONNX, typed with onnxscript's tensor types, so mypy skips them (pyproject's
+``[tool.mypy]``) and checks everything around them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,6 @@ def script(**kwargs: Any) -> Callable[[Callable[..., Any]], onnxscript.OnnxFunct
     return onnxscript.script(**kwargs)
 
 
-def f64(value: float) -> np.ndarray:
+def f64(value: float | np.floating) -> np.ndarray:
     """``value`` as a float64 0-d array: a constant captured by a scripted function."""
     return np.array(value, dtype=np.float64)

@@ -56,13 +56,17 @@ def gathers_as_split(model: onnx.ModelProto) -> onnx.ModelProto:
         shape = shapes.get(data)
         if shape is None:
             continue
-        axis = axis % len(shape) if -len(shape) <= axis < len(shape) else None
-        size = shape[axis] if axis is not None else None
+        if not -len(shape) <= axis < len(shape):
+            continue
+        axis %= len(shape)
+        size = shape[axis]
         if not isinstance(size, int) or size < 2:
             continue
         positions = [int(constants[n.input[1]]) for n in nodes]
-        positions = [p % size if -size <= p < size else None for p in positions]
-        if None in positions or set(positions) != set(range(size)):
+        if not all(-size <= p < size for p in positions):
+            continue
+        positions = [p % size for p in positions]
+        if set(positions) != set(range(size)):
             continue
         replaced[nodes[0].output[0]] = _split(out.graph, data, axis, size, nodes, positions, taken)
         dropped.update(n.output[0] for n in nodes)

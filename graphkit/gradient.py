@@ -7,6 +7,7 @@ name (:meth:`graphkit.backends.base.GradientSource.gradient_graph`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import onnx
@@ -15,6 +16,8 @@ from graphkit import backends
 from graphkit._graph import ancestors
 from graphkit.compat import finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
+
+logger = logging.getLogger(__name__)
 
 
 def gradient_model(
@@ -48,7 +51,9 @@ def gradient_model(
             f"Candidates: {known}."
         )
     check_reachable(model, wrt, [output])
-    return finalize(backends.get(backend).gradient_graph(model, output, wrt))
+    source = backends.get(backend)
+    logger.debug("gradient of %r with respect to %s from the %s backend", output, wrt, source.name)
+    return finalize(source.gradient_graph(model, output, wrt))
 
 
 def reaching(model: onnx.ModelProto, weights: Iterable[str], outputs: Iterable[str]) -> list[str]:

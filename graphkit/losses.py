@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, no_type_check
 
 import numpy as np
 import onnx
@@ -58,6 +58,7 @@ def _regression_kernels(elementwise: Any, elementwise_grad: Any) -> tuple[Any, A
     """Per-sample kernels from an elementwise loss f(d) and its derivative f'(d)."""
 
     @script()
+    @no_type_check
     def per_sample_loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
         # l_i = sum_j f(prediction_ij - label_ij)
         d = prediction - op.Reshape(label, op.Shape(prediction))
@@ -65,6 +66,7 @@ def _regression_kernels(elementwise: Any, elementwise_grad: Any) -> tuple[Any, A
         return op.ReduceSum(rows, op.Constant(value_ints=[1]), keepdims=0)
 
     @script()
+    @no_type_check
     def per_sample_grad(prediction: FLOAT, label: FLOAT) -> FLOAT:
         # g_ij = f'(prediction_ij - label_ij)
         d = prediction - op.Reshape(label, op.Shape(prediction))
@@ -74,24 +76,28 @@ def _regression_kernels(elementwise: Any, elementwise_grad: Any) -> tuple[Any, A
 
 
 @script()
+@no_type_check
 def squared_error(d: FLOAT) -> FLOAT:
     """f(d) = d^2"""
     return d * d
 
 
 @script()
+@no_type_check
 def squared_error_derivative(d: FLOAT) -> FLOAT:
     """f'(d) = 2 d"""
     return op.CastLike(2.0, d) * d
 
 
 @script()
+@no_type_check
 def absolute_error(d: FLOAT) -> FLOAT:
     """f(d) = |d|"""
     return op.Abs(d)
 
 
 @script()
+@no_type_check
 def absolute_error_derivative(d: FLOAT) -> FLOAT:
     """f'(d) = sign(d), 0 at d = 0"""
     return op.Sign(d)
@@ -105,11 +111,13 @@ def elastic_formula(l1_weight: float, l2_weight: float) -> tuple[Any, Any]:
     two_b = np.array(2.0 * l2_weight, dtype=np.float64)  # a 0-d array: eager mode keeps float64
 
     @script()
+    @no_type_check
     def elastic(d: FLOAT) -> FLOAT:
         """f(d) = l1_weight |d| + l2_weight d^2"""
         return op.CastLike(a, d) * op.Abs(d) + op.CastLike(b, d) * d * d
 
     @script()
+    @no_type_check
     def elastic_derivative(d: FLOAT) -> FLOAT:
         """f'(d) = l1_weight sign(d) + 2 l2_weight d"""
         return op.CastLike(a, d) * op.Sign(d) + op.CastLike(two_b, d) * d
@@ -121,6 +129,7 @@ def _huber(delta: float) -> tuple[Any, Any]:
     c = np.array(delta, dtype=np.float64)
 
     @script()
+    @no_type_check
     def huber(d: FLOAT) -> FLOAT:
         """f(d) = d^2 / 2 if |d| <= delta else delta (|d| - delta / 2)"""
         a = op.Abs(d)
@@ -129,6 +138,7 @@ def _huber(delta: float) -> tuple[Any, Any]:
         return op.Where(a <= delta_, half * d * d, delta_ * (a - half * delta_))
 
     @script()
+    @no_type_check
     def huber_derivative(d: FLOAT) -> FLOAT:
         """f'(d) = clip(d, -delta, delta)"""
         delta_ = op.CastLike(c, d)
@@ -141,6 +151,7 @@ def _huber(delta: float) -> tuple[Any, Any]:
 
 
 @script()
+@no_type_check
 def values_per_sample(prediction: FLOAT) -> FLOAT:
     """k = size(prediction) / rows: the values each sample predicts, read at run time."""
     rows = op.Squeeze(op.Shape(prediction, start=0, end=1))
@@ -153,6 +164,7 @@ def _constant_values_per_sample(k: int) -> onnxscript.OnnxFunction:
     c = np.array(float(k), dtype=np.float64)  # a 0-d array: eager mode keeps float64
 
     @script()
+    @no_type_check
     def constant_values_per_sample(prediction: FLOAT) -> FLOAT:
         return op.CastLike(c, prediction)
 
@@ -174,6 +186,7 @@ def values_per_sample_of(prediction_shape: Sequence[Dim] | None) -> int | None:
 
 
 @script()
+@no_type_check
 def one_hot(label: INT64, prediction: FLOAT) -> FLOAT:
     """onehot_ik = 1 if label_i == k else 0, typed like the prediction (N, K).
 
@@ -189,6 +202,7 @@ def one_hot(label: INT64, prediction: FLOAT) -> FLOAT:
 
 
 @script()
+@no_type_check
 def sigmoid_log_loss_loss(prediction: FLOAT, label: INT64) -> FLOAT:
     """l = log(1 + exp(s)) - y s with s the raw score, y in {0, 1}.
 
@@ -202,6 +216,7 @@ def sigmoid_log_loss_loss(prediction: FLOAT, label: INT64) -> FLOAT:
 
 
 @script()
+@no_type_check
 def sigmoid_log_loss_grad(prediction: FLOAT, label: INT64) -> FLOAT:
     """g = sigmoid(s) - y"""
     y = op.CastLike(op.Reshape(label, op.Shape(prediction)), prediction)
@@ -209,6 +224,7 @@ def sigmoid_log_loss_grad(prediction: FLOAT, label: INT64) -> FLOAT:
 
 
 @script()
+@no_type_check
 def cross_entropy_loss(prediction: FLOAT, label: INT64) -> FLOAT:
     """l = -log softmax(z)_y = logsumexp(z) - z_y, z the logits (N, K)."""
     onehot = one_hot(label, prediction)
@@ -217,6 +233,7 @@ def cross_entropy_loss(prediction: FLOAT, label: INT64) -> FLOAT:
 
 
 @script()
+@no_type_check
 def cross_entropy_grad(prediction: FLOAT, label: INT64) -> FLOAT:
     """g = softmax(z) - onehot(y)"""
     onehot = one_hot(label, prediction)
@@ -227,6 +244,7 @@ def _log_loss(eps: float) -> tuple[Any, Any]:
     e = np.array(eps, dtype=np.float64)
 
     @script()
+    @no_type_check
     def log_loss_loss(prediction: FLOAT, label: INT64) -> FLOAT:
         """l = -log max(p_y, eps), p the probabilities (N, K)."""
         onehot = one_hot(label, prediction)
@@ -234,6 +252,7 @@ def _log_loss(eps: float) -> tuple[Any, Any]:
         return op.Neg(op.ReduceSum(onehot * op.Log(p), op.Constant(value_ints=[1]), keepdims=0))
 
     @script()
+    @no_type_check
     def log_loss_grad(prediction: FLOAT, label: INT64) -> FLOAT:
         """g = -onehot(y) / p where p >= eps, 0 where the probability is clipped"""
         onehot = one_hot(label, prediction)
@@ -249,6 +268,7 @@ def _binary_log_loss(eps: float) -> tuple[Any, Any]:
     e = np.array(eps, dtype=np.float64)
 
     @script()
+    @no_type_check
     def binary_log_loss_loss(prediction: FLOAT, label: INT64) -> FLOAT:
         """l = -y log max(p, eps) - (1 - y) log max(1 - p, eps), p = P(y = 1)."""
         p = op.Reshape(prediction, op.Constant(value_ints=[-1]))
@@ -258,6 +278,7 @@ def _binary_log_loss(eps: float) -> tuple[Any, Any]:
         return op.Neg(y * op.Log(op.Max(p, eps_)) + (one - y) * op.Log(op.Max(one - p, eps_)))
 
     @script()
+    @no_type_check
     def binary_log_loss_grad(prediction: FLOAT, label: INT64) -> FLOAT:
         """g = -y / p + (1 - y) / (1 - p), each term 0 where its probability is clipped"""
         y = op.CastLike(op.Reshape(label, op.Shape(prediction)), prediction)
@@ -285,17 +306,19 @@ def _value_function(
     if weighted:
 
         @script()
+        @no_type_check
         def loss(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> FLOAT:
             return reduce(
                 kernel(prediction, label), op.Reshape(weight, op.Constant(value_ints=[-1]))
             )
 
-        return loss
+    else:
 
-    @script()
-    def loss(prediction: FLOAT, label: FLOAT) -> FLOAT:  # noqa: F811 - one of two variants
-        per_sample = kernel(prediction, label)
-        return reduce(per_sample, ones_like(per_sample))
+        @script()
+        @no_type_check
+        def loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
+            per_sample = kernel(prediction, label)
+            return reduce(per_sample, ones_like(per_sample))
 
     return loss
 
@@ -306,17 +329,19 @@ def _divided_value_function(
     if weighted:
 
         @script()
+        @no_type_check
         def loss(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> FLOAT:
             # loss = reduce(l, w) / k
             w = op.Reshape(weight, op.Constant(value_ints=[-1]))
             return reduce(kernel(prediction, label), w) / divisor(prediction)
 
-        return loss
+    else:
 
-    @script()
-    def loss(prediction: FLOAT, label: FLOAT) -> FLOAT:  # noqa: F811 - one of two variants
-        per_sample = kernel(prediction, label)
-        return reduce(per_sample, ones_like(per_sample)) / divisor(prediction)
+        @script()
+        @no_type_check
+        def loss(prediction: FLOAT, label: FLOAT) -> FLOAT:
+            per_sample = kernel(prediction, label)
+            return reduce(per_sample, ones_like(per_sample)) / divisor(prediction)
 
     return loss
 
@@ -333,21 +358,23 @@ def _value_and_grad_function(
     if weighted:
 
         @script()
+        @no_type_check
         def loss_and_grad(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> tuple[FLOAT, FLOAT]:
             w = op.Reshape(weight, op.Constant(value_ints=[-1]))
             loss = reduce(kernel(prediction, label), w)
             prediction_grad = scale(kernel_grad(prediction, label), w)
             return loss, prediction_grad
 
-        return loss_and_grad
+    else:
 
-    @script()
-    def loss_and_grad(prediction: FLOAT, label: FLOAT) -> tuple[FLOAT, FLOAT]:  # noqa: F811
-        per_sample = kernel(prediction, label)
-        w = ones_like(per_sample)
-        loss = reduce(per_sample, w)
-        prediction_grad = scale(kernel_grad(prediction, label), w)
-        return loss, prediction_grad
+        @script()
+        @no_type_check
+        def loss_and_grad(prediction: FLOAT, label: FLOAT) -> tuple[FLOAT, FLOAT]:
+            per_sample = kernel(prediction, label)
+            w = ones_like(per_sample)
+            loss = reduce(per_sample, w)
+            prediction_grad = scale(kernel_grad(prediction, label), w)
+            return loss, prediction_grad
 
     return loss_and_grad
 
@@ -358,6 +385,7 @@ def _divided_value_and_grad_function(
     if weighted:
 
         @script()
+        @no_type_check
         def loss_and_grad(prediction: FLOAT, label: FLOAT, weight: FLOAT) -> tuple[FLOAT, FLOAT]:
             # loss = reduce(l, w) / k, g = scale(dl/dp, w) / k
             w = op.Reshape(weight, op.Constant(value_ints=[-1]))
@@ -366,16 +394,17 @@ def _divided_value_and_grad_function(
             prediction_grad = scale(kernel_grad(prediction, label), w) / k
             return loss, prediction_grad
 
-        return loss_and_grad
+    else:
 
-    @script()
-    def loss_and_grad(prediction: FLOAT, label: FLOAT) -> tuple[FLOAT, FLOAT]:  # noqa: F811
-        per_sample = kernel(prediction, label)
-        w = ones_like(per_sample)
-        k = divisor(prediction)
-        loss = reduce(per_sample, w) / k
-        prediction_grad = scale(kernel_grad(prediction, label), w) / k
-        return loss, prediction_grad
+        @script()
+        @no_type_check
+        def loss_and_grad(prediction: FLOAT, label: FLOAT) -> tuple[FLOAT, FLOAT]:
+            per_sample = kernel(prediction, label)
+            w = ones_like(per_sample)
+            k = divisor(prediction)
+            loss = reduce(per_sample, w) / k
+            prediction_grad = scale(kernel_grad(prediction, label), w) / k
+            return loss, prediction_grad
 
     return loss_and_grad
 
@@ -531,9 +560,11 @@ class Loss:
                     + " sample weights."
                 )
             return self.custom
-        reduce, _ = REDUCTIONS[self.reduction]
+        kernels, reduction = self.kernels, self.reduction
+        assert kernels is not None and reduction is not None  # a built-in loss has both
+        reduce, _ = REDUCTIONS[reduction]
         divisor = self._divisor(prediction_shape)
-        return _value_function(self.kernels[0], reduce, weighted, divisor)  # type: ignore[index]
+        return _value_function(kernels[0], reduce, weighted, divisor)
 
     def value_and_grad_function(
         self, weighted: bool = False, prediction_shape: Sequence[Dim] | None = None
@@ -551,6 +582,7 @@ class Loss:
                 f"{self.name!r} is a custom loss: its gradient is derived by the "
                 "backend's gradient source, use gradient_model()."
             )
+        assert self.reduction is not None  # a built-in loss has one
         reduce, scale = REDUCTIONS[self.reduction]
         divisor = self._divisor(prediction_shape)
         return _value_and_grad_function(*self.kernels, reduce, scale, weighted, divisor)

@@ -13,6 +13,7 @@ trainers apply it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx
@@ -112,7 +113,7 @@ def _linear_classifier(
     ]
     if len(node.output) > 1 and node.output[1]:
         transform = {"NONE": "Identity", "LOGISTIC": "Sigmoid", "SOFTMAX": "Softmax"}[post]
-        extra = {"axis": 1} if post == "SOFTMAX" else {}
+        extra: dict[str, Any] = {"axis": 1} if post == "SOFTMAX" else {}
         nodes.append(helper.make_node(transform, [scores], [node.output[1]], **extra))
     return nodes
 

@@ -25,9 +25,10 @@ from the paper.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, no_type_check
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 
 from graphkit.dsl import FLOAT, INT64, f64, op, script
@@ -116,6 +117,7 @@ def trace(
             raise ValueError("dampening is a torch option; use convention='torch'.")
 
         @script()
+        @no_type_check
         def velocity_trace(
             update: FLOAT, param: FLOAT, velocity: FLOAT, step: INT64
         ) -> tuple[FLOAT, FLOAT]:
@@ -123,6 +125,7 @@ def trace(
             return v, v
 
         @script()
+        @no_type_check
         def velocity_nesterov(
             update: FLOAT, param: FLOAT, velocity: FLOAT, step: INT64
         ) -> tuple[FLOAT, FLOAT]:
@@ -134,6 +137,7 @@ def trace(
         return Scripted("momentum", fn, (Field("velocity"),), params=params, elementwise=True)
 
     @script()
+    @no_type_check
     def buffer_trace(
         update: FLOAT, param: FLOAT, buffer: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT]:
@@ -143,6 +147,7 @@ def trace(
         return b, b
 
     @script()
+    @no_type_check
     def buffer_nesterov(
         update: FLOAT, param: FLOAT, buffer: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT]:
@@ -174,6 +179,7 @@ def scale_by_adam(
     params = dict(b1=b1, b2=b2, eps=eps, eps_mode=eps_mode)
 
     @script()
+    @no_type_check
     def adam_moments(
         update: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT, FLOAT]:
@@ -187,6 +193,7 @@ def scale_by_adam(
         return m_new, v_new, c1, c2
 
     @script()
+    @no_type_check
     def adam_corrected(
         update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
@@ -198,6 +205,7 @@ def scale_by_adam(
         return (root / c1) * m_new / (op.Sqrt(v_new) + eps_hat), m_new, v_new
 
     @script()
+    @no_type_check
     def adam_uncorrected(
         update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
@@ -219,6 +227,7 @@ def scale_by_adagrad(
     e, decay, one = f64(eps), f64(lr_decay), f64(1.0)
 
     @script()
+    @no_type_check
     def adagrad(update: FLOAT, param: FLOAT, sum_sq: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
         s = sum_sq + update * update
         slow = op.CastLike(one, update) + op.CastLike(step, update) * op.CastLike(decay, update)
@@ -241,6 +250,7 @@ def scale_by_rms(alpha: float = 0.99, eps: float = 1e-8) -> Scripted:
     a, e, one = f64(alpha), f64(eps), f64(1.0)
 
     @script()
+    @no_type_check
     def rms(update: FLOAT, param: FLOAT, square_avg: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
         a_ = op.CastLike(a, update)
         v = a_ * square_avg + (op.CastLike(one, update) - a_) * update * update
@@ -258,6 +268,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> Scripted:
     beta1, beta2, one = f64(b1), f64(b2), f64(1.0)
 
     @script()
+    @no_type_check
     def lion(update: FLOAT, param: FLOAT, m: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
         b_1, b_2 = op.CastLike(beta1, update), op.CastLike(beta2, update)
         direction = op.Sign(b_1 * m + (op.CastLike(one, update) - b_1) * update)
@@ -271,6 +282,7 @@ def scale_by_trust_ratio() -> Scripted:
     """LAMB's layer-wise trust ratio: u' = u ||p|| / ||u|| (u' = u when a norm is 0)."""
 
     @script()
+    @no_type_check
     def trust_ratio(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         p_norm = op.Sqrt(op.ReduceSumSquare(param, keepdims=0))
         u_norm = op.Sqrt(op.ReduceSumSquare(update, keepdims=0))
@@ -298,6 +310,7 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Scr
     rho_inf = f64(2.0 / (1.0 - b2) - 1.0)
 
     @script()
+    @no_type_check
     def radam(
         update: FLOAT, param: FLOAT, m: FLOAT, v: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
@@ -344,6 +357,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> Scripted:
     r, e, one = f64(rho), f64(eps), f64(1.0)
 
     @script()
+    @no_type_check
     def adadelta(
         update: FLOAT, param: FLOAT, square_avg: FLOAT, acc_delta: FLOAT, step: INT64
     ) -> tuple[FLOAT, FLOAT, FLOAT]:
@@ -393,6 +407,7 @@ def scale_by_adafactor(
     one, half = f64(1.0), f64(-0.5)
 
     @script()
+    @no_type_check
     def adafactor_scale(update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT) -> tuple[FLOAT, FLOAT]:
         """beta_t and alpha_t for this step and weight"""
         t = op.CastLike(step + 1, update)
@@ -402,6 +417,7 @@ def scale_by_adafactor(
         return beta, op.Max(op.CastLike(e2, update), rms_p) * rho
 
     @script()
+    @no_type_check
     def adafactor_finish(
         update: FLOAT, param: FLOAT, var: FLOAT, alpha: FLOAT, eps: FLOAT, lr: FLOAT
     ) -> FLOAT:
@@ -415,6 +431,7 @@ def scale_by_adafactor(
         e1 = f64(eps1 if eps1 is not None else np.finfo(dtype).eps)
 
         @script()
+        @no_type_check
         def adafactor_matrix(
             update: FLOAT, param: FLOAT, row: FLOAT, col: FLOAT, step: INT64, lr: FLOAT
         ) -> tuple[FLOAT, FLOAT, FLOAT]:
@@ -429,6 +446,7 @@ def scale_by_adafactor(
             return adafactor_finish(update, param, var, alpha, eps, lr), row_new, col_new
 
         @script()
+        @no_type_check
         def adafactor_vector(
             update: FLOAT, param: FLOAT, variance: FLOAT, step: INT64, lr: FLOAT
         ) -> tuple[FLOAT, FLOAT]:
@@ -752,7 +770,7 @@ def resolve(
 def update_model(
     optimizer: GradientTransformation,
     param: str,
-    dtype: object,
+    dtype: npt.DTypeLike,
     shape: tuple[int, ...],
 ) -> onnx.ModelProto:
     """One weight's full step as an ONNX model: ``(param, grad, <state>, step) ->

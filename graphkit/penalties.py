@@ -13,7 +13,7 @@ A :class:`Penalty` holds, per weight name, an elastic coefficient pair ``(l1, l2
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, no_type_check
 
 import numpy as np
 import onnx
@@ -34,11 +34,13 @@ def _elastic_functions(l1: float, l2: float) -> tuple[Any, Any]:
     elementwise, derivative = elastic_formula(l1, l2)
 
     @script()
+    @no_type_check
     def elastic_penalty(weight: FLOAT) -> FLOAT:
         """P(w) = sum_i l1 |w_i| + l2 w_i^2"""
         return op.ReduceSum(elementwise(weight), keepdims=0)
 
     @script()
+    @no_type_check
     def elastic_penalty_grad(weight: FLOAT) -> FLOAT:
         """dP/dw_i = l1 sign(w_i) + 2 l2 w_i"""
         return derivative(weight)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
@@ -169,8 +170,8 @@ def _dynamo_training_batch_norm(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _constant_values(model: onnx.ModelProto) -> dict[str, object]:
-    values: dict[str, object] = {
+def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    values: dict[str, np.ndarray] = {
         t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.dims in ([], [1])
     }
     for node in model.graph.node:

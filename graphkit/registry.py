@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from graphkit.errors import UnknownNameError
 
 T = TypeVar("T")
+# a factory, registered with its own signature kept for its direct callers
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _key(name: str) -> str:
@@ -38,10 +40,10 @@ class Registry(Generic[T]):
         self._aliases: dict[str, str] = {}
         self._spellings: dict[str, list[str]] = {}
 
-    def register(self, name: str, *aliases: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
         """Register the decorated factory as ``name`` (and ``aliases``)."""
 
-        def decorate(factory: Callable[..., T]) -> Callable[..., T]:
+        def decorate(factory: F) -> F:
             if not name.isidentifier():
                 raise ValueError(f"{self.kind} name {name!r} must be a Python identifier")
             for key in (name, *aliases):

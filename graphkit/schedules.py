@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, no_type_check
 
 import numpy as np
 import onnx
@@ -108,6 +108,7 @@ def constant(eta0: float = 0.01) -> Schedule:
     value = f64(eta0)
 
     @script()
+    @no_type_check
     def constant_schedule(step: INT64) -> DOUBLE:
         return op.CastLike(value, lr_type)
 
@@ -123,6 +124,7 @@ def invscaling(eta0: float = 0.01, power_t: float = 0.25) -> Schedule:
     e, p = f64(eta0), f64(power_t)
 
     @script()
+    @no_type_check
     def invscaling_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE) + op.CastLike(ONE, lr_type)
         return op.CastLike(e, t) / op.Pow(t, op.CastLike(p, t))
@@ -143,6 +145,7 @@ def optimal(alpha: float = 1e-4) -> Schedule:
     a, t0_ = f64(alpha), f64(t0)
 
     @script()
+    @no_type_check
     def optimal_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
         return op.Reciprocal(op.CastLike(a, t) * (op.CastLike(t0_, t) + t))
@@ -158,6 +161,7 @@ def step_decay(eta0: float = 0.01, step_size: int = 100, gamma: float = 0.1) -> 
     size = np.array(int(step_size), dtype=np.int64)
 
     @script()
+    @no_type_check
     def step_schedule(step: INT64) -> DOUBLE:
         k = op.Cast(op.Div(step, op.CastLike(size, step)), to=onnx.TensorProto.DOUBLE)
         return op.CastLike(e, k) * op.Pow(op.CastLike(g, k), k)  # k: integer division
@@ -172,6 +176,7 @@ def exponential(eta0: float = 0.01, gamma: float = 0.99) -> Schedule:
     e, g = f64(eta0), f64(gamma)
 
     @script()
+    @no_type_check
     def exponential_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
         return op.CastLike(e, t) * op.Pow(op.CastLike(g, t), t)
@@ -195,6 +200,7 @@ def cosine(eta0: float = 0.01, decay_steps: int = 1000, alpha: float = 0.0) -> S
     half_span = f64((1.0 - alpha) / 2.0)
 
     @script()
+    @no_type_check
     def cosine_schedule(step: INT64) -> DOUBLE:
         t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), op.CastLike(T, lr_type))
         # onnxruntime has no float64 Cos: the cosine itself is computed in float32.
@@ -226,6 +232,7 @@ def warmup(
     init, w_f = f64(init_value), f64(warmup_steps)
 
     @script()
+    @no_type_check
     def warmup_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
         zero = op.CastLike(ZERO_STEP, step)
@@ -246,6 +253,7 @@ def _join2(first: Schedule, second: Schedule, boundary: int) -> onnxscript.OnnxF
     b = np.array(int(boundary), dtype=np.int64)
 
     @script()
+    @no_type_check
     def joined_schedule(step: INT64) -> DOUBLE:
         end = op.CastLike(b, step)
         later = after(op.Max(step - end, op.CastLike(ZERO_STEP, step)))
@@ -256,7 +264,7 @@ def _join2(first: Schedule, second: Schedule, boundary: int) -> onnxscript.OnnxF
 
 @SCHEDULES.register("join", "join_schedules")
 def join(schedules: Sequence[Schedule | str | float], boundaries: Sequence[int]) -> Schedule:
-    """schedules[i](t - boundaries[i-1]) for boundaries[i-1] <= t < boundaries[i]
+    """``schedules[i](t - boundaries[i-1])`` for ``boundaries[i-1] <= t < boundaries[i]``
 
     Each schedule restarts at step 0 at its boundary (optax's join_schedules); there is
     one boundary fewer than schedules, increasing.
@@ -336,18 +344,21 @@ def one_cycle(
     cosine = anneal == "cos"
 
     @script()
+    @no_type_check
     def cos_anneal(a: DOUBLE, b: DOUBLE, pct: DOUBLE) -> DOUBLE:
         angle = op.Cast(op.CastLike(pi, pct) * pct, to=onnx.TensorProto.FLOAT)
         c = op.Cast(op.Cos(angle), to=onnx.TensorProto.DOUBLE) + op.CastLike(ONE, pct)
         return b + (a - b) * op.CastLike(HALF, pct) * c
 
     @script()
+    @no_type_check
     def linear_anneal(a: DOUBLE, b: DOUBLE, pct: DOUBLE) -> DOUBLE:
         return (b - a) * pct + a
 
     anneal_fn = cos_anneal if cosine else linear_anneal
 
     @script()
+    @no_type_check
     def one_cycle_schedule(step: INT64) -> DOUBLE:
         t = op.Min(op.Cast(step, to=onnx.TensorProto.DOUBLE), op.CastLike(last, lr_type))
         e = op.CastLike(e1, t)
@@ -387,12 +398,14 @@ def sgdr(eta0: float = 0.01, t_0: int = 100, t_mult: int = 1, eta_min: float = 0
     geometric = int(t_mult) > 1
 
     @script()
+    @no_type_check
     def cycle_start(n: DOUBLE) -> DOUBLE:
         """the step at which cycle n begins: t_0 (M^n - 1) / (M - 1)"""
         m = op.CastLike(M, n)
         return op.CastLike(T0, n) * (op.Pow(m, n) - op.CastLike(ONE, n)) / (m - op.CastLike(ONE, n))
 
     @script()
+    @no_type_check
     def position(t: DOUBLE) -> tuple[DOUBLE, DOUBLE]:
         """(T_cur, T_i)"""
         if geometric:
@@ -414,6 +427,7 @@ def sgdr(eta0: float = 0.01, t_0: int = 100, t_mult: int = 1, eta_min: float = 0
         return current, length
 
     @script()
+    @no_type_check
     def sgdr_schedule(step: INT64) -> DOUBLE:
         t = op.Cast(step, to=onnx.TensorProto.DOUBLE)
         current, length = position(t)

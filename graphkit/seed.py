@@ -52,9 +52,10 @@ works.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 
 from graphkit import losses as _losses
@@ -126,8 +127,11 @@ class BaseLearningOnnx:
         return ""
 
 
-def _subclasses(cls: type) -> list[type]:
-    found = []
+_T = TypeVar("_T")
+
+
+def _subclasses(cls: type[_T]) -> list[type[_T]]:
+    found: list[type[_T]] = []
     for sub in cls.__subclasses__():
         found.append(sub)
         found.extend(_subclasses(sub))
@@ -329,7 +333,7 @@ class BaseLearningRate(BaseLearningOnnx):
         return self.optimizer.init(params)
 
     def build_onnx_function(
-        self, name: str = "weight", dtype: object = np.float32, shape: Sequence[int] = (1,)
+        self, name: str = "weight", dtype: npt.DTypeLike = np.float32, shape: Sequence[int] = (1,)
     ) -> onnx.ModelProto:
         """``(param, grad, <state>, step) -> (param.new, <state>.new)`` for weight ``name``."""
         return _optimizers.update_model(self.to_transformation(), name, dtype, tuple(shape))
@@ -480,7 +484,7 @@ def hint(kind: str, name: object) -> str:
     for the error an unknown ``kind`` (``"loss"``, ``"penalty"``, ``"optimizer"``) name
     raises: seed class names and the seed's short learning-rate names
     (``"SGDNesterov"``) are no graphkit names."""
-    base = {
+    base: type[BaseLearningOnnx] | None = {
         "loss": BaseLearningLoss,
         "penalty": BaseLearningPenalty,
         "optimizer": BaseLearningRate,

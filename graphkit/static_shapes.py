@@ -71,22 +71,29 @@ from graphkit.decay_factors import gather_decay
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Constant folding with shape inference, dead-node removal and CSE (no rewrites)."""
+    """Constant folding with shape inference, dead-node removal and CSE (no rewrites).
+
+    onnxscript's public ``fold_constants`` (onnxscript >= 0.3) is its
+    ``FoldConstantsPass`` run in place with these options; the other passes are onnx_ir's
+    public ones (onnx-ir >= 0.1.1 has them all)."""
     import onnx_ir as ir
     import onnx_ir.passes.common as common
-    from onnxscript.optimizer._constant_folding import FoldConstantsPass
+    from onnxscript.optimizer import fold_constants
 
-    passes = ir.passes.Sequential(
-        common.InlinePass(),
-        FoldConstantsPass(shape_inference=True, input_size_limit=8192, output_size_limit=8192),
+    graph = ir.serde.deserialize_model(model)
+    common.InlinePass()(graph)
+    # nodes whose inputs and outputs have at most 8192 elements each: a step's shape
+    # arithmetic and small constants, never a computation on weight-sized tensors
+    fold_constants(
+        graph, onnx_shape_inference=True, input_size_limit=8192, output_size_limit=8192
+    )
+    ir.passes.Sequential(
         common.RemoveUnusedNodesPass(),
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common.CommonSubexpressionEliminationPass(),
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedOpsetsPass(),
-    )
-    graph = ir.serde.deserialize_model(model)
-    passes(graph)
+    )(graph)
     return ir.serde.serialize_model(graph)
 
 
@@ -342,15 +349,14 @@ class _Simplifier:
         if dtype not in (np.float32, np.float64) or not _is_block(axes, rank):
             return None
         if axes[0] == 0:
-            product = self.summed_product(x, summed, out_shape, y)
-            if product is not None:
-                return product
+            batched = self.summed_product(x, summed, out_shape, y)
+            if batched is not None:
+                return batched
         # a block of leading axes: ones @ X; of trailing axes: X @ ones, the ones a
         # column (onnxruntime's MatMul by a 1-D right operand takes a slow path: 430 us
         # for [4096, 32] @ [32], 9.5 for @ [32, 1], 11.7 for its ReduceSum)
         leading = axes[0] == 0
-        ones = np.ones(summed if leading else (summed, 1), dtype=dtype)
-        ones = self.constant(f"{y}/ones", ones)
+        ones = self.constant(f"{y}/ones", np.ones(summed if leading else (summed, 1), dtype))
         nodes = []
         matrix = x
         if rank != 2:
@@ -385,10 +391,11 @@ class _Simplifier:
             return None
         a, b = node.input
         transpose = self.producer.get(a)
-        shapes = [self.shapes.get(name) for name in (node.output[0], a, b)]
-        if transpose is None or transpose.op_type != "Transpose" or None in shapes:
+        product, left, right = (self.shapes.get(name) for name in (node.output[0], a, b))
+        if transpose is None or transpose.op_type != "Transpose":
             return None
-        product, left, right = shapes
+        if product is None or left is None or right is None:
+            return None
         rank = len(product)
         if rank < 3 or transpose_perm(transpose, rank) != last_two_swapped(rank):
             return None
@@ -758,8 +765,8 @@ def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> Non
         value = constants.get(name)
         if value is None or value.size != 1:
             return None
-        value = float(value.item())
-        return value if float(np.float32(value)) == value else None
+        number = float(value.item())
+        return number if float(np.float32(number)) == number else None
 
     def plain_gemm(name: str) -> onnx.NodeProto | None:
         """The Gemm without ``C`` producing ``name``, if only one node reads it and
@@ -845,7 +852,7 @@ def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> Non
                 out[-1:] == (1,) or scaled(node.output[0]) or math.prod(out) > GEMM_ABOVE
             ):
                 continue  # onnxruntime's FusedMatMul is as fast there
-            gemm = onnx.helper.make_node(
+            as_gemm = onnx.helper.make_node(
                 "Gemm",
                 [a or node.input[0], b or node.input[1]],
                 list(node.output),
@@ -853,7 +860,7 @@ def _gemms(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> Non
                 transA=int(a is not None),
                 transB=int(b is not None),
             )
-            node.CopyFrom(gemm)
+            node.CopyFrom(as_gemm)
         elif node.op_type == "Mul":
             for inner, scale in (node.input, reversed(node.input)):
                 gemm, value = plain_gemm(inner), rate(scale)

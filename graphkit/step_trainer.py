@@ -16,35 +16,41 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-try:
+if TYPE_CHECKING:  # checked against graphkit's modules, which the fallback loads by path
     from graphkit.compat import load_model
     from graphkit.training.batches import NamedRows, epoch_batches
     from graphkit.training_info import initial_state, session, set_initial_state
-except ImportError:  # loaded from its file where graphkit is not installed: so are these
-    import importlib.util
-    import pathlib
+else:
+    try:
+        from graphkit.compat import load_model
+        from graphkit.training.batches import NamedRows, epoch_batches
+        from graphkit.training_info import initial_state, session, set_initial_state
+    except ImportError:  # loaded from its file where graphkit is not installed: so are these
+        import importlib.util
+        import pathlib
 
-    def _load(relative: str) -> object:
-        path = pathlib.Path(__file__).parent / relative
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        return module
+        def _load(relative: str) -> object:
+            path = pathlib.Path(__file__).parent / relative
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
 
-    _info = _load("training_info.py")
-    session, initial_state = _info.session, _info.initial_state  # type: ignore[attr-defined]
-    set_initial_state = _info.set_initial_state  # type: ignore[attr-defined]
-    _batches = _load("training/batches.py")
-    epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows  # type: ignore[attr-defined]
+        _info = _load("training_info.py")
+        session, initial_state = _info.session, _info.initial_state
+        set_initial_state = _info.set_initial_state
+        _batches = _load("training/batches.py")
+        epoch_batches, NamedRows = _batches.epoch_batches, _batches.NamedRows
 
-    def load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
-        """onnx's own loading (external data read relative to the model's folder)."""
-        return model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+        def load_model(model: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
+            """onnx's own loading (external data read relative to the model's folder)."""
+            return model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
 
 
 META = "graphkit.training_step"
@@ -130,19 +136,21 @@ class StepTrainer:
             ValueError: sample weights for a step without, or ``X`` not naming every
                 feature input.
         """
-        X, y = self._features(X), self._labels(y)
+        rows, labels = self._features(X), self._labels(y)
         weight = self.roles.get("sample_weight")
         if sample_weight is not None and not weight:
             raise ValueError("This training step takes no sample weights.")
         w = None
         if weight:
-            w = np.ones(len(X)) if sample_weight is None else np.asarray(sample_weight)
+            w = np.ones(len(rows)) if sample_weight is None else np.asarray(sample_weight)
             w = w.astype(self._weight_dtype, copy=False)
         for _ in range(epochs):
-            order = self._rng.permutation(len(X)) if self.shuffle else None
+            order = self._rng.permutation(len(rows)) if self.shuffle else None
             self._resident["loss_sum"] = np.zeros_like(self._resident["loss_sum"])
             batches = 0
-            for X_batch, y_batch, w_batch in epoch_batches(X, y, w, order, self.batch_size):
+            for X_batch, y_batch, w_batch in epoch_batches(
+                rows, labels, w, order, self.batch_size
+            ):
                 if isinstance(X_batch, NamedRows):
                     feeds = dict(X_batch.arrays)
                 else:
@@ -151,7 +159,7 @@ class StepTrainer:
                     feeds.update(y_batch.arrays)
                 else:
                     feeds[self.roles["label"]] = y_batch
-                if weight:
+                if weight and w_batch is not None:  # w_batch is None only without weight
                     feeds[weight] = w_batch
                 out = dict(zip(self._outputs, self._run({**feeds, **self._resident})))
                 self._resident = {n: out[f"{n}.next"] for n in self._resident}

@@ -181,13 +181,18 @@ def session(model: onnx.ModelProto, runtime: str) -> Any:
         evaluator = ReferenceEvaluator(model)
         return lambda feeds: evaluator.run(None, feeds)
     if runtime == "onnxruntime":
-        import onnxruntime
+        from graphkit.backends import ort_engine
+        from graphkit.backends.ort_engine import log_severity
+
+        # imported after graphkit.runtime_check finds one complete build installed
+        onnxruntime = ort_engine.onnxruntime()
 
         # steps exported before graphkit wrote their initial state as TrainingInfoProto
         # default their resident inputs to initializers, which onnxruntime reports one
-        # warning each for ('Initializer X appears in graph inputs'): only errors are logged
+        # warning each for ('Initializer X appears in graph inputs'): only errors are
+        # logged, unless GRAPHKIT_ORT_LOG_SEVERITY asks for more
         options = onnxruntime.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = log_severity()
         session = onnxruntime.InferenceSession(
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )

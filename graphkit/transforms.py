@@ -35,9 +35,10 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, no_type_check
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 import onnxscript
 from onnx import TensorProto, helper
@@ -151,7 +152,7 @@ class Emitter:
         )
         return out
 
-    def constant(self, value: Any, dtype: object, base: str) -> str:
+    def constant(self, value: Any, dtype: npt.DTypeLike, base: str) -> str:
         name = self.fresh(base)
         tensor = onnx.numpy_helper.from_array(np.array(value, dtype=dtype), name)
         self.model.graph.initializer.append(tensor)
@@ -249,7 +250,7 @@ class GradientTransformation(abc.ABC):
 
     def schedules(self) -> list[Any]:
         """The learning rates inside (schedules, or ``OPEN``), in chain order."""
-        return [t.learning_rate for t in self._walk() if getattr(t, "learning_rate", None)]
+        return [lr for t in self._walk() if (lr := getattr(t, "learning_rate", None))]
 
     @property
     def has_open_learning_rate(self) -> bool:
@@ -521,9 +522,10 @@ class Scripted(GradientTransformation):
         expected = ["update", "param", *fields, *tail]
         if len(inputs) != len(expected) or inputs[2:] != expected[2:]:
             raise TypeError(
-                f"Transformation {self.name!r}: {self.update_fn.name}({', '.join(inputs)}) does "
-                f"not match its declared state {fields}: it must take "
-                f"({', '.join(expected)}) and return (update, {', '.join(fields) or '-'})."
+                f"Transformation {self.name!r}: {self.update_fn.name}"
+                f"({', '.join(map(str, inputs))}) does not match its declared state {fields}: "
+                f"it must take ({', '.join(expected)}) and return "
+                f"(update, {', '.join(fields) or '-'})."
             )
         n_out = len(self.update_fn.function_ir.outputs)
         if n_out != 1 + len(fields):
@@ -586,7 +588,8 @@ class Scripted(GradientTransformation):
                 elem = elem_type(g.weights[w].dtype)
                 if elem not in totals:
                     totals[elem] = g.node("Cast", [total], f"{self.name}/total", to=elem)
-        new_updates, new_state = {}, {}
+        new_updates: dict[str, str] = {}
+        new_state: dict[str, str] = {}
         for w in updates:
             info = g.weights[w]
             names = [self.state_name(w, f.name) for f in self.fields]
@@ -693,7 +696,7 @@ class Partition(GradientTransformation):
     """
 
     name = "partition"
-    elementwise = False  # type: ignore[assignment]  # its groups are chosen by name
+    elementwise = False  # its groups are chosen by name
 
     def __init__(self, transforms: Mapping[str, GradientTransformation], labels: Labels) -> None:
         if not transforms:
@@ -768,7 +771,7 @@ def partition(transforms: Mapping[str, GradientTransformation], labels: Labels) 
 class _PassThrough(GradientTransformation):
     name = "identity"
     params: dict[str, Any] = {}
-    elementwise = True  # type: ignore[assignment]
+    elementwise = True
 
     def init(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {}
@@ -1048,6 +1051,7 @@ class Lookahead(_Wrapper):
 
 
 @script()
+@no_type_check
 def _lookahead_sync(param: FLOAT, update: FLOAT, slow: FLOAT, alpha: FLOAT) -> tuple[FLOAT, FLOAT]:
     """slow' = slow + alpha (p + u - slow); the update that lands p on slow'"""
     synced = slow + alpha * (param + update - slow)
@@ -1078,6 +1082,7 @@ def scale_by_learning_rate(learning_rate: Any = None) -> Scripted:
     """u -> -lr u, with lr = schedule(step); left open (None) the runtime fills it."""
 
     @script()
+    @no_type_check
     def scale_by_learning_rate(update: FLOAT, param: FLOAT, step: INT64, lr: FLOAT) -> FLOAT:
         return update * op.Neg(lr)
 
@@ -1095,6 +1100,7 @@ def scale(factor: float) -> Scripted:
     f = f64(factor)
 
     @script()
+    @no_type_check
     def scale_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         return update * op.CastLike(f, update)
 
@@ -1114,6 +1120,7 @@ def add_decayed_weights(weight_decay: float) -> Scripted:
     wd = f64(weight_decay)
 
     @script()
+    @no_type_check
     def add_decayed_weights(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         return update + op.CastLike(wd, param) * param
 
@@ -1133,6 +1140,7 @@ def clip(max_delta: float) -> Scripted:
     d = f64(max_delta)
 
     @script()
+    @no_type_check
     def clip_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
         bound = op.CastLike(d, update)
         return op.Clip(update, op.Neg(bound), bound)
@@ -1141,6 +1149,7 @@ def clip(max_delta: float) -> Scripted:
 
 
 @script()
+@no_type_check
 def _sum_of_squares(update: FLOAT, param: FLOAT) -> FLOAT:
     return op.ReduceSumSquare(update, keepdims=0)
 
@@ -1154,6 +1163,7 @@ def clip_by_global_norm(max_norm: float) -> Scripted:
     m = f64(max_norm)
 
     @script()
+    @no_type_check
     def clip_by_global_norm(update: FLOAT, param: FLOAT, step: INT64, total: FLOAT) -> FLOAT:
         norm = op.Sqrt(total)
         limit = op.CastLike(m, update)
@@ -1186,6 +1196,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3) -> Partition:
     c, e, tiny = f64(clipping), f64(eps), f64(1e-6)
 
     @script()
+    @no_type_check
     def whole_norm(x: FLOAT) -> FLOAT:
         return op.Expand(op.Sqrt(op.ReduceSumSquare(x, keepdims=1)), op.Shape(x))
 
@@ -1193,12 +1204,14 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3) -> Partition:
         dims = np.array(axes or [0], dtype=np.int64)
 
         @script()
+        @no_type_check
         def axes_norm(x: FLOAT) -> FLOAT:
             return op.Expand(op.Sqrt(op.ReduceSumSquare(x, dims, keepdims=1)), op.Shape(x))
 
         unit_norm = whole_norm if axes is None else axes_norm
 
         @script()
+        @no_type_check
         def adaptive_clip_update(update: FLOAT, param: FLOAT, step: INT64) -> FLOAT:
             g_norm = unit_norm(update)
             limit = op.Max(unit_norm(param), op.CastLike(e, param)) * op.CastLike(c, param)
@@ -1231,6 +1244,7 @@ def ema(decay: float = 0.999) -> Scripted:
     d = f64(decay)
 
     @script()
+    @no_type_check
     def ema_update(update: FLOAT, param: FLOAT, average: FLOAT, step: INT64) -> tuple[FLOAT, FLOAT]:
         new = param + update
         mixed = (

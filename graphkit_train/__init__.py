@@ -14,7 +14,12 @@
 * :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
 * :mod:`graphkit_train.distributed`: data-parallel training on ``torch.distributed``
   (``distributed=True`` in both trainers, launched with ``torchrun``).
+
+It logs under the ``graphkit_train`` logger (graph builds, epochs run, checkpoints
+resumed), silent unless the application configures :mod:`logging`.
 """
+
+import logging
 
 from graphkit.training.step import TrainingStep, UpdateStep, build_training_step, build_update_step
 from graphkit_train import checkpoint, distributed
@@ -25,6 +30,9 @@ from graphkit_train.trainers.partial import (
     ForwardBackwardTrainer,
     OrtGradientForwardBackwardOptimizer,
 )
+
+# silent until the application configures logging (see graphkit/__init__.py)
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CheckpointError",

@@ -135,7 +135,9 @@ def write(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], header
     payload = {f"a{i}": np.asarray(v) for i, v in enumerate(arrays.values())}
     header = {**header, "format": FORMAT, "version": VERSION, "arrays": list(arrays)}
     meta = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    np.savez(buffer, **{_HEADER: meta}, **payload)
+    # one dict of Any: mypy would match a dict of arrays against savez's allow_pickle
+    named: dict[str, Any] = {_HEADER: meta, **payload}
+    np.savez(buffer, **named)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:

@@ -94,7 +94,8 @@ class ProcessGroup:
             import torch.distributed as dist
         except ImportError as exc:
             raise DistributedError(
-                "distributed=True needs torch (pip install 'graphkit[torch]'); " + LAUNCH_HINT
+                "distributed=True needs torch (pip install torch; its CPU build: pip install "
+                "torch --index-url https://download.pytorch.org/whl/cpu); " + LAUNCH_HINT
             ) from exc
         if not (dist.is_available() and dist.is_initialized()):
             raise DistributedError(
@@ -170,10 +171,11 @@ class ProcessGroup:
         """Rank 0's seed (drawn when None), on every rank."""
         import torch
 
-        value = torch.tensor(
-            [seed if seed is not None else int(np.random.SeedSequence().entropy % 2**62)],
-            dtype=torch.int64,
-        )
+        if seed is None:
+            entropy = np.random.SeedSequence().entropy
+            assert isinstance(entropy, int)  # drawn here, so one int
+            seed = int(entropy % 2**62)
+        value = torch.tensor([seed], dtype=torch.int64)
         self._collective(self._dist.broadcast, value, src=0)
         return int(value.item())
 

@@ -128,13 +128,12 @@ def test_the_runtime_engine_never_imports_the_trainers():
 
 
 def test_the_registry():
-    assert backends.names() == ["ort_training", "native"]
+    assert backends.names() == ["native", "ort_training"]  # native: the default everywhere
     info = {i.name: i for i in backends.available()}
-    assert "onnxruntime-training" in info["ort_training"].install
-    assert info["native"].installed and "onnx-ad==" in info["native"].install
-    default = "ort_training" if info["ort_training"].installed else "native"
+    assert "graphkit-onnx[ort-training]" in info["ort_training"].install
+    assert info["native"].installed and "graphkit-onnx[cpu]" in info["native"].install
     if not os.environ.get(backends.ENVIRONMENT_VARIABLE):
-        assert backends.get() is backends.get(default)
+        assert backends.get() is backends.get("native")
     native = backends.get("native")
     assert native is backends.get("Native") is backends.get("NATIVE")
     for name in [n for n, i in info.items() if i.installed]:
@@ -142,7 +141,7 @@ def test_the_registry():
         assert backend is backends.get(name.upper().replace("_", "-"))
         assert isinstance(backend, GradientSource)
         assert isinstance(backend.engine, Engine)
-    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'.*ort_training.*native"):
+    with pytest.raises(gk.UnknownNameError, match="Unknown backend 'tpu'.*native.*ort_training"):
         backends.get("tpu")
     with pytest.raises(TypeError, match="backend must be a name"):
         backends.get(3)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ A backend is a package implementing the two protocols of :mod:`graphkit.backends
 chosen::
 
     from graphkit import backends
-    backends.available()           # [BackendInfo(name='ort_training', installed=True, ...)]
+    backends.available()           # [BackendInfo(name='native', installed=True, ...), ...]
     backend = backends.get()       # the default: the first installed backend
     backend = backends.get("ort_training")
 
@@ -120,19 +120,10 @@ def get(name: str | None = None) -> Any:
     return importlib.import_module(entry.module).BACKEND
 
 
-def _ort_training_installed() -> bool:
-    return importlib.import_module("graphkit.backends.ort_training").installed()
-
-
-register(
-    "ort_training",
-    "graphkit.backends.ort_training",
-    _ort_training_installed,
-    install="pip install onnxruntime-training-cpu==1.19.2 (Python 3.10-3.12)",
-    description="gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent",
-    max_ir_version=10,
-    max_opset=21,
-)
+# The order is the order of preference for the default: native first, on every Python
+# and build (standard ONNX, plain onnxruntime, CPU and CUDA); onnxruntime-training where it
+# is installed and asked for (backend="ort_training" or GRAPHKIT_BACKEND), which keeps
+# cross-checking it.
 
 
 def _native_installed() -> bool:
@@ -143,12 +134,30 @@ register(
     "native",
     "graphkit.backends.native",
     _native_installed,
-    install="pip install onnx-ad==0.3.0 onnxruntime",
+    install="pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]'): onnx-ad==0.3.0 "
+    "and an onnxruntime",
     description="standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime",
     # what graphkit writes stays loadable by onnxruntime-training 1.19.2 where that
     # backend is installed beside this one (format_limits takes the minimum)
     max_ir_version=10,
     max_opset=21,
 )
+
+
+def _ort_training_installed() -> bool:
+    return importlib.import_module("graphkit.backends.ort_training").installed()
+
+
+register(
+    "ort_training",
+    "graphkit.backends.ort_training",
+    _ort_training_installed,
+    install="pip install 'graphkit-onnx[ort-training]' (onnxruntime-training-cpu 1.19.2, "
+    "CPython 3.10-3.12)",
+    description="gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent",
+    max_ir_version=10,
+    max_opset=21,
+)
+
 
 __all__ = ["BackendInfo", "available", "canonical", "format_limits", "get", "names", "register"]

@@ -86,9 +86,8 @@ def _as_scatter(node: onnx.NodeProto, fresh) -> list[onnx.NodeProto]:
 def _zero(w: NodeWriter) -> str:
     """A float32 scalar 0 written as a Constant; its name."""
     out = w.fresh("zero")
-    w.nodes.append(
-        helper.make_node("Constant", [], [out], value=onnx.numpy_helper.from_array(np.float32(0)))
-    )
+    zero = onnx.numpy_helper.from_array(np.array(0, np.float32))
+    w.nodes.append(helper.make_node("Constant", [], [out], value=zero))
     return out
 
 

@@ -7,11 +7,20 @@ borrowing a numpy array). Gradient sources live in their own packages
 (:mod:`graphkit.backends.ort_training`); this module knows none of them.
 
 onnxruntime is imported lazily: building graphs needs only ``onnx`` and ``onnxscript``.
+
+onnxruntime logs to stderr from C++: graphkit keeps its errors only (severity 3), so that
+a gradient build does not print the training build's ``GraphTransformer ... modified``
+INFO lines, nor a session its warnings about initializers graphkit's graphs leave unused.
+Every failure graphkit reports comes as an exception carrying onnxruntime's own message.
+``GRAPHKIT_ORT_LOG_SEVERITY`` (0 verbose, 1 info, 2 warning, 3 error, 4 fatal, or those
+names) or :func:`set_log_severity` turns it back up.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,6 +30,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from graphkit import runtime_check
 from graphkit.backends.cuda_splits import split_long_axes_as_slices
 from graphkit.backends.cuda_unpools import max_unpools_as_scatters
 from graphkit.errors import IncompatibleModelError
@@ -31,8 +41,9 @@ Provider = str | tuple[str, dict[str, str]]
 
 CUDA_HINT = (
     "device='cuda' needs a CUDA build of onnxruntime and a GPU it can see: for the native "
-    "backend, pip uninstall -y onnxruntime onnxruntime-training-cpu && pip install "
-    "onnxruntime-gpu (its CUDA libraries: pip install 'onnxruntime-gpu[cuda,cudnn]'); for "
+    "backend, onnxruntime-gpu: pip uninstall -y onnxruntime onnxruntime-training-cpu && "
+    "pip install 'graphkit-onnx[gpu]' (its CUDA libraries: pip install "
+    "'onnxruntime-gpu[cuda,cudnn]'); for "
     "the ort_training backend, pip uninstall -y onnxruntime-training-cpu && pip install "
     "onnxruntime-training==1.19.2 (Linux x86_64, CPython <= 3.11, CUDA 12)."
 )
@@ -40,6 +51,15 @@ CUDA_HINT = (
 # would otherwise round MatMul/Gemm/Conv inputs to TF32 (10-bit mantissas). A user who
 # wants TF32 passes providers with use_tf32=1 (the forward/backward trainer's providers=).
 CUDA_OPTIONS = {"use_tf32": "0"}
+LOG_SEVERITY_VARIABLE = "GRAPHKIT_ORT_LOG_SEVERITY"
+"""The environment variable that sets onnxruntime's log severity for graphkit (see
+:func:`log_severity`)."""
+QUIET = 3
+"""onnxruntime's severity by default: errors (a provider library that did not load, which
+onnxruntime only logs) show; warnings and information do not."""
+SEVERITIES = ("verbose", "info", "warning", "error", "fatal")  # onnxruntime's 0 to 4
+_chosen_severity: int | None = None  # set_log_severity's, which outranks the variable
+logger = logging.getLogger(__name__)
 _NO_KERNEL = re.compile(
     r"Could not find an implementation for (\w+)\(\d+\) node with name '([^']*)'"
 )
@@ -59,24 +79,79 @@ def onnxruntime() -> Any:
     "no ORTModule", so while torch is not loaded yet, ``onnxruntime.training`` is masked
     for the duration of the import; it imports normally afterwards. graphkit uses only
     the C bindings, which do not need torch.
+
+    First, :func:`graphkit.runtime_check.check_onnxruntime` makes sure that one complete
+    onnxruntime build is installed (graphkit-onnx's extras install one; two builds share
+    the import package and break each other).
+
+    Raises:
+        graphkit.runtime_check.OnnxruntimeNotInstalledError: none is installed (an
+            ImportError: the backends then read as not installed).
+        graphkit.runtime_check.OnnxruntimeInstallError: several builds, or one whose
+            files are gone; the message says the command that repairs it.
     """
+    build = runtime_check.check_onnxruntime()
     masked = "torch" not in sys.modules and "onnxruntime" not in sys.modules
     if masked:
         sys.modules["onnxruntime.training"] = None  # type: ignore[assignment]
     try:
         import onnxruntime as ort
-    except ImportError as exc:  # pragma: no cover - the dependency is declared
+    except ImportError as exc:  # its own import failed: a missing library, say
         raise ImportError(
-            "graphkit needs onnxruntime: pip install onnxruntime-training-cpu==1.19.2 "
-            "(the ort_training backend; onnxruntime-training==1.19.2 for CUDA)."
+            f"{build} is installed, but `import onnxruntime` fails: {exc}. Reinstalling "
+            f"it may help: pip install --force-reinstall --no-deps {build}"
         ) from exc
     finally:
         if masked and sys.modules.get("onnxruntime.training", 0) is None:
             del sys.modules["onnxruntime.training"]
-    # the training build logs every graph transform, and load failures in red C++ text;
-    # graphkit turns every failure into an exception, so only fatal messages are shown
-    ort.set_default_logger_severity(4)
+    # the default logger: what onnxruntime logs outside a session (the training build's
+    # builders copy it; graphkit's sessions and builders get the level explicitly too)
+    severity = log_severity()
+    ort.set_default_logger_severity(severity)
+    logger.debug("onnxruntime %s, log severity %d", ort.__version__, severity)
     return ort
+
+
+def log_severity() -> int:
+    """The severity of what onnxruntime logs for graphkit's sessions and gradient
+    builders: :func:`set_log_severity`'s, else ``GRAPHKIT_ORT_LOG_SEVERITY``'s (read at
+    every session), else :data:`QUIET` (errors only).
+
+    Raises:
+        ValueError: the environment variable is neither 0-4 nor a name of
+            :data:`SEVERITIES`.
+    """
+    if _chosen_severity is not None:
+        return _chosen_severity
+    text = os.environ.get(LOG_SEVERITY_VARIABLE, "").strip()
+    return _severity(text, LOG_SEVERITY_VARIABLE) if text else QUIET
+
+
+def set_log_severity(level: int | str) -> None:
+    """Log onnxruntime's messages of severity ``level`` and above (0 or ``"verbose"``,
+    1 ``"info"``, 2 ``"warning"``, 3 ``"error"``, the default, 4 ``"fatal"``): its default
+    logger now, and the sessions and gradient builders graphkit makes from now on.
+
+    Raises:
+        ValueError: another level.
+    """
+    global _chosen_severity
+    _chosen_severity = _severity(level, "level")
+    onnxruntime().set_default_logger_severity(_chosen_severity)
+
+
+def _severity(level: int | str, what: str) -> int:
+    """``level`` (0-4, as a number or its text, or a name of :data:`SEVERITIES`) as
+    onnxruntime's number."""
+    text = str(level).strip().lower()
+    if text in SEVERITIES:
+        return SEVERITIES.index(text)
+    if text.isdigit() and int(text) < len(SEVERITIES):
+        return int(text)
+    raise ValueError(
+        f"{what}={level!r} is not an onnxruntime log severity: give 0-4 or one of "
+        f"{', '.join(SEVERITIES)}"
+    )
 
 
 def version() -> str:
@@ -128,7 +203,7 @@ class Threads:
 def session_options(threads: Threads | None = None) -> Any:
     ort = onnxruntime()
     options = ort.SessionOptions()
-    options.log_severity_level = 4
+    options.log_severity_level = log_severity()
     if threads is not None:
         if threads.intra_op is not None:
             options.intra_op_num_threads = threads.intra_op
@@ -193,9 +268,10 @@ def inference_session(
     data = model if isinstance(model, bytes) else model.SerializeToString()
     ort = onnxruntime()
     disabled = list(_broken_optimizers(model))
+    options = session_options(threads)  # outside the try: a bad setting is not the model's
     try:
         session = ort.InferenceSession(
-            data, session_options(threads), providers=list(providers), disabled_optimizers=disabled
+            data, options, providers=list(providers), disabled_optimizers=disabled
         )
     except Exception as exc:  # onnxruntime raises its own Fail / InvalidGraph types
         missing = _NO_KERNEL.search(str(exc))

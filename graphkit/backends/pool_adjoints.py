@@ -49,20 +49,21 @@ def unpooling(
     pads: Sequence[int],
     dilations: Sequence[int],
     ceil_mode: int,
-    size: Sequence[int | None] | None,
+    size: Sequence[int | str | None] | None,
 ) -> dict[str, list[int]] | None:
     """The ``MaxUnpool`` attributes that put a ``MaxPool``'s gradient back on its input
     of spatial ``size``, or None where windows overlap (a stride shorter than the dilated
     kernel), ``size`` is unknown, or the windows do not end exactly at the input's end
     (where they do, ``ceil_mode`` pools the same windows as floor mode)."""
     n = len(kernel)
-    if size is None or len(size) != n or any(not isinstance(s, int) for s in size):
+    known = [s for s in size or () if isinstance(s, int)]
+    if size is None or len(size) != n or len(known) != n:
         return None
     spans = _spans(kernel, dilations)
     if any(s < span for s, span in zip(strides, spans)):
         return None  # overlapping windows: a position can take several gradients
-    for i, extent in enumerate(size):
-        reach = extent + pads[i] + pads[n + i] - spans[i]  # type: ignore[operator]
+    for i, extent in enumerate(known):
+        reach = extent + pads[i] + pads[n + i] - spans[i]
         if reach < 0 or reach % strides[i]:
             return None  # the last window stops short of the end (or, ceil_mode, overhangs it)
     return {"kernel_shape": spans, "strides": list(strides), "pads": list(pads)}

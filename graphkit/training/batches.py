@@ -12,7 +12,7 @@ Measured on 50,000 x 100 float32 rows in batches of 256: ``X[order]`` 38 us a ba
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -84,16 +84,20 @@ def shuffled_pieces(
         yield order[start : start + step]
 
 
+_Labels = TypeVar("_Labels", bound=Rows)  # one array, or NamedRows for a loss per output
+
+
 def epoch_batches(
     X: Rows,
-    y: np.ndarray,
+    y: _Labels,
     w: np.ndarray | None,
     order: np.ndarray | None,
     batch_size: int,
-) -> Iterator[tuple[Rows, np.ndarray, np.ndarray | None]]:
+) -> Iterator[tuple[Rows, _Labels, np.ndarray | None]]:
     """``(X, y, w)`` of each batch of an epoch over the rows ``order`` (all rows in order
-    when None, as views of the arrays); ``X`` is one array or several inputs'
-    :class:`NamedRows`, whose arrays are all cut at the same rows."""
+    when None, as views of the arrays); ``X`` (and ``y``, with a loss per output) is one
+    array or several inputs' :class:`NamedRows`, whose arrays are all cut at the same
+    rows."""
     arrays: list[Rows] = [X, y] if w is None else [X, y, w]
     if order is None:
         pieces: Iterator[list[Rows]] = iter([arrays])

@@ -53,7 +53,7 @@ PACKED_WEIGHTS = "graphkit.packed.weights"
 end through its Scan (:mod:`graphkit.training.packed_carry`)."""
 
 
-def _scalar(name: str, elem: int, value: object) -> onnx.NodeProto:
+def _scalar(name: str, elem: int, value: float) -> onnx.NodeProto:
     return make("Constant", [], [name], value=helper.make_tensor(name, elem, [], [value]))
 
 

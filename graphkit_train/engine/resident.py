@@ -12,9 +12,10 @@ gradients computed elsewhere (forward/backward and distributed training).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +25,12 @@ from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_
 from graphkit.training.step import LOSS, STEP, UpdateStep, grad_name, next_name
 from graphkit_train import checkpoint
 from graphkit_train.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from graphkit.losses import Loss
+    from graphkit.training.batches import Rows
+
+logger = logging.getLogger(__name__)
 
 
 class BindingCache:
@@ -60,6 +67,20 @@ class ResidentState:
     _resident_session: Any
     _buffers: list[dict[str, Any]] | None
     _current: int
+    _rng: np.random.Generator | None
+    train_losses_: list[float]
+    validation_losses_: list[float]
+    # what the trainer provides, declared for the type checker (none exists at run time)
+    model_onnx: Any
+    loss_: Loss | None
+    _ort_device: str
+    _device_id: int
+
+    if TYPE_CHECKING:
+
+        def _build(self) -> None: ...
+
+        def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]: ...
 
     def _ortvalue(self, array: np.ndarray) -> Any:
         return engine.ortvalue(np.array(array), self._ort_device, self._device_id)
@@ -160,6 +181,7 @@ class ResidentState:
             "rng": self._rng.bit_generator.state if self._rng is not None else None,
         }
         checkpoint.write(path, arrays, header)
+        logger.debug("saved the state after epoch %d to %s", header["epochs"], os.fspath(path))
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> ResidentState:
         """Continue from a checkpoint of :meth:`save_checkpoint`: the next ``fit`` with
@@ -211,8 +233,8 @@ class ResidentState:
             values[name] = value.astype(expected.dtype)
         self._allocate(step.internal(values))
         if not hasattr(self, "train_losses_"):
-            self.train_losses_: list[float] = []
-            self.validation_losses_: list[float] = []
+            self.train_losses_ = []
+            self.validation_losses_ = []
         return self
 
     # -- the update-step path: gradients, (all-reduce), update ------------------------------
@@ -234,7 +256,7 @@ class ResidentState:
         self._resident_session.run_with_iobinding(binding)
 
     def _run_batch_distributed(
-        self, group: ProcessGroup, X: np.ndarray, y: np.ndarray, w: np.ndarray | None
+        self, group: ProcessGroup, X: Rows, y: np.ndarray, w: np.ndarray | None
     ) -> None:
         """Local gradients, one all-reduce of them (see :mod:`graphkit_train.distributed`),
         the same update on every rank."""

@@ -10,7 +10,9 @@ how one batch runs (:meth:`BaseTrainer._run_batch`).
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,9 +27,9 @@ from graphkit.errors import ConvergenceError
 from graphkit.losses import REGRESSION, Loss, check_class_labels
 from graphkit.parameters import untie_constants, untie_shared_parameters
 from graphkit.rewrite import set_weights
-from graphkit.training.batches import Rows, epoch_batches
+from graphkit.training.batches import NamedRows, Rows, epoch_batches
 from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
-from graphkit.transforms import ema_weights
+from graphkit.transforms import GradientTransformation, ema_weights
 from graphkit_train.distributed import ProcessGroup, digest, shard
 from graphkit_train.engine.resident import ResidentState
 from graphkit_train.progress import EpochProgress
@@ -52,6 +54,8 @@ from graphkit_train.trainers.streaming import (
     unpack_batch,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     """Mini-batch training around a resident session; see the module docstring.
@@ -65,6 +69,34 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
     """
 
     exc: bool = True  # raise ConvergenceError on NaN (forward/backward can warn instead)
+
+    # the constructor's parameters both trainers take (``_store_params`` sets them)
+    model_onnx: Any
+    weights_to_train: list[str] | None
+    loss_output_name: str
+    max_iter: int
+    batch_size: int
+    device: str
+    warm_start: bool
+    verbose: int
+    validation_every: float | int
+    shuffle: bool | None
+    random_state: int | None
+    early_stopping: bool
+    validation_fraction: float
+    n_iter_no_change: int
+    tol: float
+    distributed: bool
+    intra_op_num_threads: int | None
+    execution_mode: str
+    backend: str | None
+    untie_shared_weights: bool
+    # set by ``_build``
+    learning_rate_: GradientTransformation
+    _label_value: onnx.ValueInfoProto
+    _weight_dtype: np.dtype
+    _accepts_sample_weight: bool
+    _requires_sample_weight: bool
 
     # -- building --------------------------------------------------------------------------
 
@@ -171,10 +203,20 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
                 other bad input. Errors about a streamed batch name it (counted from 0)
                 and its epoch.
         """
+        start, built = time.perf_counter(), self._built
         self._build()
+        if not built:
+            backend = getattr(getattr(self, "_backend", None), "name", None)
+            logger.info(
+                "%s: graphs built with the %s backend in %.2f s",
+                type(self).__name__,
+                backend,
+                time.perf_counter() - start,
+            )
         run = self._start_fit(
             (X, y, sample_weight), (X_val, y_val), checkpoint, checkpoint_every, callback
         )
+        start = time.perf_counter()
         try:
             for epoch in range(run.first_epoch, run.max_iter):
                 if self._fit_epoch(epoch, run):
@@ -182,6 +224,13 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         finally:
             if run.progress is not None:
                 run.progress.close()
+        logger.info(
+            "%s: %d epochs in %.2f s, last train loss %s",
+            type(self).__name__,
+            self.n_iter_,
+            time.perf_counter() - start,
+            f"{self.train_losses_[-1]:.6g}" if self.train_losses_ else None,
+        )
         if run.stopper is not None and run.stopper.best is not None:
             self._restore(run.stopper.best)
             self.best_loss_ = run.stopper.best_loss
@@ -202,8 +251,11 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         check_loop_param("checkpoint_every", checkpoint_every)
         stream = self._stream(train)
         resumed = checkpoint is not None and os.path.exists(checkpoint)
-        if resumed:
-            self.load_checkpoint(checkpoint)  # type: ignore[arg-type]
+        if resumed and checkpoint is not None:  # (resumed says it is not None)
+            self.load_checkpoint(checkpoint)
+            logger.info(
+                "resumed from %s after epoch %d", os.fspath(checkpoint), len(self.train_losses_)
+            )
         group = self._group = ProcessGroup() if self.distributed else None
         seed = self.random_state if group is None else group.broadcast_seed(self.random_state)
         max_iter = check_loop_param("max_iter", self.max_iter)
@@ -642,7 +694,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
             )
         return ""
 
-    def _check_outputs(self, X: Any, y: np.ndarray) -> None:
+    def _check_outputs(self, X: Any, y: Rows) -> None:
         """What only the model's output tells, checked on one batch ``X`` (``y``: all the
         labels): a log loss on
         probabilities refuses outputs that are not probabilities (logits or scores would
@@ -650,14 +702,20 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         does not say its values per sample refuses labels of another width."""
         if not len(X):
             return
+        checks: list[tuple[Loss | None, tuple[int | str, ...], Any, str | None, str]]
         if self._heads is None:
             checks = [(self.loss_, self._prediction_shape, y, None, "y")]
         else:
+            assert isinstance(y, NamedRows)  # a loss per output: the labels of every head
             checks = [
                 (h.loss, h.prediction_shape, y.arrays[h.label], h.output, f"y[{h.output!r}]")
                 for h in self._heads
             ]
-        needed = [c for c in checks if _needs_output(c[0], c[1])]
+        needed = [
+            (loss, shape, labels, output, what)
+            for loss, shape, labels, output, what in checks
+            if loss is not None and _needs_output(loss, shape)
+        ]
         if not needed:
             return
         outputs = self._probe(X, every_output=self._heads is not None)

@@ -7,8 +7,8 @@ becomes labels or probabilities) and computed with the current weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -22,6 +22,10 @@ from graphkit_train.trainers.params import (
     check_sample_weight,
     feature_names,
 )
+
+if TYPE_CHECKING:
+    from graphkit.losses import Loss
+    from graphkit.training.step import UpdateStep
 
 
 class EstimatorMixin:
@@ -39,6 +43,34 @@ class EstimatorMixin:
     differs). They are not reordered by name: the graph reads columns by position, and
     scikit-learn raises too. Select them as fitted: ``X[trainer.feature_names_in_]``.
     """
+
+    # what the trainer provides, declared for the type checker (none exists at run time)
+    loss_: Loss | None
+    update_step_: UpdateStep
+    _heads: list[Head] | None
+    _input_values: list[onnx.ValueInfoProto]
+    _prediction_shape: tuple[int | str, ...]
+    _probed_classes: int | None
+    _buffers: list[dict[str, Any]] | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def _fitted(self) -> bool: ...
+
+        def _build(self) -> None: ...
+
+        def _allocate(self, values: Mapping[str, np.ndarray]) -> None: ...
+
+        def _predict_outputs(self, X: Rows) -> np.ndarray: ...
+
+        def _loss(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> float: ...
+
+        def _check(
+            self, X: Any, y: Any, sample_weight: Any, x_name: str = "X", y_name: str = "y"
+        ) -> tuple[Rows, np.ndarray, np.ndarray | None]: ...
+
+        def _is_classifier(self) -> bool: ...
 
     def _fit_feature_names(self, X: Any, X_val: Any = None) -> None:
         """At ``fit``: record the column names of a data frame ``X`` as

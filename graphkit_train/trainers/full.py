@@ -120,8 +120,8 @@ class Trainer(BaseTrainer):
             default).
         execution_mode: ``"sequential"`` or ``"parallel"`` (independent nodes at once).
         backend: where gradients come from and what runs them, a name registered in
-            :mod:`graphkit.backends` (None: the first installed, ``"ort_training"``
-            today).
+            :mod:`graphkit.backends` (None: ``GRAPHKIT_BACKEND``, else the first
+            installed in the order ``"native"``, ``"ort_training"``).
         untie_shared_weights: an initializer read by several parameter slots becomes
             one weight per slot, ``<name>``, ``<name>.1``... (torch's TorchScript
             exporter merges equal initializers, such as two fresh LayerNorms' weights,
@@ -138,6 +138,15 @@ class Trainer(BaseTrainer):
         training_step_: the :class:`~graphkit.training.step.TrainingStep` (its ``model`` is
             the fused ONNX graph).
     """
+
+    # its own constructor parameters (the shared ones are declared on BaseTrainer)
+    optimizer: Any
+    schedule: Any
+    loss: Any
+    sample_weight_name: str
+    steps_per_run: int | str
+    static_shapes: bool
+    loss_weights: Mapping[str, float] | None
 
     def __init__(
         self,
@@ -432,7 +441,7 @@ class Trainer(BaseTrainer):
         self._run_step(self._resident_session, binding, X, y, w)
 
     def _run_step(
-        self, session: Any, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None
+        self, session: Any, binding: Any, X: Rows, y: Rows, w: np.ndarray | None
     ) -> None:
         """One batch through ``session``, whose ``binding`` holds the resident values."""
         step = self.training_step_
@@ -582,7 +591,7 @@ class FusedRunner:
         self._chunk: int = 0
         self._in_order: list[list[Any]] | None = None
 
-    def bind(self, trainer: OrtGradientOptimizer) -> None:
+    def bind(self, trainer: Trainer) -> None:
         """Bindings reading buffer set k and writing 1 - k, k = 0, 1."""
         bindings = []
         for k in (0, 1):
@@ -596,7 +605,7 @@ class FusedRunner:
         """The training data of a ``fit`` (C-contiguous arrays, rows first), run
         ``chunk`` batches at a time."""
         full = len(arrays[0]) // self.batch_size
-        chunk = max(full, 1) if chunk == "epoch" else chunk
+        chunk = max(full, 1) if isinstance(chunk, str) else chunk  # "epoch" (steps_per_run)
         same = len(arrays) == len(self._arrays) and all(
             a is b for a, b in zip(arrays, self._arrays)
         )
@@ -660,6 +669,8 @@ class OrtGradientOptimizer(Trainer):
 
     Attributes (after ``fit``): as in :class:`Trainer`.
     """
+
+    learning_rate: Any
 
     def __init__(
         self,

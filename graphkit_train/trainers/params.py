@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 
 from graphkit import optimizers, schedules
@@ -591,7 +592,7 @@ def check_loop_param(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
-def check_sample_weight(sample_weight: Any, n: int, dtype: np.dtype) -> np.ndarray:
+def check_sample_weight(sample_weight: Any, n: int, dtype: npt.DTypeLike) -> np.ndarray:
     w = np.asarray(sample_weight, dtype=dtype).reshape(-1)
     if len(w) != n:
         raise ShapeError(f"X has {n} rows but sample_weight has {len(w)}.")

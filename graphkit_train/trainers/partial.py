@@ -108,6 +108,14 @@ class ForwardBackwardTrainer(BaseTrainer):
     ``weights_to_train_``.
     """
 
+    loss_: losses.Loss  # always known here: the loss it builds the gradient from
+    # its own constructor parameters (the shared ones are declared on BaseTrainer)
+    loss: Any
+    penalty: Any
+    optimizer: Any
+    schedule: Any
+    output_index: int | str | None
+
     def __init__(
         self,
         model_onnx: Any,
@@ -221,7 +229,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         # every variant: specializing keeps a graph's outputs)
         self._gradient_of = [self._variant.grad_of[n] for n in self._variant.fetch_names]
         self._update_inputs = [grad_name(w) for w in self._gradient_of]
-        self._agent_runs: dict[tuple[bool, int], Any] = {}
+        self._agent_runs: dict[tuple[bool, int | None], Any] = {}
         self._per_sample: Any = None
         self._built = True
 
@@ -246,8 +254,9 @@ class ForwardBackwardTrainer(BaseTrainer):
                 data = ["prediction", "label"] + (["weight"] if weighted else [])
                 graph = specialize(graph, dict.fromkeys(data, rows), self._backend.constant_folds)
             per_row = self._prediction_shape[1:]
-            known = rows is not None and all(isinstance(d, int) for d in per_row)
-            size = rows * math.prod(per_row) if known else None  # type: ignore[operator,arg-type]
+            widths = [d for d in per_row if isinstance(d, int)]
+            known = rows is not None and len(widths) == len(per_row)
+            size = rows * math.prod(widths) if rows is not None and known else None
             session = self._backend.inference_session(
                 graph, self._providers, self._threads_for(size)
             )
@@ -519,6 +528,10 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
 
     Attributes (after ``fit``): as in :class:`ForwardBackwardTrainer`.
     """
+
+    learning_rate: Any
+    learning_loss: Any
+    learning_penalty: Any
 
     def __init__(
         self,

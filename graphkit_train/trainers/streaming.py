@@ -121,7 +121,7 @@ class BatchSource:
             )
         self.passes += 1
         try:
-            length = len(made)  # type: ignore[arg-type]
+            length = len(made)
         except (TypeError, NotImplementedError):  # a generator, an IterableDataset's loader
             length = None
         return iter(made), length

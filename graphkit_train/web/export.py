@@ -230,7 +230,8 @@ def _check_assembly(
     onnx.checker.check_model(model, full_check=True)
     got = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for tensor in trained.graph.initializer:
-        if not np.array_equal(got.get(tensor.name), numpy_helper.to_array(tensor)):
+        value = got.get(tensor.name)
+        if value is None or not np.array_equal(value, numpy_helper.to_array(tensor)):
             raise AssertionError(f"graphkit bug: the web template loses {tensor.name!r}")
 
 

@@ -138,7 +138,7 @@ def installed() -> bool:
     return True
 
 
-INSTALL = f"pip install {adapter.PACKAGE}=={adapter.VERSION} onnxruntime"
+INSTALL = "pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]')"
 
 BACKEND = NativeBackend()
 

@@ -197,7 +197,8 @@ def _has_function_body(node: onnx.NodeProto) -> bool:
         schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
     except onnx.defs.SchemaError:
         return False
-    return schema.has_function or schema.has_context_dependent_function
+    # onnx's stub for OpSchema lacks these two properties, which it has at run time
+    return schema.has_function or schema.has_context_dependent_function  # type: ignore[attr-defined]
 
 
 _AUTO_PADDED = frozenset({"Conv", "MaxPool", "AveragePool", "LpPool"})
@@ -218,9 +219,9 @@ def _explicit_same_pads(model: onnx.ModelProto) -> None:
         if mode not in ("SAME_UPPER", "SAME_LOWER"):
             continue
         dims = shapes.get(node.input[0])
-        if dims is None or not all(isinstance(d, int) for d in dims[2:]):
+        spatial = [d for d in (dims or [])[2:] if isinstance(d, int)]
+        if dims is None or len(spatial) != len(dims[2:]):
             continue  # onnx-ad's refusal names the node
-        spatial = dims[2:]
         if "kernel_shape" in attrs:
             kernel = list(attrs["kernel_shape"].ints)
         else:
@@ -342,8 +343,9 @@ def _seed_with_ones(model: onnx.ModelProto, seed: onnx.ValueInfoProto, output: s
     elem = seed.type.tensor_type.elem_type
     declared = next((o for o in graph.output if o.name == output), None)
     dims_ = None if declared is None else static_shape(declared)
-    if dims_ is not None and all(isinstance(d, int) for d in dims_):
-        ones = np.ones([*dims_, 1], dtype=helper.tensor_dtype_to_np_dtype(elem))
+    known = [d for d in dims_ or () if isinstance(d, int)]
+    if dims_ is not None and len(known) == len(dims_):
+        ones = np.ones([*known, 1], dtype=helper.tensor_dtype_to_np_dtype(elem))
         constant = helper.make_node(
             "Constant", [], [seed.name], value=numpy_helper.from_array(ones)
         )

@@ -507,7 +507,7 @@ def _reuse_layer_norm_statistics(
         for mean in [r for r in readers.get(x, []) if mean_over(r, axes, rank)]:
             centered = only(mean.output[0], "Sub", x)
             square = centered and only(centered.output[0], "Mul")
-            if square is None or list(square.input) != [centered.output[0]] * 2:
+            if centered is None or square is None or list(square.input) != [centered.output[0]] * 2:
                 continue
             variance = next(
                 (r for r in readers.get(square.output[0], []) if mean_over(r, axes, rank)), None
@@ -515,11 +515,13 @@ def _reuse_layer_norm_statistics(
             shifted = variance and only(variance.output[0], "Add")
             eps = shifted and next((i for i in shifted.input if i in constants), None)
             value = numpy_helper.to_array(constants[eps]) if eps else None
-            if value is None or value.dtype != np.float32 or value.size != 1 or value != epsilon:
+            if variance is None or shifted is None or value is None or value.dtype != np.float32:
+                continue
+            if value.size != 1 or value != epsilon:
                 continue
             root = only(shifted.output[0], "Sqrt")
             inverse = root and only(root.output[0], "Reciprocal")
-            if inverse is None:
+            if root is None or inverse is None:
                 continue
             while len(norm.output) < 3:
                 norm.output.append("")

@@ -141,7 +141,10 @@ def installed() -> bool:
     return hasattr(ort.capi._pybind_state, "TrainingAgent")
 
 
-INSTALL = "pip install onnxruntime-training-cpu==1.19.2  (CPython 3.10-3.11 for CUDA, <= 3.12 CPU)"
+INSTALL = (
+    "pip install 'graphkit-onnx[ort-training]' (onnxruntime-training-cpu 1.19.2, CPython "
+    "3.10-3.12; CUDA: onnxruntime-training==1.19.2, CPython 3.10-3.11)"
+)
 
 BACKEND = OrtTrainingBackend()
 

@@ -34,7 +34,7 @@ from graphkit._graph import (
     rename_tensors,
 )
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.ort_engine import onnxruntime, short_message
+from graphkit.backends.ort_engine import log_severity, onnxruntime, session_options, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
 from graphkit.errors import MissingGradientError
 
@@ -139,7 +139,11 @@ def _build_gradient(model: onnx.ModelProto, target: str, wrt: list[str]) -> onnx
     builder_cls = _capi().GradientGraphBuilder
     try:
         with tempfile.TemporaryDirectory() as folder:
-            builder = builder_cls(model.SerializeToString(), {target}, set(wrt), target)
+            # without options, the builder logs at INFO (a 'GraphTransformer ... modified'
+            # line per build); the options carry graphkit's severity (ort_engine)
+            builder = builder_cls(
+                model.SerializeToString(), {target}, set(wrt), target, session_options()
+            )
             builder.build()
             path = os.path.join(folder, "gradient.onnx")
             builder.save(path)
@@ -243,6 +247,7 @@ def _build_module(
     config.initializer_names_to_train = list(weights)
     config.input_names_require_grad = list(inputs_requiring_grad)
     config.build_gradient_graph = True
+    config.loglevel = C.Severity(log_severity())  # its own logger, WARNING by default
     builder = C.OrtModuleGraphBuilder()
     try:
         builder.initialize(model.SerializeToString(), config)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -48,7 +49,8 @@ make = helper.make_node
 Dims = tuple[int | str | None, ...]
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    """The node's attributes as Python values (ints, floats, lists, tensors...)."""
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
@@ -86,7 +88,7 @@ def fused_matmul(node: onnx.NodeProto) -> list[onnx.NodeProto] | None:
     attrs = _attrs(node)
     if attrs.get("transBatchA") or attrs.get("transBatchB"):
         return None
-    alpha = float(attrs.get("alpha", 1.0))  # type: ignore[arg-type]
+    alpha = float(attrs.get("alpha", 1.0))
     out, base = node.output[0], _base(node)
     product = out if alpha == 1.0 else f"{base}/product"
     operands, nodes = [], []
@@ -121,7 +123,7 @@ def softmax_grad(node: onnx.NodeProto, log: bool) -> list[onnx.NodeProto]:
     """SoftmaxGrad_13(dY, Y) = Y (dY - sum(dY Y, axis));
     LogSoftmaxGrad_13(dY, Y) = dY - exp(Y) sum(dY, axis)"""
     dy, y = node.input[0], node.input[1]
-    axis = int(_attrs(node).get("axis", -1))  # type: ignore[arg-type]
+    axis = int(_attrs(node).get("axis", -1))
     base = _base(node)
     nodes = [_ints(f"{base}/axes", [axis])]
     if log:
@@ -307,7 +309,7 @@ def softmax_grad_v1(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """SoftmaxGrad (opset < 13 semantics: the input seen as 2-D at ``axis``):
     dX = Y (dY - sum(dY Y over the axes >= axis))"""
     dy, y = node.input[0], node.input[1]
-    axis = int(_attrs(node).get("axis", 1))  # type: ignore[arg-type]
+    axis = int(_attrs(node).get("axis", 1))
     base = _base(node)
     return [
         make("Flatten", [dy], [f"{base}/dy2"], axis=axis),
@@ -334,7 +336,7 @@ def gather_elements_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """GatherElementsGrad(dY, shape, indices) = ScatterElements(zeros(shape), indices, dY,
     axis, reduction=add): each gathered element's gradient added back to its source"""
     dy, shape, indices = node.input[0], node.input[1], node.input[2]
-    axis = int(_attrs(node).get("axis", 0))  # type: ignore[arg-type]
+    axis = int(_attrs(node).get("axis", 0))
     base = _base(node)
     return [
         *_zeros_like_shape(base, shape, dy),
@@ -355,7 +357,7 @@ def gather_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     (P, Q, R) for Q indices: transposed to (Q, P, R), it is a ScatterND (reduction add)
     of rows into zeros (D, P, R)."""
     shape, indices, dy = node.input[0], node.input[1], node.input[2]
-    axis = int(_attrs(node).get("axis", 0))  # type: ignore[arg-type]
+    axis = int(_attrs(node).get("axis", 0))
     base = _base(node)
     scalar = lambda name, value: helper.make_node(  # noqa: E731
         "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value])
@@ -534,8 +536,8 @@ def layer_norm_grad(node: onnx.NodeProto) -> list[onnx.NodeProto]:
     """
     dy, x, scale_ = node.input[:3]
     attrs = _attrs(node)
-    axis = int(attrs.get("axis", -1))  # type: ignore[arg-type]
-    epsilon = float(attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
+    axis = int(attrs.get("axis", -1))
+    epsilon = float(attrs.get("epsilon", 1e-5))
     dx, dscale, dbias = (list(node.output) + ["", "", ""])[:3]
     base = _base(node)
     nodes = [
@@ -654,14 +656,14 @@ def _unpooling(pool: onnx.NodeProto, shape: Dims | None) -> dict | None:
 def _pool_geometry(pool: onnx.NodeProto) -> tuple[list[int], list[int], list[int], list[int], int]:
     """A MaxPool node's kernel, strides, pads, dilations and ceil_mode, defaults filled."""
     attrs = _attrs(pool)
-    kernel = list(attrs["kernel_shape"])  # type: ignore[call-overload]
+    kernel = list(attrs["kernel_shape"])
     n = len(kernel)
     return (
         kernel,
-        list(attrs.get("strides", [1] * n)),  # type: ignore[call-overload]
-        list(attrs.get("pads", [0] * 2 * n)),  # type: ignore[call-overload]
-        list(attrs.get("dilations", [1] * n)),  # type: ignore[call-overload]
-        int(attrs.get("ceil_mode", 0)),  # type: ignore[call-overload]
+        list(attrs.get("strides", [1] * n)),
+        list(attrs.get("pads", [0] * 2 * n)),
+        list(attrs.get("dilations", [1] * n)),
+        int(attrs.get("ceil_mode", 0)),
     )
 
 
@@ -695,14 +697,14 @@ def _conv_geometry(
     attrs = _attrs(node)
     if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET") or "output_shape" in attrs:
         return None
-    strides = list(attrs.get("strides", []))  # type: ignore[call-overload]
-    dilations = list(attrs.get("dilations", []))  # type: ignore[call-overload]
-    pads = list(attrs.get("pads", []))  # type: ignore[call-overload]
-    kernel = list(attrs.get("kernel_shape", []))  # type: ignore[call-overload]
+    strides = list(attrs.get("strides", []))
+    dilations = list(attrs.get("dilations", []))
+    pads = list(attrs.get("pads", []))
+    kernel = list(attrs.get("kernel_shape", []))
     spatial = len(pads) // 2 or len(strides) or len(dilations) or len(kernel)
     if not spatial:
         return None
-    group = int(attrs.get("group", 1))  # type: ignore[arg-type]
+    group = int(attrs.get("group", 1))
     return group, pads or [0] * (2 * spatial), strides or [1] * spatial, dilations or [1] * spatial
 
 
@@ -996,7 +998,7 @@ LOWERINGS: dict[str, Lowering] = {
     "FusedMatMul": fused_matmul,
     "Scale": scale,
     "ReluGrad": relu_grad,
-    "LeakyReluGrad": lambda n: relu_grad(n, float(_attrs(n).get("alpha", 0.01))),  # type: ignore[arg-type]
+    "LeakyReluGrad": lambda n: relu_grad(n, float(_attrs(n).get("alpha", 0.01))),
     "SoftmaxGrad_13": lambda n: softmax_grad(n, log=False),
     "LogSoftmaxGrad_13": lambda n: softmax_grad(n, log=True),
     "SoftmaxGrad": softmax_grad_v1,
@@ -1148,6 +1150,13 @@ def _has_no_cpu_kernel(node: onnx.NodeProto) -> bool:
     return node.domain == RUNTIME_DOMAIN and node.op_type in NO_CPU_KERNEL
 
 
+def _either(
+    a: Callable[[onnx.NodeProto], bool], b: Callable[[onnx.NodeProto], bool]
+) -> Callable[[onnx.NodeProto], bool]:
+    """Chooses a node that ``a`` or ``b`` chooses."""
+    return lambda node: a(node) or b(node)
+
+
 def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` for a session on the CPU: the operators of :data:`NO_CPU_KERNEL` lowered
     always, those of :data:`SLOW_ON_CPU` where they are slow, ConvGrad as
@@ -1177,8 +1186,10 @@ def lower_slow_cpu_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         if slow:
             _lower_conv_grads(graph, opset)
             _lower_max_pool_grads(graph, opset)
-        slow_here = _slow_here(graph) if slow else (lambda node: False)
-        _rewrite_graph(graph, lambda node, s=slow_here: _has_no_cpu_kernel(node) or s(node), opset)
+        slow_here: Callable[[onnx.NodeProto], bool] = (
+            _slow_here(graph) if slow else (lambda node: False)
+        )
+        _rewrite_graph(graph, _either(_has_no_cpu_kernel, slow_here), opset)
     return lowered
 
 
@@ -1199,7 +1210,7 @@ def _lower_conv_grads(graph: onnx.GraphProto, opset: int | None = None) -> None:
             wanted = onnx.NodeProto()
             wanted.CopyFrom(node)  # a gradient nothing reads is not computed
             wanted.output[:] = [o if o in read else "" for o in node.output]
-            lowered = conv_grad_on_cpu(wanted, shapes)  # type: ignore[arg-type]
+            lowered = conv_grad_on_cpu(wanted, shapes)
         nodes.extend([node] if lowered is None else for_opset(lowered))
     del graph.node[:]
     graph.node.extend(nodes)
@@ -1281,11 +1292,12 @@ def _float32_dims(graph: onnx.GraphProto) -> dict[str, Dims]:
 def _static_dims(graph: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
     """The shape of each input, output and value_info of ``graph`` whose dims are all
     known."""
-    shapes = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for value in (*graph.input, *graph.value_info, *graph.output):
         dims = static_shape(value)
-        if dims is not None and all(isinstance(d, int) for d in dims):
-            shapes[value.name] = tuple(dims)  # type: ignore[arg-type]
+        known = [d for d in dims or () if isinstance(d, int)]
+        if dims is not None and len(known) == len(dims):
+            shapes[value.name] = tuple(known)
     return shapes
 
 
