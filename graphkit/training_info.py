@@ -181,19 +181,22 @@ def session(model: onnx.ModelProto, runtime: str) -> Any:
         evaluator = ReferenceEvaluator(model)
         return lambda feeds: evaluator.run(None, feeds)
     if runtime == "onnxruntime":
-        from graphkit.backends import ort_engine
-        from graphkit.backends.ort_engine import log_severity
+        try:
+            from graphkit.backends import ort_engine
+        except ImportError:  # this file loaded on its own, where graphkit is not installed
+            import onnxruntime as ort
 
-        # imported after graphkit.runtime_check finds one complete build installed
-        onnxruntime = ort_engine.onnxruntime()
+            severity = 3
+        else:  # imported after graphkit.runtime_check finds one complete build installed
+            ort, severity = ort_engine.onnxruntime(), ort_engine.log_severity()
 
         # steps exported before graphkit wrote their initial state as TrainingInfoProto
         # default their resident inputs to initializers, which onnxruntime reports one
         # warning each for ('Initializer X appears in graph inputs'): only errors are
         # logged, unless GRAPHKIT_ORT_LOG_SEVERITY asks for more
-        options = onnxruntime.SessionOptions()
-        options.log_severity_level = log_severity()
-        session = onnxruntime.InferenceSession(
+        options = ort.SessionOptions()
+        options.log_severity_level = severity
+        session = ort.InferenceSession(
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
         return lambda feeds: session.run(None, feeds)
