@@ -37,7 +37,7 @@ from run import (
     workloads,
 )
 
-from graphkit.backends.ort_engine import inference_session, onnxruntime
+from graphkit.engine.ort_engine import inference_session, onnxruntime
 from graphkit.optimizers import update_model
 from graphkit_train import OrtGradientForwardBackwardOptimizer
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import graphkit as gk  # noqa: E402
 from graphkit import backends  # noqa: E402
-from graphkit.backends.ort_engine import inference_session  # noqa: E402
+from graphkit.engine.ort_engine import inference_session  # noqa: E402
 from graphkit.prepare import prepare_for_training  # noqa: E402
 from graphkit.rewrite import initializers_to_inputs, prune  # noqa: E402
 from graphkit.static_shapes import specialize  # noqa: E402
@@ -214,7 +214,7 @@ def main() -> None:
     rows = [one_case(case, names, args.batch, args.repeat) for case in CASES]
     text = (
         "# Gradient sources on the model zoo\n\n"
-        f"onnxruntime {gk.backends.ort_engine.version()}, batch {args.batch}; written by "
+        f"onnxruntime {gk.engine.ort_engine.version()}, batch {args.batch}; written by "
         "`benchmarks/gradient_sources.py`.\n\n"
         + summary(rows, names)
         + "\n\n"

@@ -642,7 +642,7 @@ def large_step_rows() -> list[str]:
     from graphkit_peer import make
 
     from graphkit import backends
-    from graphkit.backends import ort_engine
+    from graphkit.engine import ort_engine
 
     rows = []
     for workload in peer_workloads():

@@ -12,7 +12,7 @@ part of graphkit's own names (``__all__``).
 graphkit logs through :mod:`logging`, under the ``graphkit`` logger (``graphkit_train``
 under its own): silent unless the application configures logging, e.g.
 ``logging.basicConfig(level=logging.INFO)``. What onnxruntime logs from C++ is set apart:
-``GRAPHKIT_ORT_LOG_SEVERITY`` (:mod:`graphkit.backends.ort_engine`).
+``GRAPHKIT_ORT_LOG_SEVERITY`` (:mod:`graphkit.engine.ort_engine`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from graphkit import (
     schedules,
     transforms,
 )
-from graphkit.backends.ort_engine import run
+from graphkit.engine.ort_engine import run
 from graphkit.errors import (
     BackendNotInstalledError,
     ConvergenceError,

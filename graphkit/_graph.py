@@ -545,6 +545,20 @@ def copy_model(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def initializers_as_inputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers ``names`` are graph inputs instead, after
+    the existing inputs, in the order of ``names`` (each must be an initializer)."""
+    out = copy_model(model)
+    chosen = {i.name: i for i in out.graph.initializer if i.name in set(names)}
+    kept = [i for i in out.graph.initializer if i.name not in chosen]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    out.graph.input.extend(
+        helper.make_tensor_value_info(n, chosen[n].data_type, list(chosen[n].dims)) for n in names
+    )
+    return out
+
+
 def renamed_value(value: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
     """A copy of ``value`` (type and shape) under another name."""
     out = onnx.ValueInfoProto()

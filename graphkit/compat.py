@@ -1,9 +1,10 @@
 """The IR-version and opset policy: one place decides what the backends load.
 
-Each registered backend declares the newest IR version and ``ai.onnx`` opset its
-runtime loads (:func:`graphkit.backends.format_limits`); graphkit writes models every one
-of them loads. With onnxruntime-training 1.19.2 (the ``ort_training`` backend) that is
-IR version <= 10 and opset <= 21, while onnx >= 1.18 writes newer IR versions by default.
+graphkit writes models every registered backend loads: IR version <= 10 and opset <= 21,
+what onnxruntime-training 1.19.2 (the ``ort_training`` backend) loads, while onnx >= 1.18
+writes newer IR versions by default. Each backend declares the newest its runtime loads
+when it registers (:func:`graphkit.backends.register`), which refuses one that cannot
+load what this module writes.
 Every model graphkit produces goes through :func:`finalize`; every model a user hands in
 goes through :func:`make_compatible`, which converts what can be converted and refuses
 the rest with a message saying what to do.
@@ -20,11 +21,12 @@ from pathlib import PureWindowsPath
 import onnx
 from onnx import TensorProto
 
-from graphkit.backends import format_limits
 from graphkit.errors import IncompatibleModelError
 
-MAX_IR_VERSION, MAX_OPSET = format_limits()
-"""Highest ONNX IR version and ``ai.onnx`` opset every registered backend loads."""
+MAX_IR_VERSION = 10
+"""The newest ONNX IR version graphkit writes and loads (onnxruntime-training 1.19.2's)."""
+MAX_OPSET = 21
+"""The newest ``ai.onnx`` opset graphkit writes and loads (onnxruntime-training 1.19.2's)."""
 
 DSL_OPSET = 18
 """The ``ai.onnx`` opset graphkit's onnxscript functions are written against."""

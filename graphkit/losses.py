@@ -41,8 +41,8 @@ import onnxscript
 
 from graphkit._graph import Dim, Shape, compile_function, float_dtype
 from graphkit._reduce import REDUCTIONS, ones_like
-from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, INT64, op, script
+from graphkit.engine.ort_engine import Runner
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.gradient import gradient_model
 from graphkit.registry import Registry

@@ -245,7 +245,7 @@ class _Uses:
             if node.op_type in MEANS and node.input:
                 reduced = self.producer.get(self.origin(node.input[0]))
                 powers = (
-                    [self.origin(i) for i in reduced.input[:1 if reduced.op_type == "Pow" else 2]]
+                    [self.origin(i) for i in reduced.input[: 1 if reduced.op_type == "Pow" else 2]]
                     if reduced is not None and reduced.op_type in ("Pow", "Mul")
                     else []
                 )

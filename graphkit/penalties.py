@@ -20,8 +20,8 @@ import onnx
 import onnxscript
 
 from graphkit._graph import Dim, compile_function, float_dtype, splice
-from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, op, script
+from graphkit.engine.ort_engine import Runner
 from graphkit.errors import UnknownNameError
 from graphkit.gradient import gradient_model
 from graphkit.losses import elastic_formula

@@ -5,7 +5,7 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 
 * the model is raised to the opset graphkit's loss and update graphs are written for
   (:data:`graphkit.compat.DSL_OPSET`), so that they can join its gradient graph in one
-  session (:func:`graphkit.training.step.fuses_into`); one onnx cannot convert keeps its
+  session (:func:`graphkit.update_step.fuses_into`); one onnx cannot convert keeps its
   own opset and trains in separate sessions (:func:`compatible_for_training`);
 * skl2onnx's linear models become standard operators whose coefficients are
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);

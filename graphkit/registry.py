@@ -16,12 +16,21 @@ def _key(name: str) -> str:
     return name.lower().replace("-", "_")
 
 
-def _seed_hint(kind: str, name: object) -> str:
-    """The object to use when ``name`` is one of the seed library's names, which no
-    registry holds (``"SquareLearningLoss"``, ``"SGDNesterov"``)."""
-    from graphkit.seed import hint  # only on this error path: the core does not need it
+_HINTS: list[Callable[[str, object], str]] = []
 
-    return hint(kind, name)
+
+def add_unknown_name_hint(hint: Callable[[str, object], str]) -> None:
+    """Have the error for an unknown name end with ``hint(kind, name)`` (``""``: nothing).
+
+    A layer above the registries adds what it knows of names that are no registered
+    ones: the seed API (:mod:`graphkit.seed`) says which of its classes a seed name is.
+    """
+    if hint not in _HINTS:
+        _HINTS.append(hint)
+
+
+def _hints(kind: str, name: object) -> str:
+    return "".join(hint(kind, name) for hint in _HINTS)
 
 
 class Registry(Generic[T]):
@@ -67,7 +76,7 @@ class Registry(Generic[T]):
             )
             raise UnknownNameError(
                 f"Unknown {self.kind} {name!r}. Valid names (aliases): {listed}."
-                + _seed_hint(self.kind, name)
+                + _hints(self.kind, name)
             ) from None
 
     def get(self, name: str, **kwargs: object) -> T:

@@ -34,6 +34,7 @@ from graphkit._graph import (
     FLOAT_TYPES,
     fresh_name,
     graph_names,
+    initializers_as_inputs,
     named_shape,
     rename_tensors,
     shape_matches,
@@ -754,15 +755,7 @@ def initializers_to_inputs(
     The new inputs come after the existing ones, in the order of ``names``.
     """
     names = list(get_train_initializer(onx)) if names is None else check_weight_names(onx, names)
-    model = _copy(onx)
-    chosen = {i.name: i for i in model.graph.initializer if i.name in set(names)}
-    kept = [i for i in model.graph.initializer if i.name not in chosen]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
-    model.graph.input.extend(
-        helper.make_tensor_value_info(n, chosen[n].data_type, list(chosen[n].dims)) for n in names
-    )
-    return model
+    return initializers_as_inputs(onx, names)
 
 
 def inputs_to_initializers(onx: onnx.ModelProto, values: Mapping[str, Any]) -> onnx.ModelProto:

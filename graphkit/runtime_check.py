@@ -16,7 +16,7 @@ package as graphkit-onnx, ``graphkit``: :func:`check_namesake` recognizes its mo
 beside graphkit's own, at this module's import.
 
 This module imports only the standard library, nothing of graphkit's: it is the lowest
-layer, imported by ``graphkit/__init__.py`` and by :mod:`graphkit.backends.ort_engine`.
+layer, imported by ``graphkit/__init__.py`` and by :mod:`graphkit.engine.ort_engine`.
 """
 
 from __future__ import annotations
@@ -207,6 +207,6 @@ def _extra_for(names: Iterable[str]) -> str:
 
 # Here, at this module's import, and not only from graphkit/__init__.py: installed after
 # graphkit-onnx, the other project's `graphkit/__init__.py` replaces graphkit's own, which
-# then never runs; this module still loads with the engine (graphkit.backends.ort_engine)
+# then never runs; this module still loads with the engine (graphkit.engine.ort_engine)
 # before anything trains.
 check_namesake(os.path.dirname(os.path.abspath(__file__)))

@@ -23,8 +23,8 @@ import onnx
 import onnxscript
 
 from graphkit._graph import compile_function
-from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import DOUBLE, INT64, f64, op, script
+from graphkit.engine.ort_engine import Runner
 from graphkit.registry import Registry
 
 

@@ -61,6 +61,7 @@ import onnx
 from graphkit import losses as _losses
 from graphkit import optimizers as _optimizers
 from graphkit import penalties as _penalties
+from graphkit import registry as _registry
 from graphkit import schedules as _schedules
 from graphkit import transforms as _transforms
 from graphkit._graph import Dim
@@ -500,6 +501,9 @@ def hint(kind: str, name: object) -> str:
             )
     return ""
 
+
+# an unknown loss, penalty or optimizer name that is a seed class's says which object it is
+_registry.add_unknown_name_hint(hint)
 
 __all__ = [
     "AbsoluteLearningLoss",

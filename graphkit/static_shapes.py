@@ -84,9 +84,7 @@ def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
     common.InlinePass()(graph)
     # nodes whose inputs and outputs have at most 8192 elements each: a step's shape
     # arithmetic and small constants, never a computation on weight-sized tensors
-    fold_constants(
-        graph, onnx_shape_inference=True, input_size_limit=8192, output_size_limit=8192
-    )
+    fold_constants(graph, onnx_shape_inference=True, input_size_limit=8192, output_size_limit=8192)
     ir.passes.Sequential(
         common.RemoveUnusedNodesPass(),
         common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),

@@ -148,9 +148,7 @@ class StepTrainer:
             order = self._rng.permutation(len(rows)) if self.shuffle else None
             self._resident["loss_sum"] = np.zeros_like(self._resident["loss_sum"])
             batches = 0
-            for X_batch, y_batch, w_batch in epoch_batches(
-                rows, labels, w, order, self.batch_size
-            ):
+            for X_batch, y_batch, w_batch in epoch_batches(rows, labels, w, order, self.batch_size):
                 if isinstance(X_batch, NamedRows):
                     feeds = dict(X_batch.arrays)
                 else:

@@ -182,7 +182,7 @@ def session(model: onnx.ModelProto, runtime: str) -> Any:
         return lambda feeds: evaluator.run(None, feeds)
     if runtime == "onnxruntime":
         try:
-            from graphkit.backends import ort_engine
+            from graphkit.engine import ort_engine
         except ImportError:  # this file loaded on its own, where graphkit is not installed
             import onnxruntime as ort
 

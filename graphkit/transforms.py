@@ -51,9 +51,9 @@ from graphkit._graph import (
     splice,
     value_info,
 )
-from graphkit.backends.ort_engine import Runner
 from graphkit.compat import DSL_OPSET, finalize
 from graphkit.dsl import FLOAT, INT64, f64, op, script
+from graphkit.engine.ort_engine import Runner
 from graphkit.errors import ShapeError, UnknownNameError
 
 Tensors = dict[str, str]
@@ -1065,7 +1065,6 @@ def lookahead(inner: GradientTransformation, sync_period: int = 6, alpha: float 
 
 
 # -- elementary transformations -------------------------------------------------------------
-
 
 
 def check_learning_rate(learning_rate: Any) -> Any:

@@ -21,7 +21,8 @@ resumed), silent unless the application configures :mod:`logging`.
 
 import logging
 
-from graphkit.training.step import TrainingStep, UpdateStep, build_training_step, build_update_step
+from graphkit.training.step import TrainingStep, build_training_step, build_update_step
+from graphkit.update_step import UpdateStep
 from graphkit_train import checkpoint, distributed
 from graphkit_train.checkpoint import CheckpointError, CheckpointWriteError
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward

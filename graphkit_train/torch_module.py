@@ -25,7 +25,7 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from graphkit._graph import shape_matches, static_shape
-from graphkit.backends import ort_engine as engine
+from graphkit.engine import ort_engine as engine
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, PendingForward

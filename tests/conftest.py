@@ -156,7 +156,7 @@ requires_ort_training = pytest.mark.skipif(
 def four_calls_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every installed backend's forward/backward trainer run a batch as four
     session calls (forward, loss, backward, update), as distributed training does, instead
-    of its fused step (:func:`graphkit.training.step.fuses_into`)."""
+    of its fused step (:func:`graphkit.update_step.fuses_into`)."""
     for name in INSTALLED_BACKENDS:
         never = staticmethod(lambda *graphs: False)
         monkeypatch.setattr(type(backends.get(name)), "fusable", never)
@@ -204,7 +204,7 @@ def on_both_runtimes(model: onnx.ModelProto, feeds: dict) -> list[list[np.ndarra
     writes must run on both: the second is the portable exports' reference)."""
     import onnx.reference
 
-    from graphkit.backends.ort_engine import inference_session
+    from graphkit.engine.ort_engine import inference_session
 
     return [
         inference_session(model).run(None, feeds),

@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
 from graphkit.backends.activations import ACTIVATIONS, activations_as_standard_ops
-from graphkit.backends.ort_engine import inference_session
+from graphkit.engine.ort_engine import inference_session
 from graphkit_train import ForwardBackwardTrainer, Trainer
 
 if HAS_TORCH:  # the reference of the gradients and of training; the forwards need none

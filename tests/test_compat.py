@@ -9,8 +9,8 @@ from conftest import linear_regression_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit import IncompatibleModelError, add_loss_output
-from graphkit.backends.ort_engine import Runner
 from graphkit.compat import MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
+from graphkit.engine.ort_engine import Runner
 
 
 def model_with(ir_version, opset, coef):

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import optimizers, schedules
 from graphkit._graph import all_graphs
-from graphkit.backends.ort_engine import inference_session
+from graphkit.engine.ort_engine import inference_session
 from graphkit.training.counter import counter_values
 from graphkit.training.epoch import scan_over_batches
 from graphkit_train import OrtGradientOptimizer

@@ -23,8 +23,8 @@ from test_fused import mlp_sgd_numpy
 import graphkit as gk
 from graphkit import optimizers
 from graphkit._graph import all_graphs
-from graphkit.backends import cuda_splits, ort_engine
-from graphkit.backends.ort_engine import Runner
+from graphkit.engine import cuda_splits, ort_engine
+from graphkit.engine.ort_engine import Runner
 from graphkit_train import (
     OrtGradientForwardBackward,
     OrtGradientForwardBackwardOptimizer,
@@ -431,7 +431,7 @@ def _unpool_model(
 @pytest.mark.parametrize("in_scan", [False, True], ids=["top level", "scan body"])
 @pytest.mark.parametrize("with_output_shape", [False, True], ids=["inferred", "given"])
 def test_max_unpool_as_a_scatter_places_the_values_numpy_does(with_output_shape, in_scan, rng):
-    from graphkit.backends.cuda_unpools import max_unpools_as_scatters
+    from graphkit.engine.cuda_unpools import max_unpools_as_scatters
 
     shape = (3, 2, 6, 4)
     model = _unpool_model(shape, with_output_shape, in_scan)
@@ -468,7 +468,7 @@ def test_sessions_on_cuda_run_max_unpools_as_scatters(monkeypatch):
 def test_max_unpools_at_two_depths_get_names_of_their_own(rng):
     """A MaxUnpool at the top level and one in a Scan body: the rewritten graph stays in
     single static assignment form (one name space for both), and runs."""
-    from graphkit.backends.cuda_unpools import max_unpools_as_scatters
+    from graphkit.engine.cuda_unpools import max_unpools_as_scatters
 
     inner = _unpool_model((3, 2, 6, 4), with_output_shape=False, in_scan=True)
     outer = _unpool_model((3, 2, 6, 4), with_output_shape=False, in_scan=False)

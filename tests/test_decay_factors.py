@@ -18,8 +18,8 @@ from zoo.models import torch_export
 
 import graphkit as gk
 from graphkit import optimizers, schedules
-from graphkit.backends.ort_engine import inference_session
 from graphkit.decay_factors import GATHER_FROM, gather_decay
+from graphkit.engine.ort_engine import inference_session
 from graphkit.static_shapes import static_shapes
 from graphkit.training import step as step_module
 from graphkit_train import OrtGradientOptimizer

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
 from graphkit import backends
-from graphkit.backends import ort_engine
+from graphkit.engine import ort_engine
 from graphkit_train import Trainer
 from graphkit_train.cli import diabetes, main
 
@@ -158,7 +158,7 @@ SESSION_AND_GRADIENT = textwrap.dedent(
     import numpy as np, onnx
     import graphkit as gk
     from graphkit import backends
-    from graphkit.backends import ort_engine
+    from graphkit.engine import ort_engine
 
     if len(sys.argv) > 2:
         ort_engine.set_log_severity(sys.argv[2])

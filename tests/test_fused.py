@@ -1,5 +1,5 @@
 """Fused epochs, static shapes and packed updates (graphkit.training.epoch,
-graphkit.static_shapes, graphkit.training.step.Packing).
+graphkit.static_shapes, graphkit.update_step.Packing).
 
 The references are numpy written from the formulas (SGD on an MLP, Adam), onnxruntime's
 own BroadcastGradientArgs kernel, and the one-run-per-batch path on the graph built for
@@ -25,12 +25,13 @@ from onnx import TensorProto, helper, numpy_helper
 import graphkit as gk
 from graphkit import optimizers, schedules, transforms
 from graphkit._graph import all_graphs
-from graphkit.backends.ort_engine import inference_session
 from graphkit.backends.ort_training.folding import broadcast_gradient_args
 from graphkit.backends.ort_training.lowering import SLOW_ON_CPU, lower_slow_cpu_ops
+from graphkit.engine.ort_engine import inference_session
 from graphkit.static_shapes import GEMM_ABOVE, specialize
 from graphkit.training import batches
-from graphkit.training.step import PACK_UP_TO_BYTES, PACKED, build_update_step
+from graphkit.training.step import PACK_UP_TO_BYTES, build_update_step
+from graphkit.update_step import PACKED
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 # (steps_per_run, static_shapes, bytes of shuffled rows gathered per run)

@@ -9,7 +9,7 @@ import pytest
 from conftest import INSTALLED_BACKENDS
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkit.backends.ort_engine import inference_session
+from graphkit.engine.ort_engine import inference_session
 from graphkit.gathers import gathers_as_split
 from graphkit_train import OrtGradientForwardBackwardOptimizer
 

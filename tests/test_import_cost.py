@@ -13,7 +13,7 @@ import numpy as np
 import graphkit as gk
 loss = gk.losses.get("squared_error")
 assert abs(loss(np.ones((2, 1)), np.zeros(2)) - 1.0) < 1e-12
-from graphkit.backends.ort_engine import onnxruntime
+from graphkit.engine.ort_engine import onnxruntime
 onnxruntime()
 print("torch" in sys.modules)
 """

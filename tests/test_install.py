@@ -16,7 +16,7 @@ import pytest
 
 import graphkit
 from graphkit import runtime_check
-from graphkit.backends import ort_engine
+from graphkit.engine import ort_engine
 from graphkit.runtime_check import (
     OnnxruntimeInstallError,
     OnnxruntimeNotInstalledError,
@@ -108,12 +108,13 @@ def test_two_builds_are_named_with_their_versions_and_one_command(
     with pytest.raises(OnnxruntimeInstallError) as caught:
         check_onnxruntime()
     message = str(caught.value)
-    assert "Several onnxruntime builds are installed: " + ", ".join(
-        f"{n} {v}" for n, v in installed.items()
-    ) in message
     assert (
-        f"pip uninstall -y {' '.join(installed)} && pip install \"graphkit-onnx[{extra}]\""
+        "Several onnxruntime builds are installed: "
+        + ", ".join(f"{n} {v}" for n, v in installed.items())
         in message
+    )
+    assert (
+        f'pip uninstall -y {" ".join(installed)} && pip install "graphkit-onnx[{extra}]"' in message
     )
     # not an ImportError: a backend's installed() must not read it as "not installed"
     assert not isinstance(caught.value, ImportError)

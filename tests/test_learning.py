@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import graphkit as gk
-from graphkit.backends.ort_engine import Runner
+from graphkit.engine.ort_engine import Runner
 
 
 @pytest.mark.parametrize(

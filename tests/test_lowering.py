@@ -15,8 +15,8 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import graphkit as gk
-from graphkit.backends.ort_engine import Runner
 from graphkit.backends.ort_training.lowering import lower_to_standard
+from graphkit.engine.ort_engine import Runner
 from graphkit.errors import IncompatibleModelError
 from graphkit.training_info import initial_state
 from graphkit_train import OrtGradientOptimizer

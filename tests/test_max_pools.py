@@ -16,9 +16,9 @@ from onnx.reference import ReferenceEvaluator
 from test_cuda import small_cnn, torch_cnn_sgd
 
 import graphkit as gk
-from graphkit.backends.ort_engine import Runner
 from graphkit.backends.ort_training.lowering import lower_slow_cpu_ops, lower_to_standard
 from graphkit.backends.pool_adjoints import unpooling
+from graphkit.engine.ort_engine import Runner
 from graphkit.prepare import prepare_for_training
 from graphkit_train import OrtGradientOptimizer
 

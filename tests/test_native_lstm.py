@@ -18,7 +18,7 @@ from test_native import (
 
 from graphkit.backends.native import NativeBackend
 from graphkit.backends.native.lstm import lstms_as_scans
-from graphkit.backends.ort_engine import Runner
+from graphkit.engine.ort_engine import Runner
 from graphkit.static_shapes import specialize
 
 F32 = TensorProto.FLOAT

@@ -170,7 +170,7 @@ def test_rule_eager_equals_compiled_and_state_is_named_after_the_weight(name, rn
 
 
 def test_update_model_takes_the_seed_names():
-    from graphkit.backends.ort_engine import Runner
+    from graphkit.engine.ort_engine import Runner
 
     opt = optimizers.sgd(learning_rate=schedules.invscaling(0.1, 0.5))
     model = optimizers.update_model(opt, "w", np.float64, (2,))

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
 from graphkit import optimizers
-from graphkit.backends.ort_engine import inference_session
+from graphkit.engine.ort_engine import inference_session
 from graphkit.training.epoch import PACKED_WEIGHTS, scan_over_batches
 from graphkit.training.packed_carry import packed_weights
 from graphkit_train import OrtGradientOptimizer

@@ -25,8 +25,8 @@ from graphkit import (
     rename_weights,
     set_weights,
 )
-from graphkit.backends.ort_engine import Runner
 from graphkit.dsl import FLOAT, op, script
+from graphkit.engine.ort_engine import Runner
 from graphkit.rewrite import metadata
 
 

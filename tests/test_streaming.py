@@ -477,9 +477,7 @@ def test_checkpoint_resumes_a_streamed_run(tmp_path):
     rng = np.random.default_rng(7)
     batches = batches_of(rng.normal(size=(30, 3)), rng.normal(size=30))
     path = tmp_path / "run.ckpt"
-    make_trainer("full", zero_linear(), max_iter=2, optimizer="adam").fit(
-        batches, checkpoint=path
-    )
+    make_trainer("full", zero_linear(), max_iter=2, optimizer="adam").fit(batches, checkpoint=path)
     resumed = make_trainer("full", zero_linear(), max_iter=3, optimizer="adam")
     resumed.fit(batches, checkpoint=path)
     resumed.set_params(max_iter=4).fit(iter(batches), checkpoint=path)

@@ -158,7 +158,7 @@ def test_the_moving_average_is_exported_as_the_trained_model(kind, regression_da
 
 
 def test_update_step_takes_a_transformation_and_a_schedule(rng):
-    from graphkit.backends.ort_engine import Runner
+    from graphkit.engine.ort_engine import Runner
     from graphkit_train import build_update_step
 
     weights = {"w": rng.normal(size=(3,))}

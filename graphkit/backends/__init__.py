@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphkit.backends.base import BackendInfo
+from graphkit.compat import MAX_IR_VERSION, MAX_OPSET
 from graphkit.errors import BackendNotInstalledError, UnknownNameError
 
 
@@ -54,19 +55,17 @@ def register(
     """Register the backend ``name``, implemented by the package ``module`` (which
     defines ``BACKEND``); ``installed()`` says whether its runtime is importable, and
     ``max_ir_version`` / ``max_opset`` are the newest ONNX IR version and ``ai.onnx``
-    opset its runtime loads."""
+    opset its runtime loads: at least what graphkit writes (:data:`graphkit.compat.MAX_IR_VERSION`,
+    :data:`graphkit.compat.MAX_OPSET`)."""
     if name in _BACKENDS:
         raise ValueError(f"backend {name!r} is already registered")
+    if (max_ir_version, max_opset) < (MAX_IR_VERSION, MAX_OPSET) or max_opset < MAX_OPSET:
+        raise ValueError(
+            f"backend {name!r} loads IR version {max_ir_version} and opset {max_opset}, but "
+            f"graphkit writes IR version {MAX_IR_VERSION} and opset {MAX_OPSET} "
+            "(graphkit.compat): it could not run graphkit's graphs."
+        )
     _BACKENDS[name] = _Entry(module, installed, install, description, max_ir_version, max_opset)
-
-
-def format_limits() -> tuple[int, int]:
-    """``(IR version, ai.onnx opset)``: the newest every registered backend loads, which
-    is what graphkit writes (:mod:`graphkit.compat`)."""
-    return (
-        min(e.max_ir_version for e in _BACKENDS.values()),
-        min(e.max_opset for e in _BACKENDS.values()),
-    )
 
 
 def names() -> list[str]:
@@ -137,8 +136,8 @@ register(
     install="pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]'): onnx-ad==0.3.0 "
     "and an onnxruntime",
     description="standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime",
-    # what graphkit writes stays loadable by onnxruntime-training 1.19.2 where that
-    # backend is installed beside this one (format_limits takes the minimum)
+    # graphkit writes what onnxruntime-training 1.19.2 loads (graphkit.compat), so that
+    # what one backend trained the other loads
     max_ir_version=10,
     max_opset=21,
 )
@@ -160,4 +159,4 @@ register(
 )
 
 
-__all__ = ["BackendInfo", "available", "canonical", "format_limits", "get", "names", "register"]
+__all__ = ["BackendInfo", "available", "canonical", "get", "names", "register"]

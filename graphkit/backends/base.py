@@ -13,7 +13,7 @@ A **gradient source** turns a prediction graph with a loss into gradient graphs:
   for the exports that run anywhere.
 
 An **engine** runs graphs: sessions on a device, values on a device, bindings, DLPack.
-Every onnxruntime build shares one engine (:mod:`graphkit.backends.ort_engine`).
+Every onnxruntime build shares one engine (:mod:`graphkit.engine.ort_engine`).
 
 A :class:`Backend` pairs the two under a name; :func:`graphkit.backends.get` chooses one.
 The trainers, :class:`graphkit_train.torch_module.OnnxModule` and the exports talk to

@@ -20,8 +20,9 @@ import onnx
 
 from graphkit.gradient import reaching
 from graphkit.prepare import prepare_for_training
-from graphkit.training.step import LOSS, TrainingStep, build_training_step
+from graphkit.training.step import TrainingStep, build_training_step
 from graphkit.transforms import GradientTransformation
+from graphkit.update_step import LOSS
 
 
 @dataclass

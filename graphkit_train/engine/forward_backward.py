@@ -27,9 +27,9 @@ from onnx import numpy_helper
 
 from graphkit import backends
 from graphkit._graph import shape_matches, static_shape
-from graphkit.backends import ort_engine as engine
-from graphkit.backends.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
 from graphkit.compat import load_model
+from graphkit.engine import ort_engine as engine
+from graphkit.engine.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
@@ -79,7 +79,7 @@ class OrtGradientForwardBackward:
         output_names: the outputs ``forward`` returns, in order (None: the float outputs).
         providers: onnxruntime providers, names or ``(name, options)`` pairs (None: from
             ``device``; CUDA computes float32 in float32, see ``ort_engine.CUDA_OPTIONS``).
-        threads: the sessions' thread settings (:class:`graphkit.backends.ort_engine.Threads`).
+        threads: the sessions' thread settings (:class:`graphkit.engine.ort_engine.Threads`).
         backend: the gradient source and its runner (:func:`graphkit.backends.get`;
             None: the default).
         untie_shared_weights: give each parameter slot reading a shared initializer a

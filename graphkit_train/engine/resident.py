@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from graphkit.backends import ort_engine as engine
 from graphkit.compat import load_model
+from graphkit.engine import ort_engine as engine
 from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
-from graphkit.training.step import LOSS, STEP, UpdateStep, grad_name, next_name
+from graphkit.update_step import LOSS, STEP, UpdateStep, grad_name, next_name
 from graphkit_train import checkpoint
 from graphkit_train.distributed import ProcessGroup
 

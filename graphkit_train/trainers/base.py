@@ -28,8 +28,8 @@ from graphkit.losses import REGRESSION, Loss, check_class_labels
 from graphkit.parameters import untie_constants, untie_shared_parameters
 from graphkit.rewrite import set_weights
 from graphkit.training.batches import NamedRows, Rows, epoch_batches
-from graphkit.training.step import LOSS_SUM, STEP, UpdateStep
 from graphkit.transforms import GradientTransformation, ema_weights
+from graphkit.update_step import LOSS_SUM, STEP, UpdateStep
 from graphkit_train.distributed import ProcessGroup, digest, shard
 from graphkit_train.engine.resident import ResidentState
 from graphkit_train.progress import EpochProgress
@@ -319,9 +319,7 @@ class BaseTrainer(ParamsMixin, ResidentState, EstimatorMixin, ABC):
         state, train_losses, validation_losses, rng = self._carried  # type: ignore[misc]
         step = self.update_step_
         expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
-        kept = {
-            n: v for n, v in state.items() if n in expected and v.shape == expected[n].shape
-        }
+        kept = {n: v for n, v in state.items() if n in expected and v.shape == expected[n].shape}
         self.set_state(kept)
         self.train_losses_ = list(train_losses)
         self.validation_losses_ = list(validation_losses)

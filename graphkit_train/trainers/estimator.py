@@ -25,7 +25,7 @@ from graphkit_train.trainers.params import (
 
 if TYPE_CHECKING:
     from graphkit.losses import Loss
-    from graphkit.training.step import UpdateStep
+    from graphkit.update_step import UpdateStep
 
 
 class EstimatorMixin:

@@ -18,9 +18,9 @@ import onnx
 
 from graphkit import backends, losses
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit.backends import ort_engine as engine
-from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model, make_compatible
+from graphkit.engine import ort_engine as engine
+from graphkit.engine.ort_engine import Threads
 from graphkit.gradient import gradient_model
 from graphkit.losses import Loss
 from graphkit.ml_ops import linear_models_as_standard_ops
@@ -37,13 +37,9 @@ from graphkit.static_shapes import Fold, specialize
 from graphkit.training.batches import NamedRows, Rows, epoch_batches, shuffled_pieces
 from graphkit.training.epoch import scan_over_batches
 from graphkit.training.problem import TrainingProblem
-from graphkit.training.step import (
-    LOSS_SUM,
-    TrainingStep,
-    build_update_step,
-    grad_name,
-)
+from graphkit.training.step import TrainingStep, build_update_step
 from graphkit.transforms import GradientTransformation
+from graphkit.update_step import LOSS_SUM, grad_name
 from graphkit_train.engine.forward_backward import binding_outputs
 from graphkit_train.trainers.base import BaseTrainer
 from graphkit_train.trainers.heads import heads_of, recorded_loss
@@ -237,9 +233,7 @@ class Trainer(BaseTrainer):
         self._c_device = engine.ort_device(self._ort_device, self._device_id)
         # the graph exported with the trained weights: the user's, linear models written
         # with standard operators (their coefficients are the weights)
-        self._user_onnx = linear_models_as_standard_ops(
-            make_compatible(self._training_graph())
-        )
+        self._user_onnx = linear_models_as_standard_ops(make_compatible(self._training_graph()))
         self.learning_rate_ = self._select_optimizer()
         problem = self.problem_ = TrainingProblem.from_model(
             self._user_onnx,
@@ -440,9 +434,7 @@ class Trainer(BaseTrainer):
         """One batch through the step built for any batch size (a last, shorter batch)."""
         self._run_step(self._resident_session, binding, X, y, w)
 
-    def _run_step(
-        self, session: Any, binding: Any, X: Rows, y: Rows, w: np.ndarray | None
-    ) -> None:
+    def _run_step(self, session: Any, binding: Any, X: Rows, y: Rows, w: np.ndarray | None) -> None:
         """One batch through ``session``, whose ``binding`` holds the resident values."""
         step = self.training_step_
         if type(X) is NamedRows:
@@ -623,10 +615,7 @@ class FusedRunner:
                 full = len(self._arrays[0]) // b
                 views = [a[: full * b].reshape(full, b, *a.shape[1:]) for a in self._arrays]
                 self._in_order = [
-                    [
-                        engine.c_ortvalue(v[start : start + self._chunk], self._device)
-                        for v in views
-                    ]
+                    [engine.c_ortvalue(v[start : start + self._chunk], self._device) for v in views]
                     for start in range(0, full, self._chunk)
                 ]
             yield from self._in_order

@@ -16,7 +16,7 @@ import onnx
 
 from graphkit import optimizers, schedules
 from graphkit._graph import static_shape
-from graphkit.backends.ort_engine import CUDA_HINT, providers_for  # noqa: F401 - re-exported
+from graphkit.engine.ort_engine import CUDA_HINT, providers_for  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.training.batches import NamedRows
 from graphkit.transforms import GradientTransformation

@@ -30,15 +30,16 @@ import onnx
 
 from graphkit import backends, losses, penalties
 from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit.backends import ort_engine as engine
-from graphkit.backends.ort_engine import Threads
 from graphkit.compat import load_model
+from graphkit.engine import ort_engine as engine
+from graphkit.engine.ort_engine import Threads
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.static_shapes import specialize
 from graphkit.training.batches import NamedRows, Rows
-from graphkit.training.step import build_update_step, grad_name
+from graphkit.training.step import build_update_step
 from graphkit.transforms import GradientTransformation
+from graphkit.update_step import grad_name
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.engine.resident import BindingCache
 from graphkit_train.trainers.base import BaseTrainer

@@ -346,9 +346,7 @@ def _module_classes():
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Linear(8, 16)
-            self.encoder = nn.TransformerEncoderLayer(
-                16, 2, 32, dropout=0.0, batch_first=True
-            )
+            self.encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
             self.linear = nn.Linear(16, 10)
 
         def forward(self, x):

@@ -10,7 +10,7 @@ onnxruntime wheels (every Python onnxruntime supports, CPU and CUDA), on
   graph that also outputs what the backward reads, and a backward graph that takes them,
   run by :mod:`.agent` with two plain sessions;
 * sessions, values and bindings are onnxruntime's shared engine
-  (:mod:`graphkit.backends.ort_engine`).
+  (:mod:`graphkit.engine.ort_engine`).
 
 Choose it with ``backend="native"`` or :func:`graphkit.backends.get`.
 """
@@ -22,17 +22,18 @@ from typing import Any
 
 import onnx
 
-from graphkit.backends import activations, ort_engine
+from graphkit.backends import activations
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, fused_step, lstm, simplify, split
-from graphkit.training.step import fuses_into
+from graphkit.engine import ort_engine
+from graphkit.update_step import fuses_into
 
 
 class NativeBackend:
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
 
     Implements :class:`graphkit.backends.base.GradientSource` and, through
-    :mod:`graphkit.backends.ort_engine`, :class:`graphkit.backends.base.Engine`.
+    :mod:`graphkit.engine.ort_engine`, :class:`graphkit.backends.base.Engine`.
     """
 
     name = "native"

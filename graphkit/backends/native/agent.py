@@ -16,8 +16,8 @@ from typing import Any
 
 import onnx
 
-from graphkit.backends import ort_engine
 from graphkit.backends.native.split import cut
+from graphkit.engine import ort_engine
 
 
 class SplitAgent:

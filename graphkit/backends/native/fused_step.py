@@ -37,8 +37,8 @@ from graphkit._graph import (
     rename_reads,
     renamed_value,
 )
-from graphkit.backends import ort_engine
-from graphkit.training.step import UpdateStep, next_name, splice_loss, splice_update
+from graphkit.engine import ort_engine
+from graphkit.update_step import UpdateStep, next_name, splice_loss, splice_update
 
 
 @dataclass

@@ -27,11 +27,16 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from graphkit._graph import ancestors, copy_model, descendants, outer_reads
+from graphkit._graph import (
+    ancestors,
+    copy_model,
+    descendants,
+    initializers_as_inputs,
+    outer_reads,
+)
 from graphkit.backends.base import ForwardBackwardGraphs
 from graphkit.backends.native.adapter import vector_jacobian_graph
 from graphkit.errors import IncompatibleModelError
-from graphkit.rewrite import initializers_to_inputs
 
 
 def forward_backward_graphs(
@@ -45,7 +50,7 @@ def forward_backward_graphs(
     """
     weights, inputs = list(weights), list(inputs)
     outputs = [o.name for o in model.graph.output]
-    forward = initializers_to_inputs(model, weights)
+    forward = initializers_as_inputs(model, weights)
     # the gradient graph keeps the layer's outputs first (the forward half returns them)
     gradient, seeds = vector_jacobian_graph(forward, outputs, [*inputs, *weights])
     return ForwardBackwardGraphs(

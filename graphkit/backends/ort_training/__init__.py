@@ -17,7 +17,7 @@ Everything graphkit knows about onnxruntime-training lives in this package:
   exports (all of them) and for CPU sessions (those whose kernels are slow).
 
 Sessions, values and bindings are onnxruntime's shared engine
-(:mod:`graphkit.backends.ort_engine`). Choose the backend with ``backend="ort_training"``
+(:mod:`graphkit.engine.ort_engine`). Choose the backend with ``backend="ort_training"``
 or :func:`graphkit.backends.get`.
 """
 
@@ -28,7 +28,6 @@ from typing import Any
 
 import onnx
 
-from graphkit.backends import ort_engine
 from graphkit.backends.ort_training import (
     agent,
     agent_step,
@@ -38,14 +37,15 @@ from graphkit.backends.ort_training import (
     rewrites,
 )
 from graphkit.backends.ort_training.builders import ModuleGraphs
-from graphkit.training.step import fuses_into
+from graphkit.engine import ort_engine
+from graphkit.update_step import fuses_into
 
 
 class OrtTrainingBackend:
     """The gradient source and engine of onnxruntime-training 1.19.2.
 
     Implements :class:`graphkit.backends.base.GradientSource` and, through
-    :mod:`graphkit.backends.ort_engine`, :class:`graphkit.backends.base.Engine`; the
+    :mod:`graphkit.engine.ort_engine`, :class:`graphkit.backends.base.Engine`; the
     TrainingAgent's functions run forward/backward training.
     """
 

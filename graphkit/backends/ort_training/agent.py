@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from graphkit.backends.ort_engine import _capi, short_message
+from graphkit.engine.ort_engine import _capi, short_message
 
 
 def training_agent(

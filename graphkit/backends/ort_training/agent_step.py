@@ -39,9 +39,9 @@ from graphkit._graph import (
     renamed_value,
     static_shape,
 )
-from graphkit.backends.ort_engine import c_ortvalue
 from graphkit.backends.ort_training.agent import train_batch, training_agent, values_vector
-from graphkit.training.step import UpdateStep, next_name, splice_loss, splice_update
+from graphkit.engine.ort_engine import c_ortvalue
+from graphkit.update_step import UpdateStep, next_name, splice_loss, splice_update
 
 YIELD = "YieldOp"
 

@@ -34,8 +34,8 @@ from graphkit._graph import (
     rename_tensors,
 )
 from graphkit.backends.base import ForwardBackwardGraphs
-from graphkit.backends.ort_engine import log_severity, onnxruntime, session_options, short_message
 from graphkit.backends.ort_training.lowering import lower_float32_only_ops
+from graphkit.engine.ort_engine import log_severity, onnxruntime, session_options, short_message
 from graphkit.errors import MissingGradientError
 
 NAME = "onnxruntime-training 1.19.2"

@@ -36,8 +36,8 @@ from graphkit._graph import (
     static_shape,
 )
 from graphkit.backends import conv_adjoints, pool_adjoints
-from graphkit.backends.ort_engine import is_float64
 from graphkit.compat import opset_of
+from graphkit.engine.ort_engine import is_float64
 from graphkit.errors import IncompatibleModelError
 
 Lowering = Callable[[onnx.NodeProto], "list[onnx.NodeProto] | None"]

@@ -12,7 +12,7 @@ its subgraphs (where two values share a position, after an overlapping pooling, 
 keep one of them, not necessarily the same one). The unpooled shape is ``output_shape``
 where it is given, else the one ``MaxUnpool`` infers from its attributes,
 ``(in - 1) * stride + kernel - pads`` on each spatial axis.
-``graphkit.backends.ort_engine.inference_session`` applies it to the sessions it opens
+``graphkit.engine.ort_engine.inference_session`` applies it to the sessions it opens
 on CUDA.
 """
 

@@ -13,7 +13,7 @@ per output copies the same values with a table per dimension, not per position.
 whose axis is at least :data:`LONG_AXIS` long into one ``Slice`` per output, in the
 graph and in its subgraphs (a ``Scan`` body runs the update of a whole-epoch run). The
 outputs keep their names and values; shorter splits, whose table is small, stay.
-``graphkit.backends.ort_engine.inference_session`` applies it to the sessions it opens
+``graphkit.engine.ort_engine.inference_session`` applies it to the sessions it opens
 on CUDA.
 """
 

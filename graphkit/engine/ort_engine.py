@@ -31,8 +31,8 @@ import numpy as np
 import onnx
 
 from graphkit import runtime_check
-from graphkit.backends.cuda_splits import split_long_axes_as_slices
-from graphkit.backends.cuda_unpools import max_unpools_as_scatters
+from graphkit.engine.cuda_splits import split_long_axes_as_slices
+from graphkit.engine.cuda_unpools import max_unpools_as_scatters
 from graphkit.errors import IncompatibleModelError
 
 CPU = ("CPUExecutionProvider",)
@@ -256,9 +256,9 @@ def inference_session(
     failure becomes ``IncompatibleModelError``.
 
     The model runs as it is, but for two rewrites on CUDA that both backends need (long
-    ``Split`` nodes as ``Slice`` nodes, :mod:`graphkit.backends.cuda_splits`;
+    ``Split`` nodes as ``Slice`` nodes, :mod:`graphkit.engine.cuda_splits`;
     ``MaxUnpool``, which has no CUDA kernel, as a ``ScatterND``,
-    :mod:`graphkit.backends.cuda_unpools`): a gradient source that wants its graphs
+    :mod:`graphkit.engine.cuda_unpools`): a gradient source that wants its graphs
     rewritten for a device does so in its own ``inference_session`` (ort_training
     lowers slow kernels).
     """
