@@ -14,6 +14,7 @@ import onnx
 
 from graphkit import backends
 from graphkit._graph import ancestors
+from graphkit.backends.base import Backend
 from graphkit.compat import finalize
 from graphkit.errors import MissingGradientError, UnknownNameError
 
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def gradient_model(
-    model: onnx.ModelProto, output: str, wrt: Iterable[str], backend: str | None = None
+    model: onnx.ModelProto, output: str, wrt: Iterable[str], backend: str | Backend | None = None
 ) -> onnx.ModelProto:
     """The model extended with ``<name>_grad`` = d ``output`` / d ``name`` for ``wrt``.
 
@@ -51,9 +52,11 @@ def gradient_model(
             f"Candidates: {known}."
         )
     check_reachable(model, wrt, [output])
-    source = backends.get(backend)
-    logger.debug("gradient of %r with respect to %s from the %s backend", output, wrt, source.name)
-    return finalize(source.gradient_graph(model, output, wrt))
+    gradient_source = backends.get(backend)
+    logger.debug(
+        "gradient of %r with respect to %s from the %s backend", output, wrt, gradient_source.name
+    )
+    return finalize(gradient_source.gradient_graph(model, output, wrt))
 
 
 def reaching(model: onnx.ModelProto, weights: Iterable[str], outputs: Iterable[str]) -> list[str]:

@@ -29,7 +29,9 @@ import onnx
 from onnx import numpy_helper
 
 from graphkit import backends
-from graphkit.compat import DSL_OPSET, make_compatible
+from graphkit._graph import copy_model
+from graphkit.backends.base import Backend
+from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
 from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
 from graphkit.ml_ops import linear_models_as_standard_ops
@@ -46,7 +48,7 @@ from graphkit.rewrite import (
 def prepare_for_training(
     model: onnx.ModelProto,
     weights_to_train: Sequence[str] | str | None,
-    backend: str | None = None,
+    backend: str | Backend | None = None,
     untie_shared_weights: bool = True,
     loss_output_name: str | None = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
@@ -60,7 +62,21 @@ def prepare_for_training(
     the one :func:`graphkit.add_loss_output` recorded, if any) names a training graph's
     loss, whose own terms on a weight (a penalty) keep reading the trained weight.
     """
-    model = gathers_as_split(linear_models_as_standard_ops(compatible_for_training(model)))
+    return prepare_standard_model(
+        standard_model(model), weights_to_train, backend, untie_shared_weights, loss_output_name
+    )
+
+
+def prepare_standard_model(
+    standard: onnx.ModelProto,
+    weights_to_train: Sequence[str] | str | None,
+    backend: str | Backend | None = None,
+    untie_shared_weights: bool = True,
+    loss_output_name: str | None = None,
+) -> tuple[onnx.ModelProto, list[str]]:
+    """:func:`prepare_for_training` of a model :func:`standard_model` gave (left as it
+    is), which is not converted again."""
+    model = gathers_as_split(copy_model(standard))
     refuse_training_mode(model)
     weights = trainable_weights(model, weights_to_train)
     loss = loss_output_name or metadata(model).get(META_LOSS)
@@ -68,6 +84,32 @@ def prepare_for_training(
     if untie_shared_weights:
         model, weights = untie_shared_parameters(model, weights)
     return backends.get(backend).prepare(model), weights
+
+
+def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` every backend loads, at :data:`~graphkit.compat.DSL_OPSET` where
+    onnx can convert it (:func:`compatible_for_training`), its linear models in standard
+    operators (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
+
+    A graph :func:`graphkit.add_loss_output` wrote (its loss recorded in the metadata) is
+    that already: it is copied, not converted and checked again (a trainer's build
+    prepares the model once).
+    """
+    if _standard_already(model):
+        return copy_model(model)
+    return linear_models_as_standard_ops(compatible_for_training(model))
+
+
+def _standard_already(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is add_loss_output's result: compatible at the DSL's opset, with no
+    ``ai.onnx.ml`` operator and no tensor stored outside it."""
+    return (
+        META_LOSS in metadata(model)
+        and model.ir_version <= MAX_IR_VERSION
+        and DSL_OPSET <= (opset_of(model) or 0) <= MAX_OPSET
+        and not any(n.domain == "ai.onnx.ml" for n in model.graph.node)
+        and not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    )
 
 
 def compatible_for_training(model: onnx.ModelProto) -> onnx.ModelProto:

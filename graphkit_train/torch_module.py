@@ -24,10 +24,11 @@ import onnx
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from graphkit._graph import shape_matches, static_shape
+from graphkit.backends.base import Backend
 from graphkit.engine import ort_engine as engine
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
+from graphkit.shapes import shape_matches, static_shape
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, PendingForward
 
 _TORCH_TO_NUMPY = {
@@ -74,7 +75,7 @@ class OnnxModule(torch.nn.Module):
         weights_to_train: Sequence[str] | None = None,
         device: str = "cpu",
         output_names: Sequence[str] | None = None,
-        backend: str | None = None,
+        backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
     ) -> None:
         super().__init__()

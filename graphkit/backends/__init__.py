@@ -20,9 +20,8 @@ import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from graphkit.backends.base import BackendInfo
+from graphkit.backends.base import Backend, BackendInfo
 from graphkit.compat import MAX_IR_VERSION, MAX_OPSET
 from graphkit.errors import BackendNotInstalledError, UnknownNameError
 
@@ -104,14 +103,20 @@ def canonical(name: str | None) -> str:
     return key
 
 
-def get(name: str | None = None) -> Any:
-    """The backend ``name`` (None: the default), imported on first use.
+def get(name: str | Backend | None = None) -> Backend:
+    """The backend ``name`` (None: the default), imported on first use; a backend
+    object is returned as it is (an entry point resolves a name once and passes the
+    object down).
 
     Raises:
         UnknownNameError: no backend has that name.
         BackendNotInstalledError: its runtime is not installed (the message says what
             to install).
     """
+    if name is not None and not isinstance(name, str):
+        if isinstance(name, Backend):
+            return name
+        raise TypeError(f"backend must be a name {names()}, a backend or None, not {name!r}.")
     key = canonical(name)
     entry = _BACKENDS[key]
     if not entry.installed():
@@ -159,4 +164,4 @@ register(
 )
 
 
-__all__ = ["BackendInfo", "available", "canonical", "get", "names", "register"]
+__all__ = ["Backend", "BackendInfo", "available", "canonical", "get", "names", "register"]

@@ -1,4 +1,4 @@
-"""The two protocols a backend implements: a gradient source and an engine.
+"""What a backend is: a gradient source, an engine and a forward/backward runner.
 
 A **gradient source** turns a prediction graph with a loss into gradient graphs:
 
@@ -7,22 +7,25 @@ A **gradient source** turns a prediction graph with a loss into gradient graphs:
   weights and inputs, as one graph (full training, :func:`graphkit.gradient_model`);
 * :meth:`GradientSource.forward_backward_graphs`: a forward graph and a gradient graph
   (the ONNX graph as one layer of a larger model, :class:`ForwardBackwardGraphs`); the
-  ``ort_training`` backend runs them with onnxruntime-training's TrainingAgent
-  (``training_agent``, ``run_forward``, ``run_backward``, ``train_batch``);
+  runner (:class:`ForwardBackwardRunner`) runs them;
 * :meth:`GradientSource.to_standard`: its graphs in standard ONNX (``ai.onnx`` only),
   for the exports that run anywhere.
 
-An **engine** runs graphs: sessions on a device, values on a device, bindings, DLPack.
-Every onnxruntime build shares one engine (:mod:`graphkit.engine.ort_engine`).
+An **engine** makes sessions on a device (values, bindings and DLPack are shared by every
+onnxruntime build: :mod:`graphkit.engine.ort_engine`).
 
-A :class:`Backend` pairs the two under a name; :func:`graphkit.backends.get` chooses one.
-The trainers, :class:`graphkit_train.torch_module.OnnxModule` and the exports talk to
-these protocols only.
+A **forward/backward runner** runs a forward/backward gradient graph as two calls, or one
+batch with the loss and the update fused in (:class:`ForwardBackwardRunner`).
+
+A :class:`Backend` is the three under a name; :func:`graphkit.backends.get` chooses one.
+The trainers, :class:`graphkit_train.torch_module.OnnxModule` and the exports use no
+member of a backend that :class:`Backend` does not declare (``tests/test_backend.py``
+trains with a fake backend that has exactly these members).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,6 +60,13 @@ class ForwardBackwardGraphs:
 class GradientSource(Protocol):
     """Where gradient graphs come from."""
 
+    @property
+    def constant_folds(self) -> Sequence[Callable[[onnx.ModelProto], bool]]:
+        """Folds of its own operators on constant inputs, for
+        :func:`graphkit.static_shapes.specialize` (each changes the model in place and
+        says whether it changed anything)."""
+        ...
+
     def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` rewritten into the same function in operators this source
         differentiates (run once on a user's model, before any gradient)."""
@@ -78,33 +88,119 @@ class GradientSource(Protocol):
         """The forward and gradient graphs of ``model`` for ``weights`` and ``inputs``."""
         ...
 
+    def prepare_gradient(self, gradient: onnx.ModelProto) -> onnx.ModelProto:
+        """A :meth:`forward_backward_graphs` gradient graph made runnable on this
+        source's runtime (the same graph where nothing is needed)."""
+        ...
+
     def to_standard(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` with every operator this source emits rewritten in ``ai.onnx``."""
         ...
 
-    constant_folds: Sequence[Callable[[onnx.ModelProto], bool]]
-    """Folds of its own operators on constant inputs, for
-    :func:`graphkit.static_shapes.specialize` (each changes the model in place and says
-    whether it changed anything)."""
-
 
 @runtime_checkable
 class Engine(Protocol):
-    """Sessions and values on a device."""
+    """Sessions on a device.
 
-    def providers_for(self, device: str) -> tuple[list[Any], str, int]:
-        """``(providers, device kind, device id)`` for ``"cpu"``, ``"cuda"``, ``"cuda:N"``."""
-        ...
+    Providers, values, bindings and DLPack are the same for every onnxruntime build
+    (:mod:`graphkit.engine.ort_engine`); a backend's session is where it rewrites its
+    graphs for a device (ort_training lowers its slow CPU gradient kernels there).
+    """
 
     def inference_session(
         self, model: onnx.ModelProto | bytes, providers: Sequence[Any], threads: Any = None
     ) -> Any:
-        """A session running ``model`` (bound with IOBinding by the runtime)."""
+        """An onnxruntime session running ``model`` (bound with IOBinding by the runtime)."""
         ...
 
-    def ortvalue(self, array: np.ndarray, kind: str = "cpu", device_id: int = 0) -> Any:
-        """A value holding ``array`` on the device."""
+
+class FusedBatch(Protocol):
+    """What :meth:`ForwardBackwardRunner.agent_step` returns: the gradient graph with the
+    loss and the update spliced in."""
+
+    model: onnx.ModelProto
+    data: list[str]
+    """Its inputs fed per batch: the features, the label[, the sample weight]."""
+
+
+class FusedRun(Protocol):
+    """One batch size's :class:`FusedBatch` on a session: a call trains on one batch."""
+
+    def __call__(
+        self,
+        features: Sequence[np.ndarray],
+        y: np.ndarray,
+        w: np.ndarray | None,
+        resident: list[Any],
+        new: Any,
+    ) -> None:
+        """The features, labels (and sample weights) and the resident values (C
+        OrtValues, in ``UpdateStep.resident`` order) in, the new resident values written
+        into ``new`` (what :meth:`ForwardBackwardRunner.values_vector` made of the other
+        buffer set)."""
         ...
+
+
+@runtime_checkable
+class ForwardBackwardRunner(Protocol):
+    """Runs a :class:`ForwardBackwardGraphs` gradient graph as two calls (the ONNX graph
+    as one layer of a larger model), or as one batch with the loss and update fused in."""
+
+    def training_agent(
+        self,
+        gradient: onnx.ModelProto,
+        providers: Sequence[Any],
+        threads: Any,
+        feed_names: Sequence[str],
+        fetch_names: Sequence[str],
+        output_names: Sequence[str],
+        seeds: Sequence[str],
+        device: Any,
+    ) -> tuple[Any, Any]:
+        """``(agent, what keeps it alive)`` running ``gradient`` on ``providers``:
+        ``seeds`` are the gradient graph's inputs taking d loss / d output (empty where
+        the agent takes them otherwise)."""
+        ...
+
+    def run_forward(self, agent: Any, feeds: Sequence[Any]) -> tuple[Any, Any, Any]:
+        """``(outputs, state for the backward, what keeps the feeds alive)``."""
+        ...
+
+    def run_backward(self, agent: Any, grad_outputs: Sequence[Any], state: Any) -> Any:
+        """The gradients of the weights and inputs, given d loss / d outputs."""
+        ...
+
+    def values_vector(self, values: Sequence[Any]) -> Any:
+        """C OrtValues as the vector the agent and :class:`FusedRun` write into."""
+        ...
+
+    def agent_step(
+        self,
+        gradient: onnx.ModelProto,
+        loss: onnx.ModelProto,
+        update: Any,
+        internal: dict[str, str],
+        gradient_of: dict[str, str],
+        features: Sequence[str],
+        seeds: Mapping[str, str],
+    ) -> FusedBatch:
+        """The agent's ``gradient`` graph with ``loss`` and ``update`` (an
+        :class:`graphkit.update_step.UpdateStep`) spliced in, for any number of rows."""
+        ...
+
+    @property
+    def AgentRun(self) -> Callable[[onnx.ModelProto, Any, Any, np.dtype, Any], FusedRun]:  # noqa: N802 - a class in both backends
+        """``AgentRun(model, session, fused batch, dtype, device)``: a :class:`FusedRun`."""
+        ...
+
+
+@runtime_checkable
+class Backend(GradientSource, Engine, ForwardBackwardRunner, Protocol):
+    """Everything the runtime asks of a backend: :func:`graphkit.backends.get` returns
+    one, and every entry point takes one (or its name) as ``backend=``."""
+
+    name: str
+    description: str
 
 
 @dataclass(frozen=True)

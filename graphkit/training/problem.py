@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 
 import onnx
 
+from graphkit import backends
+from graphkit.backends.base import Backend
 from graphkit.gradient import reaching
-from graphkit.prepare import prepare_for_training
+from graphkit.prepare import prepare_standard_model, standard_model
 from graphkit.training.step import TrainingStep, build_training_step
 from graphkit.transforms import GradientTransformation
 from graphkit.update_step import LOSS
@@ -38,7 +40,10 @@ class TrainingProblem:
     optimizer: GradientTransformation
     loss_output_name: str = LOSS
     sample_weight_name: str | None = "weight"
-    backend: str | None = None
+    backend: str | Backend | None = None
+    user_model: onnx.ModelProto | None = field(default=None, repr=False, compare=False)
+    """The user's graph as graphkit trains and exports it, before the training rewrites
+    (:func:`graphkit.prepare.standard_model`): what the trained weights are written into."""
     _steps: dict[bool, TrainingStep] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -49,18 +54,29 @@ class TrainingProblem:
         optimizer: GradientTransformation,
         loss_output_name: str = LOSS,
         sample_weight_name: str | None = "weight",
-        backend: str | None = None,
+        backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
     ) -> TrainingProblem:
         """The problem of training ``model`` (a graph with a loss output): its weights
         are chosen here, once (None: the model's parameters that the loss depends on,
-        never its constants)."""
-        prepared, weights = prepare_for_training(
-            model, weights_to_train, backend, untie_shared_weights, loss_output_name
+        never its constants). ``backend`` is resolved here, once (a name, or None for
+        the default), and every graph of the problem comes from that backend."""
+        backend = backends.get(backend)
+        user_model = standard_model(model)
+        prepared, weights = prepare_standard_model(
+            user_model, weights_to_train, backend, untie_shared_weights, loss_output_name
         )
         if weights_to_train is None:  # the parameters of another output's head stay put
             weights = reaching(prepared, weights, [loss_output_name])
-        return cls(prepared, weights, optimizer, loss_output_name, sample_weight_name, backend)
+        return cls(
+            prepared,
+            weights,
+            optimizer,
+            loss_output_name,
+            sample_weight_name,
+            backend,
+            user_model=user_model,
+        )
 
     def step(self, pack: bool = True) -> TrainingStep:
         """The fused training step (built once per ``pack``): with ``pack``, the

@@ -41,6 +41,7 @@ from graphkit._graph import (
     static_shape,
     value_info,
 )
+from graphkit.backends.base import Backend
 from graphkit.compat import DSL_OPSET, finalize
 from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.gradient import gradient_model
@@ -118,7 +119,7 @@ def build_update_step(
     if not isinstance(optimizer, GradientTransformation):
         raise TypeError(
             f"optimizer must be a graphkit gradient transformation, not "
-            f"{type(optimizer).__name__}; see graphkit.optimizers.resolve."
+            f"{type(optimizer).__name__}; see graphkit.seed.resolve."
         )
     if learning_rate is not None:
         optimizer = optimizer.with_learning_rate(learning_rate)
@@ -347,7 +348,7 @@ def build_training_step(
     sample_weight_name: str | None = "weight",
     learning_rate: Any = None,
     pack: bool = True,
-    backend: str | None = None,
+    backend: str | Backend | None = None,
 ) -> TrainingStep:
     """Compose the gradient graph of the loss and the update step into one model.
 
@@ -375,7 +376,7 @@ def build_training_step(
     model = gradient_model(
         initializers_to_inputs(train_onx, weights), loss_output_name, weights, backend
     )
-    source = backends.canonical(backend)
+    source = backends.get(backend).name
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
     loss_dtype = ELEM_TO_DTYPE[loss_value.type.tensor_type.elem_type]
     update = build_update_step(

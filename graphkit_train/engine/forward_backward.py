@@ -26,7 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphkit import backends
-from graphkit._graph import shape_matches, static_shape
+from graphkit.backends.base import Backend
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
@@ -34,6 +34,7 @@ from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import prune, weight_values
+from graphkit.shapes import shape_matches, static_shape
 from graphkit.static_shapes import specialize
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
@@ -102,12 +103,12 @@ class OrtGradientForwardBackward:
         device: str = "cpu",
         inputs_requiring_grad: Iterable[str] = (),
         threads: Threads | None = None,
-        backend: str | None = None,
+        backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
     ) -> None:
         self.backend = backends.get(backend)
         model, self.weight_names = prepare_for_training(
-            load_model(onnx_model), weights_to_train, self.backend.name, untie_shared_weights
+            load_model(onnx_model), weights_to_train, self.backend, untie_shared_weights
         )
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]

@@ -17,13 +17,11 @@ import numpy as np
 import onnx
 
 from graphkit import backends, losses
-from graphkit._graph import ELEM_TO_DTYPE, named_shape
-from graphkit.compat import load_model, make_compatible
+from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads
 from graphkit.gradient import gradient_model
 from graphkit.losses import Loss
-from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import (
     META_LABEL,
     META_PREDICTION,
@@ -33,6 +31,7 @@ from graphkit.rewrite import (
     metadata,
     strip_loss_output,
 )
+from graphkit.shapes import ELEM_TO_DTYPE, named_shape
 from graphkit.static_shapes import Fold, specialize
 from graphkit.training.batches import NamedRows, Rows, epoch_batches, shuffled_pieces
 from graphkit.training.epoch import scan_over_batches
@@ -231,20 +230,21 @@ class Trainer(BaseTrainer):
         self._providers, self._ort_device, self._device_id = providers_for(self.device)
         self._backend = backends.get(self.backend)
         self._c_device = engine.ort_device(self._ort_device, self._device_id)
-        # the graph exported with the trained weights: the user's, linear models written
-        # with standard operators (their coefficients are the weights)
-        self._user_onnx = linear_models_as_standard_ops(make_compatible(self._training_graph()))
         self.learning_rate_ = self._select_optimizer()
         problem = self.problem_ = TrainingProblem.from_model(
-            self._user_onnx,
+            self._training_graph(),
             self.weights_to_train,
             self.learning_rate_,
             self.loss_output_name,
             self.sample_weight_name,
-            self._backend.name,
+            self._backend,
             self.untie_shared_weights,
         )
         self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
+        # the graph exported with the trained weights: the user's, linear models written
+        # with standard operators (their coefficients are the weights)
+        assert problem.user_model is not None  # from_model sets it
+        self._user_onnx = problem.user_model
         self.training_step_: TrainingStep = problem.step()
         step = self.update_step_ = self.training_step_
         if self.distributed:  # gradients and update apart, an all-reduce between them
@@ -403,7 +403,7 @@ class Trainer(BaseTrainer):
         """The gradient graph of the loss and the update step, as two sessions."""
         step = self.training_step_
         weighted = initializers_to_inputs(self.train_onnx_, step.weights)
-        self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights, self._backend.name)
+        self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights, self._backend)
         self._gradient_session = self._session(self.gradient_onnx_)
         self._gradient_outputs = [step.loss, *(grad_name(w) for w in step.weights)]
         loss_value = next(o for o in self.gradient_onnx_.graph.output if o.name == step.loss)

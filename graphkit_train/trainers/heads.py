@@ -18,10 +18,10 @@ import numpy as np
 import onnx
 
 from graphkit import losses
-from graphkit._graph import named_shape
 from graphkit.errors import ShapeError, UnknownNameError
 from graphkit.losses import CLASSIFICATION, LOSSES, Loss, check_class_labels
 from graphkit.rewrite import META_HEADS, loss_heads, metadata
+from graphkit.shapes import named_shape
 from graphkit.training.batches import NamedRows
 from graphkit_train.trainers.params import check_labels, input_value
 

@@ -29,17 +29,17 @@ import numpy as np
 import onnx
 
 from graphkit import backends, losses, penalties
-from graphkit._graph import ELEM_TO_DTYPE, named_shape
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
+from graphkit.shapes import ELEM_TO_DTYPE, named_shape
 from graphkit.static_shapes import specialize
 from graphkit.training.batches import NamedRows, Rows
 from graphkit.training.step import build_update_step
 from graphkit.transforms import GradientTransformation
-from graphkit.update_step import grad_name
+from graphkit.update_step import fuses_into, grad_name
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.engine.resident import BindingCache
 from graphkit_train.trainers.base import BaseTrainer
@@ -191,7 +191,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             output_names=[prediction.name],
             device=self.device,
             threads=self._threads,
-            backend=self._backend.name,
+            backend=self._backend,
             untie_shared_weights=self.untie_shared_weights,
         )
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
@@ -207,7 +207,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         self._no_input_grads: frozenset[str] = frozenset()
         self._variant = fb._variant(self._no_input_grads)
         # known before any loss or update session is made: their threads depend on it
-        self._fuses = self._backend.fusable(
+        self._fuses = fuses_into(
             self._variant.gradient_model,
             self.loss_.gradient_model(dtype, False, self._prediction_shape),
             self.update_step_,

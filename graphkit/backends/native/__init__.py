@@ -23,22 +23,20 @@ from typing import Any
 import onnx
 
 from graphkit.backends import activations
-from graphkit.backends.base import ForwardBackwardGraphs
+from graphkit.backends.base import Backend, ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, fused_step, lstm, simplify, split
 from graphkit.engine import ort_engine
-from graphkit.update_step import fuses_into
 
 
 class NativeBackend:
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
 
-    Implements :class:`graphkit.backends.base.GradientSource` and, through
-    :mod:`graphkit.engine.ort_engine`, :class:`graphkit.backends.base.Engine`.
+    Implements :class:`graphkit.backends.base.Backend`: sessions are the shared
+    engine's (:mod:`graphkit.engine.ort_engine`), forward/backward runs two of them.
     """
 
     name = "native"
     description = "standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime"
-    engine = ort_engine
 
     # -- gradient source --------------------------------------------------------------
 
@@ -121,7 +119,6 @@ class NativeBackend:
     # a forward/backward trainer's batch with the loss and the update fused in: one
     # session call (see :mod:`.fused_step`)
     AgentRun = fused_step.FusedRun
-    fusable = staticmethod(fuses_into)
     agent_step = staticmethod(fused_step.fused_step)
 
     def __repr__(self) -> str:
@@ -141,6 +138,6 @@ def installed() -> bool:
 
 INSTALL = "pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]')"
 
-BACKEND = NativeBackend()
+BACKEND: Backend = NativeBackend()
 
 __all__ = ["BACKEND", "INSTALL", "NativeBackend", "installed"]

@@ -28,6 +28,7 @@ from typing import Any
 
 import onnx
 
+from graphkit.backends.base import Backend
 from graphkit.backends.ort_training import (
     agent,
     agent_step,
@@ -38,20 +39,17 @@ from graphkit.backends.ort_training import (
 )
 from graphkit.backends.ort_training.builders import ModuleGraphs
 from graphkit.engine import ort_engine
-from graphkit.update_step import fuses_into
 
 
 class OrtTrainingBackend:
     """The gradient source and engine of onnxruntime-training 1.19.2.
 
-    Implements :class:`graphkit.backends.base.GradientSource` and, through
-    :mod:`graphkit.engine.ort_engine`, :class:`graphkit.backends.base.Engine`; the
-    TrainingAgent's functions run forward/backward training.
+    Implements :class:`graphkit.backends.base.Backend`: sessions are the shared
+    engine's (:mod:`graphkit.engine.ort_engine`), forward/backward runs the TrainingAgent.
     """
 
     name = "ort_training"
     description = "gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent"
-    engine = ort_engine
 
     # -- gradient source --------------------------------------------------------------
 
@@ -119,13 +117,11 @@ class OrtTrainingBackend:
 
     run_forward = staticmethod(agent.run_forward)
     run_backward = staticmethod(agent.run_backward)
-    train_batch = staticmethod(agent.train_batch)
     values_vector = staticmethod(agent.values_vector)
 
     # the loss and the update spliced around the agent's yield: a forward/backward batch
     # in two calls (see :mod:`.agent_step`)
     AgentRun = agent_step.AgentRun
-    fusable = staticmethod(fuses_into)
     agent_step = staticmethod(agent_step.agent_step)  # (last: it shadows the module here)
 
     def __repr__(self) -> str:
@@ -146,6 +142,6 @@ INSTALL = (
     "3.10-3.12; CUDA: onnxruntime-training==1.19.2, CPython 3.10-3.11)"
 )
 
-BACKEND = OrtTrainingBackend()
+BACKEND: Backend = OrtTrainingBackend()
 
 __all__ = ["BACKEND", "INSTALL", "ModuleGraphs", "OrtTrainingBackend", "installed"]
