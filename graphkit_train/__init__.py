@@ -11,7 +11,9 @@
   invscaling schedule).
 * :class:`OrtGradientForwardBackward`: forward and backward passes of an ONNX graph
   (the backend's forward/backward runner), for any training framework.
-* :mod:`graphkit_train.torch_module` (needs torch): an ONNX graph as a ``torch.nn.Module``.
+* :class:`OnnxModule` (needs torch; imported on first use): an ONNX graph as a
+  ``torch.nn.Module``.
+* :func:`export_web`: a folder that trains in a web page with onnxruntime-web.
 * :mod:`graphkit_train.distributed`: data-parallel training on ``torch.distributed``
   (``distributed=True`` in both trainers, launched with ``torchrun``).
 
@@ -19,7 +21,9 @@ It logs under the ``graphkit_train`` logger (graph builds, epochs run, checkpoin
 resumed), silent unless the application configures :mod:`logging`.
 """
 
+import importlib
 import logging
+from typing import Any
 
 from graphkit.training.step import TrainingStep, build_training_step, build_update_step
 from graphkit.update_step import UpdateStep
@@ -35,12 +39,22 @@ from graphkit_train.trainers.partial import (
 # silent until the application configures logging (see graphkit/__init__.py)
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+# imported on first use: OnnxModule imports torch, which graphkit_train does not need
+_LAZY = {"OnnxModule": "graphkit_train.torch_module", "export_web": "graphkit_train.web"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graphkit_train' has no attribute {name!r}")
+
 __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "checkpoint",
     "distributed",
     "ForwardBackwardTrainer",
+    "OnnxModule",
     "OrtGradientForwardBackward",
     "OrtGradientForwardBackwardOptimizer",
     "OrtGradientOptimizer",
@@ -49,4 +63,5 @@ __all__ = [
     "UpdateStep",
     "build_training_step",
     "build_update_step",
+    "export_web",
 ]

@@ -425,3 +425,26 @@ def test_the_onnx_ad_pin_is_one_version_everywhere():
     info = {i.name: i for i in backends.available()}
     assert f"onnx-ad=={adapter.VERSION}" in info["native"].install
     assert adapter.installed() and importlib.metadata.version("onnx-ad") == adapter.VERSION
+
+
+def test_the_registry_tells_what_is_installed_without_importing_it():
+    """backends.available() answers from importlib.util.find_spec and the installed
+    distributions: no backend package, onnxruntime or onnx-ad is imported to answer."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from graphkit import backends\n"
+        "print([b.installed for b in backends.available()])\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('graphkit.backends.native', "
+        "'graphkit.backends.ort_training', 'onnxruntime', 'onnx_ad'))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    installed, imported = out.stdout.splitlines()
+    assert imported == "[]"
+    # the reference: importing them
+    import onnx_ad  # noqa: F401 - native's gradients
+
+    training = hasattr(ort_engine.onnxruntime().capi._pybind_state, "TrainingAgent")
+    assert installed == str([True, training])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from conftest import INSTALLED_BACKENDS
 
 CODE = """
@@ -31,3 +32,21 @@ def test_onnxruntime_is_imported_without_torch():
         code, expected = code + TRAINING_BUILD, ["False", "True"]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == expected
+
+
+LAZY = """
+import sys
+import graphkit_train
+print("torch" in sys.modules)
+assert graphkit_train.export_web.__module__ == "graphkit_train.web.export"
+print("torch" in sys.modules)
+import graphkit_train.torch_module
+assert graphkit_train.OnnxModule is graphkit_train.torch_module.OnnxModule
+assert {"OnnxModule", "export_web"} <= set(graphkit_train.__all__)
+"""
+
+
+def test_the_runtime_names_onnx_module_without_importing_torch_until_used():
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-c", LAZY], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

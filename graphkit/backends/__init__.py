@@ -17,10 +17,12 @@ here. Adding a backend is one sub-package and one :func:`register` call below.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from graphkit import runtime_check
 from graphkit.backends.base import Backend, BackendInfo
 from graphkit.compat import MAX_IR_VERSION, MAX_OPSET
 from graphkit.errors import BackendNotInstalledError, UnknownNameError
@@ -130,8 +132,14 @@ def get(name: str | Backend | None = None) -> Backend:
 # cross-checking it.
 
 
+# whether a backend's runtime is installed is answered from what Python would import
+# (importlib.util.find_spec) and the installed distributions, without importing the
+# backend's package (nor onnxruntime, which takes a second)
+
+
 def _native_installed() -> bool:
-    return importlib.import_module("graphkit.backends.native").installed()
+    """onnx-ad and an onnxruntime build can be imported."""
+    return all(importlib.util.find_spec(name) is not None for name in ("onnx_ad", "onnxruntime"))
 
 
 register(
@@ -149,7 +157,11 @@ register(
 
 
 def _ort_training_installed() -> bool:
-    return importlib.import_module("graphkit.backends.ort_training").installed()
+    """The onnxruntime that would be imported is onnxruntime-training's."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return False
+    names = [d.metadata["Name"] or "" for d in runtime_check.onnxruntime_distributions()]
+    return any(name.lower().startswith("onnxruntime-training") for name in names)
 
 
 register(

@@ -125,19 +125,6 @@ class NativeBackend:
         return f"<graphkit backend {self.name!r}: {self.description}>"
 
 
-def installed() -> bool:
-    """Whether onnx-ad and an onnxruntime build can be imported."""
-    if not adapter.installed():
-        return False
-    try:
-        ort_engine.onnxruntime()
-    except ImportError:
-        return False
-    return True
-
-
-INSTALL = "pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]')"
-
 BACKEND: Backend = NativeBackend()
 
-__all__ = ["BACKEND", "INSTALL", "NativeBackend", "installed"]
+__all__ = ["BACKEND", "NativeBackend"]

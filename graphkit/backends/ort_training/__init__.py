@@ -128,20 +128,6 @@ class OrtTrainingBackend:
         return f"<graphkit backend {self.name!r}: {self.description}>"
 
 
-def installed() -> bool:
-    """Whether the installed onnxruntime is the training build."""
-    try:
-        ort = ort_engine.onnxruntime()
-    except ImportError:
-        return False
-    return hasattr(ort.capi._pybind_state, "TrainingAgent")
-
-
-INSTALL = (
-    "pip install 'graphkit-onnx[ort-training]' (onnxruntime-training-cpu 1.19.2, CPython "
-    "3.10-3.12; CUDA: onnxruntime-training==1.19.2, CPython 3.10-3.11)"
-)
-
 BACKEND: Backend = OrtTrainingBackend()
 
-__all__ = ["BACKEND", "INSTALL", "ModuleGraphs", "OrtTrainingBackend", "installed"]
+__all__ = ["BACKEND", "ModuleGraphs", "OrtTrainingBackend"]
