@@ -25,14 +25,16 @@ import onnx
 from graphkit.backends import activations
 from graphkit.backends.base import Backend, ForwardBackwardGraphs
 from graphkit.backends.native import adapter, agent, fused_step, lstm, simplify, split
+from graphkit.backends.onnxruntime_backend import OnnxruntimeBackend
 from graphkit.engine import ort_engine
 
 
-class NativeBackend:
+class NativeBackend(OnnxruntimeBackend):
     """Standard-ONNX gradients (onnx-ad) run by onnxruntime's shared engine.
 
-    Implements :class:`graphkit.backends.base.Backend`: sessions are the shared
-    engine's (:mod:`graphkit.engine.ort_engine`), forward/backward runs two of them.
+    Implements :class:`graphkit.backends.base.Backend`: sessions, standard graphs and
+    the gradient graphs run as they are come from :class:`OnnxruntimeBackend`;
+    forward/backward runs two sessions.
     """
 
     name = "native"
@@ -64,22 +66,6 @@ class NativeBackend:
 
     # its layout plumbing (the seed axis), removed once shapes are static
     constant_folds = (simplify.simplify,)
-
-    def to_standard(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        return model  # already standard
-
-    def prepare_gradient(self, gradient: onnx.ModelProto) -> onnx.ModelProto:
-        return gradient
-
-    # -- engine -------------------------------------------------------------------------
-
-    def inference_session(
-        self,
-        model: onnx.ModelProto | bytes,
-        providers: Sequence[ort_engine.Provider] = ort_engine.CPU,
-        threads: ort_engine.Threads | None = None,
-    ) -> Any:
-        return ort_engine.inference_session(model, providers, threads)
 
     # -- forward/backward: two sessions (see :mod:`.agent`) -------------------------------
 
@@ -120,9 +106,6 @@ class NativeBackend:
     # session call (see :mod:`.fused_step`)
     AgentRun = fused_step.FusedRun
     agent_step = staticmethod(fused_step.fused_step)
-
-    def __repr__(self) -> str:
-        return f"<graphkit backend {self.name!r}: {self.description}>"
 
 
 BACKEND: Backend = NativeBackend()

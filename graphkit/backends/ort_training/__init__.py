@@ -29,6 +29,7 @@ from typing import Any
 import onnx
 
 from graphkit.backends.base import Backend
+from graphkit.backends.onnxruntime_backend import OnnxruntimeBackend
 from graphkit.backends.ort_training import (
     agent,
     agent_step,
@@ -41,7 +42,7 @@ from graphkit.backends.ort_training.builders import ModuleGraphs
 from graphkit.engine import ort_engine
 
 
-class OrtTrainingBackend:
+class OrtTrainingBackend(OnnxruntimeBackend):
     """The gradient source and engine of onnxruntime-training 1.19.2.
 
     Implements :class:`graphkit.backends.base.Backend`: sessions are the shared
@@ -123,9 +124,6 @@ class OrtTrainingBackend:
     # in two calls (see :mod:`.agent_step`)
     AgentRun = agent_step.AgentRun
     agent_step = staticmethod(agent_step.agent_step)  # (last: it shadows the module here)
-
-    def __repr__(self) -> str:
-        return f"<graphkit backend {self.name!r}: {self.description}>"
 
 
 BACKEND: Backend = OrtTrainingBackend()
