@@ -217,3 +217,29 @@ def test_the_runtime_uses_only_what_the_protocol_declares():
         for member in _backend_members_used(p) - DECLARED
     }
     assert not undeclared, "\n".join(sorted(undeclared))
+
+
+@pytest.mark.parametrize("trainer", ["Trainer", "ForwardBackwardTrainer"])
+def test_a_build_resolves_the_backend_and_converts_the_model_once(trainer, monkeypatch):
+    """One trainer build: the backend's name is resolved once (the object is passed
+    down), and the user's model is converted and checked once (compat.make_compatible:
+    a copy and onnx.checker), whichever module asks."""
+    import graphkit_train
+    from graphkit import compat, ml_ops, prepare, rewrite
+
+    calls = {"canonical": 0, "make_compatible": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(backends, "canonical", counted("canonical", backends.canonical))
+    converting = counted("make_compatible", compat.make_compatible)
+    for module in (compat, ml_ops, prepare, rewrite):
+        monkeypatch.setattr(module, "make_compatible", converting)
+    onx, X, y = _regression()
+    getattr(graphkit_train, trainer)(onx, loss="mse", max_iter=1, batch_size=5).fit(X, y)
+    assert calls == {"canonical": 1, "make_compatible": 1}
