@@ -480,6 +480,48 @@ class LearningRateRMSProp(BaseLearningRate):
         super().__init__(_optimizers.rmsprop(alpha=alpha, eps=eps), _schedule(learning_rate, eta0))
 
 
+def resolve(
+    learning_rate: Any, default_rate: float = _optimizers.DEFAULT_LEARNING_RATE
+) -> _transforms.GradientTransformation:
+    """The transformation a seed trainer's ``learning_rate`` argument stands for.
+
+    * a number: plain SGD at that constant rate;
+    * a name: the optimizer :func:`graphkit.optimizers.get` gives, an open rate at
+      ``default_rate`` (``"SGD"``, ``"sgd"`` and ``"Sgd"`` are one constant-rate SGD; the
+      seed's ``LearningRateSGD``, SGD with the invscaling schedule, is an object of this
+      module);
+    * a gradient transformation: itself, an open rate filled at ``default_rate``;
+    * ``(transformation or name, schedule)``: the schedule (a Schedule, its name or a
+      number) fills the transformation's open rate;
+    * an object with ``to_transformation()`` (the seed's ``LearningRate*`` classes).
+    """
+    if isinstance(learning_rate, bool):
+        raise TypeError("learning_rate cannot be a bool.")
+    if isinstance(learning_rate, (int, float, np.integer, np.floating)):
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        return _optimizers.sgd(learning_rate=float(learning_rate))
+    if isinstance(learning_rate, str):
+        learning_rate = _optimizers.get(learning_rate)
+    if isinstance(learning_rate, _transforms.GradientTransformation):
+        if learning_rate.has_open_learning_rate:
+            return learning_rate.with_learning_rate(default_rate)
+        return learning_rate
+    if isinstance(learning_rate, tuple) and len(learning_rate) == 2:
+        optimizer, schedule = learning_rate
+        if isinstance(optimizer, str):
+            optimizer = _optimizers.get(optimizer)
+        if isinstance(optimizer, _transforms.GradientTransformation):
+            return optimizer.with_learning_rate(_schedules.get(schedule))
+    if hasattr(learning_rate, "to_transformation"):
+        return learning_rate.to_transformation()
+    raise TypeError(
+        "learning_rate must be a float, an optimizer name ('sgd', 'adam'...), a gradient "
+        "transformation, a (transformation, schedule) pair or a LearningRate* object, "
+        f"not {learning_rate!r}."
+    )
+
+
 def hint(kind: str, name: object) -> str:
     """What the seed's ``name`` is in graphkit (``""`` when it is none of the seed's),
     for the error an unknown ``kind`` (``"loss"``, ``"penalty"``, ``"optimizer"``) name

@@ -108,7 +108,7 @@ def test_every_optimizer_name_means_one_update_everywhere(spelling, name):
     expected = _update(optimizers.get(name, learning_rate=0.01))
     for variant in (spelling, spelling.upper(), spelling.capitalize()):
         assert _update(optimizers.get(variant, learning_rate=0.01)) == expected
-        assert _update(optimizers.resolve(variant)) == expected
+        assert _update(graphkit.seed.resolve(variant)) == expected
         assert _update(select_learning_rate(variant)) == expected
         assert _update(select_optimizer(variant)) == expected
         assert _update(BaseLearningRate.select(variant).to_transformation()) == expected
@@ -120,7 +120,7 @@ def test_sgd_in_any_case_is_one_constant_rate_sgd_everywhere(tmp_path):
     constant = ("sgd", {"weight_decay": 0.0}, (0.01, 0.01, 0.01))
     for spelling in ("SGD", "sgd", "Sgd"):
         assert _update(optimizers.get(spelling, learning_rate=0.01)) == constant
-        assert _update(optimizers.resolve(spelling)) == constant
+        assert _update(graphkit.seed.resolve(spelling)) == constant
         assert _update(BaseLearningRate.select(spelling).to_transformation()) == constant
         assert type(BaseLearningRate.select(spelling)) is BaseLearningRate  # not the seed's
         assert [_update(t) for t in _trained_with(spelling)] == [constant] * 4
@@ -174,8 +174,8 @@ def test_seed_trainers_default_to_the_seeds_invscaling_sgd():
     "call,seed_class",
     [
         (lambda: optimizers.get("SGDNesterov"), "LearningRateSGDNesterov"),
-        (lambda: optimizers.resolve("sgdnesterov"), "LearningRateSGDNesterov"),
-        (lambda: optimizers.resolve("LearningRateSGD"), "LearningRateSGD"),
+        (lambda: graphkit.seed.resolve("sgdnesterov"), "LearningRateSGDNesterov"),
+        (lambda: graphkit.seed.resolve("LearningRateSGD"), "LearningRateSGD"),
         (lambda: select_optimizer("LearningRateAdam"), "LearningRateAdam"),
         (lambda: BaseLearningRate.select("SGDNesterov"), "LearningRateSGDNesterov"),
         (lambda: losses.get("SquareLearningLoss"), "SquareLearningLoss"),
@@ -203,7 +203,7 @@ def test_seed_class_names_are_no_names_and_the_error_says_which_object(call, see
 
 def test_the_error_for_the_seeds_nesterov_says_what_it_is_in_graphkit():
     with pytest.raises(gk.UnknownNameError) as info:
-        optimizers.resolve("SGDNesterov")
+        graphkit.seed.resolve("SGDNesterov")
     message = str(info.value)
     assert "LearningRateSGDNesterov()" in message
     assert "convention='sklearn'" in message and "'nesterov' is torch's convention" in message

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphkit import ShapeError, UnknownNameError, optimizers, schedules
+from graphkit.seed import resolve
 from graphkit.transforms import apply_updates
 
 torch = pytest.importorskip("torch")
@@ -318,7 +319,7 @@ def test_a_second_positional_number_is_a_type_error(name):
         factory(RATE, 0.9)
     # left open, as before: the trainers fill it (DEFAULT_LEARNING_RATE when given none)
     assert factory().has_open_learning_rate
-    filled = optimizers.resolve(factory())
+    filled = resolve(factory())
     assert {float(s(0)) for s in filled.schedules()} == {optimizers.DEFAULT_LEARNING_RATE}
 
 

@@ -15,6 +15,7 @@ import graphkit as gk
 from graphkit import UnknownNameError, optimizers, schedules
 from graphkit import transforms as tx
 from graphkit.dsl import FLOAT, INT64, op, script
+from graphkit.seed import resolve
 
 torch = pytest.importorskip("torch")
 
@@ -496,7 +497,7 @@ def test_bad_transformations(rng):
     with pytest.raises(TypeError, match="learning rate is a graphkit Schedule"):
         optimizers.adam(learning_rate=[0.1])
     with pytest.raises(TypeError, match="learning rate is a graphkit Schedule"):
-        optimizers.resolve((optimizers.adam(), object()))
+        resolve((optimizers.adam(), object()))
     with pytest.raises(TypeError, match="chain\\(\\) takes gradient transformations"):
         tx.chain(optimizers.adam(), "sgd")
     for bad in (0.0, -1.0):

@@ -15,9 +15,9 @@ import numpy.typing as npt
 import onnx
 
 from graphkit import optimizers, schedules
-from graphkit._graph import static_shape
 from graphkit.engine.ort_engine import CUDA_HINT, providers_for  # noqa: F401 - re-exported
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.shapes import static_shape
 from graphkit.training.batches import NamedRows
 from graphkit.transforms import GradientTransformation
 
@@ -140,7 +140,9 @@ def select_optimizer(optimizer: Any, schedule: Any = None) -> GradientTransforma
                 "(build the optimizer without learning_rate=)."
             )
         return optimizer.with_learning_rate(schedules.get(schedule))
-    return optimizers.resolve(optimizer)
+    from graphkit.seed import resolve
+
+    return resolve(optimizer)
 
 
 def select_learning_rate(learning_rate: Any) -> GradientTransformation:
@@ -150,12 +152,12 @@ def select_learning_rate(learning_rate: Any) -> GradientTransformation:
     (graphkit's, as in :func:`select_optimizer`: ``"SGD"`` is constant-rate SGD), a
     graphkit transformation (an open rate runs at a constant 0.01), a
     ``(transformation, schedule or float)`` pair, or a ``LearningRate*`` object; see
-    :func:`graphkit.optimizers.resolve`."""
-    if learning_rate is None:
-        from graphkit.seed import LearningRateSGD
+    :func:`graphkit.seed.resolve`."""
+    from graphkit.seed import LearningRateSGD, resolve
 
+    if learning_rate is None:
         learning_rate = LearningRateSGD()
-    return optimizers.resolve(learning_rate)
+    return resolve(learning_rate)
 
 
 def input_value(model: onnx.ModelProto, name: str) -> onnx.ValueInfoProto:
