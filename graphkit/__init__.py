@@ -47,7 +47,6 @@ from graphkit.errors import (
 )
 from graphkit.gradient import gradient_model
 from graphkit.losses import Loss, custom_loss
-from graphkit.optimizers import Optimizer
 from graphkit.penalties import Penalty, custom_penalty
 from graphkit.rewrite import (
     add_loss_output,
@@ -80,7 +79,6 @@ __all__ = [
     "MissingGradientError",
     "NotFittedError",
     "GradientTransformation",
-    "Optimizer",
     "Penalty",
     "Schedule",
     "ShapeError",

@@ -53,9 +53,6 @@ from graphkit.transforms import (
     trace,
 )
 
-Optimizer = GradientTransformation
-"""An optimizer is a gradient transformation (a chain ending with the learning rate)."""
-
 OPTIMIZERS: Registry[GradientTransformation] = Registry("optimizer")
 
 
@@ -355,7 +352,6 @@ __all__ = [
     "DEFAULT_LEARNING_RATE",
     "OPEN",
     "OPTIMIZERS",
-    "Optimizer",
     "adadelta",
     "adafactor",
     "adagrad",

@@ -249,6 +249,15 @@ def test_the_top_level_holds_graphkits_names_and_still_finds_the_seeds():
     assert {"Trainer", "ForwardBackwardTrainer"} <= set(graphkit_train.__all__)
 
 
+def test_a_gradient_transformation_has_one_name():
+    """graphkit's optimizers are gradient transformations (GradientTransformation, as in
+    optax); "Optimizer" names the seed's trainers (OrtGradientOptimizer), nothing else."""
+    assert isinstance(gk.optimizers.adam(), gk.GradientTransformation)
+    assert "Optimizer" not in gk.__all__ and not hasattr(gk.optimizers, "Optimizer")
+    optimizers_named = {n for n in [*gk.__all__, *graphkit_train.__all__] if "Optimizer" in n}
+    assert optimizers_named == {"OrtGradientOptimizer", "OrtGradientForwardBackwardOptimizer"}
+
+
 def test_the_names_that_used_to_mean_two_things():
     assert losses.get("log").name == "log_loss"
     assert BaseLearningLoss.select("log").loss.name == "log_loss"
