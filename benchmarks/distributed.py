@@ -1,8 +1,8 @@
 """Data-parallel throughput: 1 process against 2 processes (torchrun, gloo) training the
 same MLP 100-256-256-1 (ReLU, float32, squared error, Adam) on 50,000 rows, at a batch
-of 256 rows per process; write benchmarks/results_distributed.md.
+of 256 rows per process; write benchmarks/results/distributed.md.
 
-    python benchmarks/distributed.py [--epochs 2]
+    python benchmarks/distributed.py [--epochs 2] [--output FILE]
 
 Each process keeps onnxruntime's default thread pool (one thread per core) and torchrun
 sets OMP_NUM_THREADS=1. Every contender computes the loss of every batch; the epoch
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
+from report import default_output, header, versions, write
 
 import graphkit as gk
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
@@ -93,6 +93,7 @@ def worker(epochs: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--output", default=str(default_output(__file__)))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -114,22 +115,19 @@ def main() -> None:
             ("2 processes x batch 256", two[kind]),
         ):
             rows.append((kind, label, r["rows_per_s"], r["rows_per_s"] / base, r["loss"]))
-    lines = [
-        f"# Data-parallel throughput ({platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores)",
-        "",
-        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-1, {ROWS:,} rows, Adam, float32; "
-        "`python benchmarks/distributed.py`. Each process uses onnxruntime's default pool "
+    lines = header("Data-parallel throughput", libraries=versions("torch")) + [
+        f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-1, {ROWS:,} rows, Adam, float32. **x 1 process "
+        "(batch 256)** is the ratio of rows per second to one process's at batch 256 (a "
+        "throughput: higher is faster). Each process uses onnxruntime's default pool "
         "(one thread per core), so 2 processes share the cores that 1 process had.",
         "",
-        "| trainer | run | rows/s | vs 1 process (batch 256) | epoch loss |",
+        "| trainer | run | rows/s | x 1 process (batch 256) | epoch loss |",
         "|---|---|---:|---:|---:|",
     ]
     for kind, label, speed, ratio, loss in rows:
-        lines.append(f"| {kind} | {label} | {speed:,.0f} | {ratio:.2f}x | {loss:.6f} |")
-    text = "\n".join(lines) + "\n"
-    Path(__file__).with_name("results_distributed.md").write_text(text)
-    print(text)
+        lines.append(f"| {kind} | {label} | {speed:,.0f} | {ratio:.2f} | {loss:.6f} |")
+    write(args.output, lines)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import onnx
+from report import default_output, header, write
 from run import (
     TURN,
     Workload,
@@ -96,9 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of the rows")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument(
-        "--output", default=str(Path(__file__).with_name("results_forward_backward.md"))
-    )
+    parser.add_argument("--output", default=str(default_output(__file__)))
     args = parser.parse_args()
     w = next(w for w in workloads(args.quick) if w.name.startswith("MLP 10-10-1, batch 10"))
     repeat = args.repeat
@@ -135,15 +133,13 @@ def main() -> None:
     results = {name: (timed[name], runs[name]) for name in runs}
     reference = results["numpy (hand-written)"][0][0]
     fb = results["graphkit forward/backward"][0][0]
-    lines = [
-        "# Forward/backward training",
-        "",
+    lines = header("Forward/backward training") + [
         f"One epoch of {w.name}, SGD, float32, {len(w.X)} rows; best of {repeat} or more "
         f"epochs, taken in turns of {TURN} (the first untimed) by numpy and graphkit, then by the "
         "seed design alone. Regenerate with `make bench`.",
         "",
-        "| implementation | onnxruntime runs per batch | µs / batch | time / numpy "
-        "| time / graphkit forward/backward | loss |",
+        "| implementation | onnxruntime runs per batch | µs / batch | x numpy "
+        "| x graphkit forward/backward | loss |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for name, ((seconds, loss), runs) in results.items():
@@ -153,7 +149,7 @@ def main() -> None:
             f"{seconds / fb:.2f} | {loss:.6g} |"
         )
         print(f"{name:40s} {per_batch:8.1f} us/batch  x{seconds / reference:.2f}  loss {loss:.6g}")
-    Path(args.output).write_text("\n".join(lines) + "\n")
+    write(args.output, lines)
     print(f"wrote {args.output}")
 
 

@@ -12,8 +12,8 @@ trained), the gradient graph of each installed backend:
 * **speed**: microseconds per run of the specialized gradient graph, and seconds per
   epoch of full training with each backend (``Trainer``, SGD, same data and weights).
 
-Run alone (2 cores): ``.venv/bin/python benchmarks/gradient_sources.py --output
-benchmarks/GRADIENT_SOURCES.md``.
+Run alone (2 cores): ``.venv/bin/python benchmarks/gradient_sources.py`` (writes
+``benchmarks/results/gradient_sources.md``; ``--output`` elsewhere).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from report import default_output, header, write
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -152,10 +153,13 @@ def gk_trainer(train, name):
     )
 
 
+BACKEND_COLUMNS = ("nodes (specialized)", "µs / batch", "ms / epoch")
+
+
 def render(rows, names) -> str:
     lines = [
         "| model | "
-        + " | ".join(f"{n}: nodes (specialized) | {n}: us/batch | {n}: ms/epoch" for n in names)
+        + " | ".join(f"{n}: {c}" for n in names for c in BACKEND_COLUMNS)
         + " | difference | vs finite differences |",
         "|---|" + "---|" * (4 * len(names) + 2),
     ]
@@ -207,23 +211,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=300)
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--output", type=Path, default=default_output(__file__))
     args = parser.parse_args()
     names = [b.name for b in backends.available() if b.installed]
     warnings.simplefilter("ignore")
     rows = [one_case(case, names, args.batch, args.repeat) for case in CASES]
-    text = (
-        "# Gradient sources on the model zoo\n\n"
-        f"onnxruntime {gk.engine.ort_engine.version()}, batch {args.batch}; written by "
-        "`benchmarks/gradient_sources.py`.\n\n"
-        + summary(rows, names)
-        + "\n\n"
-        + render(rows, names)
-        + "\n"
-    )
-    print(text)
-    if args.output:
-        args.output.write_text(text)
+    lines = header("Gradient sources on the model zoo") + [
+        f"Batch {args.batch}. For each model of tests/zoo and each backend: the nodes of "
+        "its gradient graph (in parentheses once specialized to the batch size), the time "
+        "of one run of the specialized gradient graph (**µs / batch**) and of one epoch of "
+        "full training (**ms / epoch**), the largest difference between the two backends' "
+        "gradients, and each backend's directional derivative against central finite "
+        "differences.",
+        "",
+        summary(rows, names),
+        "",
+        render(rows, names),
+    ]
+    print("\n".join(lines))
+    write(args.output, lines)
 
 
 if __name__ == "__main__":

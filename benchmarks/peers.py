@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "contenders"))
 
-from sections import demoted, write_section  # noqa: E402
+from report import default_output, header, machine, write  # noqa: E402
 from spec import save  # noqa: E402
 
 LR = {"sgd": 0.01, "adamw": 0.001}
@@ -559,10 +559,12 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="workloads whose name has this word")
     parser.add_argument("--contender", action="append", help="contenders whose name has this")
     parser.add_argument("--optimizer", choices=["sgd", "adamw"], action="append")
-    parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
+    parser.add_argument("--output", help="default: benchmarks/results/peers[-cuda].md")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--one-python", action="store_true", help="every contender in this Python")
     args = parser.parse_args()
+    if args.output is None:
+        args.output = default_output(__file__, "cuda" if args.device == "cuda" else "")
     if args.one_python:
         ENVS.update(dict.fromkeys(ENVS, Path(sys.executable)))
     repeat = 1 if args.quick else args.repeat
@@ -592,7 +594,7 @@ def main() -> None:
                 # written after every table, so that a run cut short keeps what it measured
                 done = len(rows) == len(chosen) * len(optimizers)
                 report = Report(args, repeat, started, load, versions, rows, sections)
-                write_section(args.output, "peers.py", demoted(report.text(done)))
+                write(args.output, report.text(done).splitlines())
     print(f"wrote {args.output}")
 
 
@@ -610,18 +612,20 @@ class Report:
 
     def text(self, done: bool) -> str:
         args = self.args
-        head = [
-            "# graphkit against its strongest peers",
-            "",
-            f"`python benchmarks/peers.py{' --quick' if args.quick else ''}` on "
-            f"{platform.machine()}, {THREADS} cores, CPython {platform.python_version()}"
-            + (
-                ", every contender on the GPU (`--device cuda`, float32: TF32 off); "
+        libraries = "; ".join(
+            [f"CPython {platform.python_version()}"]
+            + [f"{env}: {v}" for env, v in self.versions.items()]
+        )
+        head = header(
+            "graphkit against its strongest peers",
+            on=machine(THREADS, gpu=args.device == "cuda"),
+            libraries=libraries,
+        ) + [
+            (
+                "Every contender on the GPU (`--device cuda`, float32: TF32 off). "
                 if args.device == "cuda"
-                else "; "
+                else ""
             )
-            + "; ".join(f"{env}: {v}" for env, v in self.versions.items())
-            + ". "
             + ("**A smoke run (a few batches): not results.** " if args.quick else "")
             + ("" if done else "**A run under way or cut short: the tables so far.** ")
             + f"Per-batch time of the best of {self.repeat} timed epochs, the contenders "

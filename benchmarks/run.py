@@ -1,6 +1,6 @@
 """Time graphkit against every peer on the same training work, in one run.
 
-    python benchmarks/run.py [--quick] [--output benchmarks/RESULTS.md]
+    python benchmarks/run.py [--quick] [--output benchmarks/results/run.md]
 
 Each workload fixes the data, the initial weights and the updates (SGD, or AdamW with
 weight decay 0.01, whose form torch, onnxruntime's training API and graphkit share).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,12 +35,11 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-from sections import write_section
+from report import default_output, header, machine, versions, write
 
 LR_SGD, LR_ADAM, WEIGHT_DECAY = 0.01, 0.001, 0.01
 THREADS = os.cpu_count() or 1
@@ -554,7 +552,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tenth of the rows (a smoke run)")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--output", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("--output", default=str(default_output(__file__)))
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--memory-rows", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -563,17 +561,17 @@ def main() -> None:
         return
 
     started = time.perf_counter()
-    lines = [
-        "# Benchmarks",
-        "",
-        f"`python benchmarks/run.py` on {platform.machine()}, {THREADS} cores, CPython "
-        f"{platform.python_version()}, onnxruntime-training 1.19.2. Per-batch time of the best of "
-        f"{args.repeat} or more epochs, the contenders taking turns of {TURN} epochs (the first "
-        "untimed); **x numpy** is "
-        "the ratio to hand-written numpy, **x best peer** "
-        "to the fastest contender that is not graphkit (lower is faster). Same data, same "
-        "initial weights, same rows in the same order, same updates (SGD lr 0.01; AdamW lr "
-        "0.001, weight decay 0.01); *loss* is the last epoch's mean batch loss, and ≠ marks "
+    lines = header(
+        "graphkit against numpy, scikit-learn, PyTorch and onnxruntime's training API",
+        on=machine(THREADS),
+        libraries=versions("scikit-learn", "torch"),
+    ) + [
+        f"Per-batch time of the best of {args.repeat} or more epochs, the contenders "
+        f"taking turns of {TURN} epochs (the first untimed); **x numpy** is the ratio to "
+        "hand-written numpy, **x best peer** to the fastest contender that is not "
+        "graphkit (lower is faster). Same data, same initial weights, same rows in the "
+        "same order, same updates (SGD lr 0.01; AdamW lr 0.001, weight decay 0.01); "
+        "*loss* is the last epoch's mean batch loss, and ≠ marks "
         "one that differs from the first contender's by more than 1e-5 (SGD) or 1e-3 "
         "(AdamW, whose division by sqrt(v) amplifies float32 rounding) relative. "
         "onnxruntime's AdamW is not quite torch's (its losses differ by 1e-3 to 1e-2); "
@@ -648,7 +646,7 @@ def main() -> None:
             )
         lines.append("")
     lines.append(f"Total run: {time.perf_counter() - started:.0f} s.")
-    write_section(args.output, "run.py", "\n".join(lines))
+    write(args.output, lines)
     print(f"wrote {args.output}")
 
 

@@ -1,6 +1,6 @@
 """Time a training batch in the browser (onnxruntime-web, wasm) against native onnxruntime.
 
-    python benchmarks/web.py [--epochs 20] [--output benchmarks/WEB.md]
+    python benchmarks/web.py [--epochs 20] [--output benchmarks/results/web.md]
 
 The models of tests/web_models.py are exported once (graphkit_train.web.export_web). The
 same exported graphs then train in headless Chromium with 1 and with 2 wasm threads (the
@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
+from report import default_output, header, write
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -223,7 +224,7 @@ def _epoch(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=20, help="timed epochs per contender")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "WEB.md"))
+    parser.add_argument("--output", default=str(default_output(__file__)))
     args = parser.parse_args()
     missing = browser_missing()
     if missing:
@@ -259,24 +260,26 @@ def main() -> None:
                     )
                 rows.append((name, manifest, train_rows, batches, timings))
                 print(name, json.dumps(timings))
-    Path(args.output).write_text(report(rows, args.epochs, fixed))
+    write(args.output, report(rows, args.epochs, fixed))
     print(f"wrote {args.output}")
 
 
-def report(rows: list, epochs: int, fixed: dict[str, dict[str, float]]) -> str:
-    lines = [
-        "# Training in the browser: onnxruntime-web (wasm) against native onnxruntime",
-        "",
-        f"`python benchmarks/web.py` on {platform.machine()} ({platform.processor() or 'cpu'}), "
-        f"{time.strftime('%Y-%m-%d')}: onnxruntime-web 1.30.0 in headless Chromium "
-        f"(Debian), native onnxruntime {onnxruntime.__version__} in Python "
-        f"{platform.python_version()}. Best of {epochs} epochs after one untimed; microseconds "
-        "per batch; the ratio is to native onnxruntime with the same threads and mode. "
+def report(rows: list, epochs: int, fixed: dict[str, dict[str, float]]) -> list[str]:
+    libraries = (
+        f"CPython {platform.python_version()}, onnxruntime {onnxruntime.__version__}, "
+        "onnxruntime-web 1.30.0 in headless Chromium (Debian)"
+    )
+    lines = header(
+        "Training in the browser: onnxruntime-web (wasm) against native onnxruntime",
+        libraries=libraries,
+    ) + [
+        f"Best of {epochs} epochs after one untimed; µs / batch; **x native** is the ratio "
+        "to native onnxruntime with the same threads and mode. "
         "`step`: one run per batch (graphkit-web's `mode: \"step\"`, Python's StepTrainer); "
         "`epoch`: the exported epoch, one run per epoch (the page's default).",
         "",
-        "| model | rows, batch | mode | wasm 1 thread | native 1 thread | ratio "
-        "| wasm 2 threads | native 2 threads | ratio | last loss (all agree) |",
+        "| model | rows, batch | mode | wasm 1 thread | native 1 thread | x native "
+        "| wasm 2 threads | native 2 threads | x native | last loss (all agree) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, manifest, train_rows, batches, timings in rows:
@@ -322,7 +325,7 @@ def report(rows: list, epochs: int, fixed: dict[str, dict[str, float]]) -> str:
         'batch, which is why `mode: "epoch"` is the page\'s default.',
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ operator above is a pass over all the weights. Gathered, the same formula is::
 torch.optim.AdamW's own order (the weight decayed first, then the step added): four
 passes where the chain wrote six, the one-element factors computed once. Values are the
 same formula rounded in another order, as torch rounds it. AdamW's step is then 13
-passes over the weights, the fewest standard ONNX allows (``benchmarks/PROFILE.md``).
+passes over the weights, the fewest standard ONNX allows (``docs/design/performance.md``).
 Measured, native, a fused epoch, us a batch (one process per version, taking turns):
 MLP 10-10-1 at batch 10, 11.7 -> 11.3; MLP 100-256-256-1 at batch 256, 836-885 ->
 822-833; MLP 784-512-512-10 at batch 128 (one update per weight), 2998-3019 ->

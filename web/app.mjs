@@ -9,7 +9,7 @@ import * as ort from "./node_modules/onnxruntime-web/dist/ort.wasm.min.mjs";
 const params = new URLSearchParams(location.search);
 const folder = new URL(params.get("model") ?? "demo/", location.href);
 // one thread by default: a second one needs a cross-origin isolated page, and did not pay
-// off on the models of benchmarks/WEB.md
+// off on the models of benchmarks/results/web.md
 const threads = Number(params.get("threads") ?? 1);
 ort.env.wasm.wasmPaths = new URL("./node_modules/onnxruntime-web/dist/", import.meta.url).href;
 ort.env.wasm.numThreads = threads;

@@ -5,7 +5,7 @@ one entry per position of the split axis (which output each position goes to) an
 copies it to the GPU before its kernel runs. For the packed optimizer update of
 :mod:`graphkit.training.step`, a ``Split`` of every weight laid end to end, that is one
 entry per weight: measured on an H100 with onnxruntime-gpu 1.31.1
-(``benchmarks/CUDA.md``), the ``Split`` of the 669,706 weights of the MLP
+(``benchmarks/results/peers-cuda.md``), the ``Split`` of the 669,706 weights of the MLP
 784-512-512-10 took 4.2 ms a call, more than the rest of the training step. A ``Slice``
 per output copies the same values with a table per dimension, not per position.
 
