@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -845,6 +845,23 @@ __all__ = [
     "strip_loss_output",
     "weight_values",
 ]
+
+
+def keep_outputs(onx: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``onx`` whose outputs are ``names`` (in that order), without the nodes
+    they do not need.
+
+    Raises:
+        UnknownNameError: a name that is not an output.
+    """
+    model = _copy(onx)
+    outputs = {o.name: o for o in model.graph.output}
+    unknown = [n for n in names if n not in outputs]
+    if unknown:
+        raise UnknownNameError(f"{unknown} are not outputs of the graph; outputs: {list(outputs)}.")
+    del model.graph.output[:]
+    model.graph.output.extend(outputs[n] for n in names)
+    return prune(model)
 
 
 def prune(onx: onnx.ModelProto) -> onnx.ModelProto:

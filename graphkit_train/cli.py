@@ -936,7 +936,7 @@ def _report(
         "train_losses": trainer.train_losses_,
         "held_out_losses": trainer.validation_losses_,
         "training_seconds": seconds,
-        "backend": trainer._backend.name,
+        "backend": trainer.backend_.name,
         "epoch_end_seconds": epoch_ends,
         "export": getattr(args, "export", False),
     }

@@ -448,3 +448,22 @@ def test_the_registry_tells_what_is_installed_without_importing_it():
 
     training = hasattr(ort_engine.onnxruntime().capi._pybind_state, "TrainingAgent")
     assert installed == str([True, training])
+
+
+def test_the_runtime_imports_no_private_graphkit_module_and_builds_no_graph():
+    """graphkit_train runs what graphkit builds: it imports only graphkit's public
+    modules, and writes no node (the command line's demo model excepted: it stands for
+    the model a user brings)."""
+    runtime = ROOT / "graphkit_train"
+    private = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in SOURCES
+        if runtime in path.parents
+        for name in _imports(path)
+        if any(part.startswith("_") for part in name.split(".")[1:] if name.startswith("graphkit."))
+        or name.startswith("graphkit.static_shapes")
+    ]
+    assert not private, "\n".join(private)
+    builds = _offenders(re.compile(r"\bmake_node\(|\bmake_graph\(|\.graph\.node\.(extend|append)"))
+    builds = [b for b in builds if b.startswith("graphkit_train/") and "cli.py" not in b]
+    assert not builds, "\n".join(builds)

@@ -21,43 +21,78 @@
 * :func:`export_training_info` writes the trained prediction model with the same step
   inside it as an ONNX ``TrainingInfoProto``: a model that carries its own way to keep
   training, run by :func:`graphkit.training_info.run_training_info`.
+
+Each is written from a :class:`~graphkit.training.problem.TrainingProblem`, the backend
+that lowers its operators and the training state (``get_state()``'s arrays; None for the
+initial values): :func:`export_step`, :func:`export_epoch`, :func:`export_info` (which
+also takes the prediction graph the trained weights go into). The functions named
+``export_training_*`` take a fitted full trainer instead (its ``problem_``,
+``backend_``, ``fitted_state()`` and ``prediction_template()``), as
+``OrtGradientOptimizer.export_training_step`` and the other methods do.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graphkit import backends
 from graphkit._graph import fresh_name, graph_names, rename_tensors
+from graphkit.backends.base import Backend
 from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
-from graphkit.rewrite import prune
+from graphkit.rewrite import META_HEADS, loss_heads, metadata, prune
 from graphkit.step_trainer import META
 from graphkit.training.epoch import loop_over_batches
+from graphkit.training.problem import TrainingProblem
+from graphkit.training.step import TrainingStep
+from graphkit.training.trained import trained_weights, with_weights
 from graphkit.training_info import check_training_info, set_initial_state
 
+State = Mapping[str, np.ndarray]
+"""A training state as ``get_state()`` gives it: the weights, the optimizer state (per
+weight) and ``step``."""
 
-def _portable_step(trainer: Any) -> tuple[Any, onnx.ModelProto, dict[str, Any]]:
+
+def _portable_step(
+    problem: TrainingProblem, backend: Backend | None, state: State | None
+) -> tuple[TrainingStep, onnx.ModelProto, dict[str, Any]]:
     """``(step, lowered step model, {resident input: current value})``."""
-    trainer._build()
-    step = getattr(trainer, "training_step_", None)
-    if step is None:
+    # other runtimes get the state named per weight, as get_state() names it
+    step = problem.step(pack=False)
+    backend = backends.get(problem.backend) if backend is None else backend
+    # nodes no output needs (a ZipMap after the probabilities) are dropped first
+    model = backend.to_standard(prune(step.model))
+    values = {} if state is None else state
+    inputs = {i.name for i in model.graph.input}
+    resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
+    return step, model, resident
+
+
+def _heads(model: onnx.ModelProto) -> dict[str, str]:
+    """``{output: its label input}`` of a graph with a loss per output (else empty)."""
+    if not metadata(model).get(META_HEADS):
+        return {}
+    return {h.output: h.label for h in loss_heads(model)}
+
+
+def _from_trainer(trainer: Any) -> tuple[TrainingProblem, Backend, State | None]:
+    """What the exporters take from a full trainer (built here): its problem, its
+    backend and its state (None before ``fit``)."""
+    backend = trainer.backend_  # builds
+    problem = getattr(trainer, "problem_", None)
+    if problem is None:
         raise TypeError(
             f"{type(trainer).__name__} has no fused training step to export; "
             "OrtGradientOptimizer has one."
         )
-    # other runtimes get the state named per weight, as get_state() names it
-    step = trainer.problem_.step(pack=False)
-    # nodes no output needs (a ZipMap after the probabilities) are dropped first
-    model = trainer._backend.to_standard(prune(step.model))
-    values = trainer.get_state() if trainer._fitted else {}
-    inputs = {i.name for i in model.graph.input}
-    resident = {n: values.get(n, step.initial[n]) for n in step.resident if n in inputs}
-    return step, model, resident
+    return problem, backend, trainer.fitted_state()
 
 
 def export_training_step(
@@ -65,7 +100,8 @@ def export_training_step(
 ) -> onnx.ModelProto:
     """The trainer's training step in standard ONNX; its resident inputs' current values
     (the initial ones before ``fit``) are the outputs of TrainingInfoProto 0's
-    initialization graph (:func:`graphkit.training_info.initial_state`).
+    initialization graph (:func:`graphkit.training_info.initial_state`). See
+    :func:`export_step`.
 
     Args:
         trainer: an :class:`~graphkit_train.OrtGradientOptimizer`.
@@ -77,7 +113,32 @@ def export_training_step(
         TypeError: the trainer has no fused training step (forward/backward training
             takes its gradients from the TrainingAgent at run time).
     """
-    step, model, resident = _portable_step(trainer)
+    problem, backend, state = _from_trainer(trainer)
+    return export_step(problem, backend, state, path)
+
+
+def export_step(
+    problem: TrainingProblem,
+    backend: Backend | None = None,
+    state: State | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> onnx.ModelProto:
+    """The training step of ``problem`` in standard ONNX.
+
+    Args:
+        problem: what to train and how.
+        backend: lowers the backend's operators to standard ONNX (None: the problem's).
+        state: the training state its resident inputs start from (``get_state()``'s
+            arrays; None, or an entry left out: the initial value); they are the outputs
+            of TrainingInfoProto 0's initialization graph
+            (:func:`graphkit.training_info.initial_state`).
+        path: where to save it (optional).
+
+    Raises:
+        IncompatibleModelError: the step holds an operator the lowering does not know
+            (the message lists them).
+    """
+    step, model, resident = _portable_step(problem, backend, state)
     set_initial_state(model, resident)
     data = step.data
     model.doc_string = (
@@ -93,7 +154,7 @@ def export_training_step(
         "inputs": list(step.feature_inputs),
         "label": step.label,
         "labels": list(step.labels),  # one per loss head (a loss per output)
-        "heads": {h.output: h.label for h in getattr(trainer, "_heads", None) or []},
+        "heads": _heads(problem.model),
         "sample_weight": step.sample_weight if step.sample_weight in inputs else None,
         "loss": step.loss,
         "resident": list(resident),
@@ -105,8 +166,29 @@ def export_training_step(
 def export_training_info(
     trainer: Any, path: str | os.PathLike[str] | None = None
 ) -> onnx.ModelProto:
-    """The prediction model with the trained weights, carrying the training step as a
-    ``TrainingInfoProto``:
+    """The trainer's prediction model with its current weights, carrying the training
+    step as a ``TrainingInfoProto``; see :func:`export_info`.
+
+    Raises:
+        IncompatibleModelError: a weight of the step is not an initializer of the
+            prediction graph, or the lowering does not know an operator.
+        TypeError: the trainer has no fused training step.
+    """
+    problem, backend, state = _from_trainer(trainer)
+    return export_info(problem, trainer.prediction_template(), backend, state, path)
+
+
+def export_info(
+    problem: TrainingProblem,
+    prediction: onnx.ModelProto,
+    backend: Backend | None = None,
+    state: State | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> onnx.ModelProto:
+    """The prediction graph ``prediction`` (weights as initializers: the trained ones
+    are written into it) with the weights of ``state`` (None: its own), carrying the
+    training step of ``problem`` as a ``TrainingInfoProto`` (``backend``, ``state``,
+    ``path``: as in :func:`export_step`):
 
     * ``algorithm``: the lowered step; it reads the weights from the prediction graph's
       initializers and keeps the optimizer state, ``step`` and ``loss_sum`` as its own;
@@ -120,11 +202,11 @@ def export_training_info(
         IncompatibleModelError: a weight of the step is not an initializer of the
             prediction graph, or the lowering does not know an operator.
     """
-    step, algorithm, resident = _portable_step(trainer)
+    step, algorithm, resident = _portable_step(problem, backend, state)
     inference = (
-        trainer.get_trained_onnx()
-        if trainer._fitted
-        else trainer._untied(trainer._prediction_model())
+        prediction
+        if state is None
+        else with_weights(prediction, trained_weights(state, step.weights))
     )
     main = inference.graph
     weights = {t.name for t in main.initializer}
@@ -201,8 +283,26 @@ def export_training_info(
 def export_training_epoch(
     trainer: Any, path: str | os.PathLike[str] | None = None
 ) -> onnx.ModelProto:
-    """One epoch of training as one standard-ONNX model: the lowered step as the body of
-    a ``Loop`` over the batches.
+    """One epoch of the trainer's training as one standard-ONNX model; see
+    :func:`export_epoch`.
+
+    Raises:
+        IncompatibleModelError: the lowering does not know an operator of the step.
+        TypeError: the trainer has no fused training step.
+    """
+    problem, backend, state = _from_trainer(trainer)
+    return export_epoch(problem, backend, state, path)
+
+
+def export_epoch(
+    problem: TrainingProblem,
+    backend: Backend | None = None,
+    state: State | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> onnx.ModelProto:
+    """One epoch of training ``problem`` as one standard-ONNX model: the lowered step as
+    the body of a ``Loop`` over the batches (``backend``, ``state``, ``path``: as in
+    :func:`export_step`).
 
     ::
 
@@ -219,7 +319,7 @@ def export_training_epoch(
     Batch k takes rows ``permutation[k * batch_size : (k + 1) * batch_size]`` (the last
     one may be shorter), as graphkit's trainers do.
     """
-    step, body_model, resident = _portable_step(trainer)
+    step, body_model, resident = _portable_step(problem, backend, state)
     present = {i.name for i in body_model.graph.input}
     data = step.data
     model = loop_over_batches(
@@ -241,3 +341,13 @@ def _finish(model: onnx.ModelProto, path: str | os.PathLike[str] | None) -> onnx
     if path is not None:
         onnx.save(model, os.fspath(path))
     return model
+
+
+__all__ = [
+    "export_epoch",
+    "export_info",
+    "export_step",
+    "export_training_epoch",
+    "export_training_info",
+    "export_training_step",
+]

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphkit import backends
 from graphkit.backends.base import Backend
@@ -33,9 +32,9 @@ from graphkit.engine.ort_engine import Threads, binding_outputs  # noqa: F401 - 
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
-from graphkit.rewrite import prune, weight_values
+from graphkit.rewrite import keep_outputs, set_weights, weight_values
 from graphkit.shapes import shape_matches, static_shape
-from graphkit.static_shapes import specialize
+from graphkit.training.specialized import for_rows
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 
@@ -147,12 +146,7 @@ class OrtGradientForwardBackward:
 
     def _prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """Outputs restricted to ``output_names``, and what they do not need dropped."""
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        kept = {o.name: o for o in copy.graph.output}
-        del copy.graph.output[:]
-        copy.graph.output.extend(kept[n] for n in self.output_names)
-        return prune(copy)
+        return keep_outputs(model, self.output_names)
 
     def _check_requiring(self, names: Iterable[str]) -> None:
         unknown = sorted(set(names) - set(self.input_names))
@@ -161,7 +155,7 @@ class OrtGradientForwardBackward:
 
     def _variant(self, requiring: frozenset[str], rows: int | None = None) -> _Variant:
         """The graphs for the inputs in ``requiring``; with ``rows``, specialized to
-        inputs of that many rows (see :func:`graphkit.static_shapes.specialize`: the
+        inputs of that many rows (see :func:`graphkit.training.specialized.for_rows`: the
         shape arithmetic folds away and bias gradients become MatMuls)."""
         key = (requiring, rows)
         if key not in self._variants:
@@ -172,8 +166,8 @@ class OrtGradientForwardBackward:
     def _build_variant(self, requiring: frozenset[str], rows: int | None) -> _Variant:
         if rows is not None:  # the graphs for any number of rows, specialized
             base = self._variant(requiring)
-            rows_of = dict.fromkeys(self.input_names, rows)
-            gradient = specialize(base.gradient_model, rows_of, self.backend.constant_folds)
+            folds = self.backend.constant_folds
+            gradient = for_rows(base.gradient_model, self.input_names, rows, folds)
             return self._with_agent(gradient, base.forward_model, None, base.grad_of, base.seeds)
         inputs = [n for n in self.input_names if n in requiring]
         check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
@@ -392,12 +386,7 @@ class OrtGradientForwardBackward:
 
     def trained_model(self) -> onnx.ModelProto:
         """The original graph (restricted to ``output_names``) with the current weights."""
-        copy = onnx.ModelProto()
-        copy.CopyFrom(self._model)
-        for init in copy.graph.initializer:
-            if init.name in self.weights:
-                init.CopyFrom(numpy_helper.from_array(self.weights[init.name].numpy(), init.name))
-        return copy
+        return set_weights(self._model, {n: v.numpy() for n, v in self.weights.items()})
 
 
 _ORT_TYPE = {

@@ -32,10 +32,9 @@ from graphkit.rewrite import (
     strip_loss_output,
 )
 from graphkit.shapes import ELEM_TO_DTYPE, named_shape
-from graphkit.static_shapes import Fold, specialize
 from graphkit.training.batches import NamedRows, Rows, epoch_batches, shuffled_pieces
-from graphkit.training.epoch import scan_over_batches
 from graphkit.training.problem import TrainingProblem
+from graphkit.training.specialized import Fold, fused_step
 from graphkit.training.step import TrainingStep, build_update_step
 from graphkit.transforms import GradientTransformation
 from graphkit.update_step import LOSS_SUM, grad_name
@@ -48,25 +47,16 @@ from graphkit_train.trainers.params import (
     select_learning_rate,
     select_optimizer,
 )
+from graphkit_train.trainers.shared import shared_parameters
 
 
+@shared_parameters
 class Trainer(BaseTrainer):
     """Train the weights of an ONNX graph whose loss is one of its outputs.
 
     Args:
         model_onnx: a training graph, e.g. from :func:`graphkit.add_loss_output`, or a
             prediction graph when ``loss`` is given (a ModelProto, its bytes or a path).
-        weights_to_train: names of the float initializers to train (a list or one name);
-            None trains the model's parameters and never its constants (the rule is in
-            :mod:`graphkit.parameters`; ``weights_to_train_`` holds the choice).
-        optimizer: an optimizer name, meaning exactly ``graphkit.optimizers.get(name)``
-            in any case (``"sgd"``, ``"adam"``, ``"nesterov"``...), or a graphkit
-            gradient transformation or chain (:mod:`graphkit.transforms`). Default
-            ``"sgd"``: plain SGD at a constant 0.01.
-        schedule: fills the optimizer's open learning rate: a
-            :class:`~graphkit.schedules.Schedule`, a schedule name (``"cosine"``...) or a
-            float. None: an open rate runs at a constant 0.01
-            (:data:`graphkit.optimizers.DEFAULT_LEARNING_RATE`).
         loss: None (the default): ``model_onnx`` outputs its loss already. A loss name
             or :class:`~graphkit.losses.Loss`: ``model_onnx`` is a prediction graph, and
             the trainer appends the loss to its only float output with
@@ -78,49 +68,11 @@ class Trainer(BaseTrainer):
         loss_weights: with a dict of losses, ``{output name: weight}`` (1 for a head
             left out).
         loss_output_name: the output holding the loss.
-        max_iter: number of epochs.
-        batch_size: rows per training step (of in-memory data: streamed batches,
-            ``fit(batches)``, keep the sizes the iterable gives them).
-        device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (needs the CUDA build).
-        warm_start: continue from where the previous ``fit`` stopped (weights, optimizer
-            state, step count and shuffling sequence) instead of the initial weights.
-        verbose: show a progress bar with the loss and the learning rate.
-        validation_every: validate every ``validation_every * max_iter`` epochs (a float
-            below 1) or every ``validation_every`` epochs; 0 never.
-        sample_weight_name: name of the sample-weight input of graphs not made by
-            ``add_loss_output`` (which records it).
-        shuffle: draw a new permutation of the rows every epoch (None, the default, means
-            True; False keeps them in order). Streamed batches (``fit(batches)``) keep
-            the iterable's order: there ``shuffle`` does not apply, and True warns.
-        random_state: seed of the permutations.
-        early_stopping: hold out ``validation_fraction`` of the rows (or use ``X_val``,
-            ``y_val``), stop when the held-out loss has not improved by ``tol`` for
-            ``n_iter_no_change`` epochs, and keep the best weights (scikit-learn's
-            convention).
-        validation_fraction, n_iter_no_change, tol: see ``early_stopping``.
         distributed: data-parallel training over the ranks of an initialized
             ``torch.distributed`` process group (see :mod:`graphkit_train.distributed`):
             the fused step is split into a gradient graph and an update graph around
             one all-reduce per step.
-        steps_per_run: training steps per onnxruntime call: ``"epoch"`` (the default)
-            runs every full batch of an epoch in one call of a ``Scan`` graph over the
-            data laid out batch by batch (:mod:`graphkit.training.epoch`); an int k runs k
-            batches per call; 1 runs one call per batch. The weights are the same
-            whichever is chosen; only the speed differs. Streamed batches
-            (``fit(batches)``) run one call per batch.
-        static_shapes: build the step for the concrete ``batch_size`` with its shape
-            arithmetic folded away (:mod:`graphkit.static_shapes`); a last, shorter
-            batch runs the step built for any batch size.
-        intra_op_num_threads: threads per kernel (None: one per core, onnxruntime's
-            default).
-        execution_mode: ``"sequential"`` or ``"parallel"`` (independent nodes at once).
-        backend: where gradients come from and what runs them, a name registered in
-            :mod:`graphkit.backends` (None: ``GRAPHKIT_BACKEND``, else the first
-            installed in the order ``"native"``, ``"ort_training"``).
-        untie_shared_weights: an initializer read by several parameter slots becomes
-            one weight per slot, ``<name>``, ``<name>.1``... (torch's TorchScript
-            exporter merges equal initializers, such as two fresh LayerNorms' weights,
-            which torch trains apart). False keeps them tied (weights tied on purpose).
+        every other parameter: see :mod:`graphkit_train.trainers.shared`.
 
     Attributes (after ``fit``):
         train_losses_: mean batch loss of every epoch.
@@ -563,18 +515,12 @@ class FusedRunner:
         self.step = step
         self.batch_size = batch_size
         self.data = step.data  # every feature input, the label[, sample weights]
-        model = (
-            specialize(step.model, dict.fromkeys(self.data, batch_size), folds)
-            if static
-            else step.model
-        )
+        model, scan_model = fused_step(step, batch_size, static, looped, folds)
         self.model = model
         self.scan = None
         self.session = None
-        if looped:
-            self.scan_model = scan_over_batches(
-                model, self.data, step.resident, step.loss, batch_size
-            )
+        if scan_model is not None:
+            self.scan_model = scan_model
             self.scan = session(self.scan_model)
         else:
             self.session = session(model)
@@ -641,11 +587,14 @@ def _recorded_loss(train_onnx: onnx.ModelProto) -> Loss | None:
     return recorded_loss(heads[0].loss) if len(heads) == 1 else None
 
 
+@shared_parameters
 class OrtGradientOptimizer(Trainer):
     """:class:`Trainer` with the seed library's API: ``learning_rate`` stands for
     ``optimizer`` and ``schedule``, and ``model_onnx`` is a training graph (no ``loss``).
 
     Args:
+        model_onnx: a training graph, e.g. from :func:`graphkit.add_loss_output` (a
+            ModelProto, its bytes or a path).
         learning_rate: None (the default): the seed's ``LearningRateSGD()``, SGD with
             scikit-learn's invscaling schedule, 0.01 / (step + 1) ** 0.25. A float: SGD
             at that constant rate. A ``LearningRate*`` object (:mod:`graphkit.seed`). An
@@ -654,7 +603,7 @@ class OrtGradientOptimizer(Trainer):
             the object ``LearningRateSGDNesterov()``). A graphkit transformation (an open
             learning rate runs at a constant 0.01) or a ``(transformation, schedule)``
             pair.
-        every other parameter: as in :class:`Trainer`, in the seed's order.
+        every other parameter: see :mod:`graphkit_train.trainers.shared`.
 
     Attributes (after ``fit``): as in :class:`Trainer`.
     """

@@ -35,8 +35,8 @@ from graphkit.engine.ort_engine import Threads
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.shapes import ELEM_TO_DTYPE, named_shape
-from graphkit.static_shapes import specialize
 from graphkit.training.batches import NamedRows, Rows
+from graphkit.training.specialized import folded, for_rows
 from graphkit.training.step import build_update_step
 from graphkit.transforms import GradientTransformation
 from graphkit.update_step import fuses_into, grad_name
@@ -49,6 +49,7 @@ from graphkit_train.trainers.params import (
     select_learning_rate,
     select_optimizer,
 )
+from graphkit_train.trainers.shared import shared_parameters
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
@@ -65,42 +66,23 @@ us/batch with a serial loss and update, 1400-2150 with pools (spinning or not); 
 update alone costs 250 us serial, 212 on 2 threads, but 1362 against 833 at 500k weights."""
 
 
+@shared_parameters
 class ForwardBackwardTrainer(BaseTrainer):
     """Train a prediction graph with forward/backward passes and graphkit's DSL pieces.
 
     Args:
         model_onnx: the prediction graph (ModelProto, bytes or path); its first float
             output is the prediction the loss compares with the labels.
-        weights_to_train: float initializers to train (None: the parameters, never the
-            constants; see :mod:`graphkit.parameters`).
         loss_output_name: name given to the loss in the exported graphs.
-        max_iter, batch_size, device, warm_start, verbose, validation_every, shuffle,
-            random_state: as in :class:`~graphkit_train.Trainer`.
-        optimizer, schedule: as in :class:`~graphkit_train.Trainer`: an optimizer name
-            (``graphkit.optimizers.get(name)``) or a gradient transformation, default
-            ``"sgd"``; the schedule (a Schedule, its name or a float) fills its open
-            learning rate, a constant 0.01 when None.
         loss: a loss name (the names of :mod:`graphkit.losses`, the same as
             everywhere in graphkit: ``"squared_error"``, ``"elastic"``, ``"log"`` for
             probabilities, ``"sigmoid_log_loss"`` for raw scores, ``"cross_entropy"``
             for logits...) or a graphkit Loss. One loss on one output: a dict of losses
             (one per output) is refused; :class:`~graphkit_train.Trainer` trains those.
-        output_index: the output the loss applies to, by position or name (None: the
-            only float tensor output; a skl2onnx ZipMap output stands for its
-            probabilities).
         penalty: None, a penalty name or a graphkit Penalty.
             Its gradient is added to the loss gradient (so the learning rate scales it;
             the seed decayed the weights without it).
-        exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
-        early_stopping, validation_fraction, n_iter_no_change, tol, distributed: as in
-            :class:`~graphkit_train.Trainer` (distributed training all-reduces
-            the gradients that the backward pass returns).
-        intra_op_num_threads, execution_mode: as in
-            :class:`~graphkit_train.Trainer`, for every session (forward,
-            backward, loss, update).
-        backend: as in :class:`~graphkit_train.Trainer`: the gradient source and the
-            forward/backward runner.
-        untie_shared_weights: as in :class:`~graphkit_train.Trainer`.
+        every other parameter: see :mod:`graphkit_train.trainers.shared`.
 
     Attributes (after ``fit``): ``train_losses_``, ``validation_losses_``,
     ``loss_`` (the loss resolved for the prediction's shape; ``learning_loss_`` as
@@ -217,7 +199,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         # exported "update" graph stays the readable one
         size = sum(v.size for v in values.values())
         self._resident_session = self._backend.inference_session(
-            specialize(self.update_step_.model, {}), self._providers, self._threads_for(size)
+            folded(self.update_step_.model), self._providers, self._threads_for(size)
         )
         self._input_values = [input_value(model, n) for n in fb.input_names]
         self._label_value = input_value(self.loss_onnx_, "label")
@@ -253,7 +235,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             graph = self.loss_.gradient_model(self._loss_dtype, weighted, self._prediction_shape)
             if rows is not None:
                 data = ["prediction", "label"] + (["weight"] if weighted else [])
-                graph = specialize(graph, dict.fromkeys(data, rows), self._backend.constant_folds)
+                graph = for_rows(graph, data, rows, self._backend.constant_folds)
             per_row = self._prediction_shape[1:]
             widths = [d for d in per_row if isinstance(d, int)]
             known = rows is not None and len(widths) == len(per_row)
@@ -289,9 +271,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             model = (
                 step.model
                 if rows is None
-                else specialize(
-                    step.model, dict.fromkeys(step.data, rows), self._backend.constant_folds
-                )
+                else for_rows(step.model, step.data, rows, self._backend.constant_folds)
             )
             short = rows is not None and rows < self.batch_size  # the last batch, once per epoch
             threads = self._threads.once_per_epoch() if short else self._threads
@@ -511,6 +491,7 @@ class LossRun:
 _LOSS_OUTPUTS = ("loss", "prediction_grad")
 
 
+@shared_parameters
 class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
     """:class:`ForwardBackwardTrainer` with the seed library's three attributes.
 
@@ -525,7 +506,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
             (:mod:`graphkit.seed`; a seed class name is no loss name).
         learning_penalty: None, a penalty name, a graphkit Penalty or a
             ``*LearningPenalty`` object.
-        every other parameter: as in :class:`ForwardBackwardTrainer`, in the seed's order.
+        every other parameter: see :mod:`graphkit_train.trainers.shared`.
 
     Attributes (after ``fit``): as in :class:`ForwardBackwardTrainer`.
     """

@@ -38,17 +38,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import copy_model
-from graphkit.compat import finalize
+from graphkit import backends
+from graphkit.backends.base import Backend
 from graphkit.errors import IncompatibleModelError
-from graphkit.rewrite import META_PREDICTION, metadata, prune
-from graphkit.training.batches import NamedRows
-from graphkit.training.export import (
-    export_training_epoch,
-    export_training_info,
-    export_training_step,
+from graphkit.losses import Loss
+from graphkit.rewrite import (
+    META_HEADS,
+    loss_heads,
+    metadata,
 )
-from graphkit.training_info import initial_state
+from graphkit.training.batches import NamedRows
+from graphkit.training.export import State, export_info
+from graphkit.training.problem import TrainingProblem
+from graphkit.training.web_graphs import web_graphs
 
 MANIFEST = "manifest.json"
 MODULE = "graphkit-web.mjs"
@@ -101,39 +103,86 @@ def export_web(
         IncompatibleModelError: a loss per output, or a step the lowering to standard
             ONNX cannot write.
     """
-    trainer._build()
-    if getattr(trainer, "_heads", None):
-        outputs = [h.output for h in trainer._heads]
+    backend = trainer.backend_  # builds
+    problem = getattr(trainer, "problem_", None)
+    if problem is None:  # as graphkit.training.export says
+        raise TypeError(
+            f"{type(trainer).__name__} has no fused training step to export; "
+            "OrtGradientOptimizer has one."
+        )
+    return export_web_problem(
+        problem,
+        folder,
+        prediction=trainer.prediction_template(),
+        batch_size=int(trainer.batch_size),
+        backend=backend,
+        state=trainer.fitted_state(),
+        loss=trainer.loss_,
+        classes=trainer.class_count(),
+        data=data,
+    )
+
+
+def export_web_problem(
+    problem: TrainingProblem,
+    folder: str | os.PathLike[str],
+    *,
+    prediction: onnx.ModelProto,
+    batch_size: int,
+    backend: Backend | None = None,
+    state: State | None = None,
+    loss: Loss | None = None,
+    classes: int | None = None,
+    data: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``folder`` so that a web page trains ``problem`` with onnxruntime-web, from
+    ``state``: what :func:`export_web` writes for a trainer, from what it takes of it.
+
+    Args:
+        problem: what to train and how (a full trainer's ``problem_``), with one loss.
+        folder, data: as in :func:`export_web`.
+        prediction: the prediction graph, weights as initializers (a trainer's
+            ``prediction_template()``): the page's template, and the model it exports.
+        batch_size: the rows per batch the page trains with.
+        backend: lowers the backend's operators to standard ONNX (None: the problem's).
+        state: the training state to start from (``get_state()``'s arrays; None: the
+            initial one).
+        loss: the loss the graph computes, when known (its name and reduction go into
+            the manifest; the page predicts labels with it).
+        classes: the number of classes of a classification loss (labels 0 .. K-1);
+            None for a regression.
+
+    Returns:
+        The manifest (also written to ``folder/manifest.json``).
+
+    Raises:
+        IncompatibleModelError: a loss per output, or a step the lowering to standard
+            ONNX cannot write.
+    """
+    backend = backends.get(problem.backend) if backend is None else backend
+    heads = loss_heads(problem.model) if metadata(problem.model).get(META_HEADS) else []
+    if heads:
+        outputs = [h.output for h in heads]
         raise IncompatibleModelError(
             f"export_web trains one loss; this trainer has a loss per output {outputs}. "
             "Export a model with one loss (add_loss_output(model, loss))."
         )
-    step = export_training_step(trainer)  # TypeError for forward/backward trainers
-    epoch = export_training_epoch(trainer)
-    roles = json.loads(metadata(step)["graphkit.training_step"])
-    state = initial_state(step)
-    state = {name: state[name] for name in roles["resident"]}
-    weights = [w for w in trainer.training_step_.weights if w in state]
-
-    evaluate = _forward(trainer, trainer.evaluation_onnx_, [roles["loss"]])
-    prediction = metadata(trainer.train_onnx_).get(META_PREDICTION) or next(
-        o.name for o in trainer.prediction_onnx_.graph.output
-    )
-    predict = _forward(trainer, trainer.prediction_onnx_, [prediction])
-    template, trained = _template(trainer, weights, state)
+    graphs = web_graphs(problem, prediction, backend, state)
+    step, epoch, roles, resident = graphs.step, graphs.epoch, graphs.roles, graphs.resident
+    weights, prediction_output = graphs.weights, graphs.prediction_output
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     blobs = {
         "step": step.SerializeToString(),
         "epoch": epoch.SerializeToString(),
-        "evaluate": evaluate.SerializeToString(),
-        "predict": predict.SerializeToString(),
-        "template": template.SerializeToString(),
+        "evaluate": graphs.evaluate.SerializeToString(),
+        "predict": graphs.predict.SerializeToString(),
+        "template": graphs.template.SerializeToString(),
     }
-    state_bytes, state_entries = _pack(state)
+    state_bytes, state_entries = _pack(resident)
     blobs["state"] = state_bytes
-    _check_assembly(blobs["template"], {w: state[w] for w in weights}, trained)
+    _check_assembly(blobs["template"], {w: resident[w] for w in weights}, graphs.trained)
     for key, blob in blobs.items():
         (out / _FILES[key]).write_bytes(blob)
 
@@ -148,27 +197,27 @@ def export_web(
             for key, blob in blobs.items()
         },
         "inputs": [_value(inputs[name]) for name in roles["inputs"]],
-        "label": {**_value(label), "classes": _classes(trainer)},
+        "label": {**_value(label), "classes": classes},
         "sample_weight": _value(inputs[sample_weight]) if sample_weight else None,
         "loss": {
             "output": roles["loss"],
-            "name": trainer.loss_.name if trainer.loss_ is not None else None,
-            "reduction": trainer.loss_.reduction if trainer.loss_ is not None else None,
+            "name": loss.name if loss is not None else None,
+            "reduction": loss.reduction if loss is not None else None,
         },
-        "prediction": {"output": prediction, **_prediction_kind(trainer)},
+        "prediction": {"output": prediction_output, **_prediction_kind(loss, classes)},
         "weights": weights,
         "state": state_entries,
-        "batch_size": int(trainer.batch_size),
-        "optimizer": {"name": trainer.optimizer_.name, "params": trainer.optimizer_.params},
+        "batch_size": int(batch_size),
+        "optimizer": {"name": problem.optimizer.name, "params": problem.optimizer.params},
         "operators": {
             key: sorted({n.op_type for n in model.graph.node})
-            for key, model in (("step", step), ("epoch", epoch), ("predict", predict))
+            for key, model in (("step", step), ("epoch", epoch), ("predict", graphs.predict))
         },
     }
     # the same model for Python and other runtimes: the prediction model carrying its
     # training step as a TrainingInfoProto (the page itself does not read it)
     try:
-        export_training_info(trainer, out / TRAINABLE)
+        export_info(problem, prediction, backend, state, out / TRAINABLE)
         manifest["trainable"] = TRAINABLE
     except IncompatibleModelError:  # a weight that is not a prediction-graph initializer
         manifest["trainable"] = None
@@ -178,45 +227,6 @@ def export_web(
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, default=_json_default))
     shutil.copyfile(Path(__file__).with_name(MODULE), out / MODULE)
     return manifest
-
-
-def _forward(trainer: Any, model: onnx.ModelProto, outputs: list[str]) -> onnx.ModelProto:
-    """``model`` reduced to ``outputs`` (a ZipMap after the probabilities goes: no web
-    runtime returns maps), its operators lowered to standard ONNX, checked."""
-    model = copy_model(model)
-    kept = [o for o in model.graph.output if o.name in outputs]
-    del model.graph.output[:]
-    model.graph.output.extend(kept)
-    model = trainer._backend.to_standard(prune(model))
-    del model.metadata_props[:]
-    return finalize(model, full_check=True)
-
-
-def _template(
-    trainer: Any, weights: list[str], state: dict[str, np.ndarray]
-) -> tuple[onnx.ModelProto, onnx.ModelProto]:
-    """The prediction model without the initializers of ``weights``, and the model with
-    the current weights (what the template plus them must give)."""
-    trained = (
-        trainer.get_trained_onnx()
-        if trainer._fitted
-        else trainer._untied(trainer._prediction_model())
-    )
-    present = {t.name for t in trained.graph.initializer}
-    missing = [w for w in weights if w not in present]
-    if missing:
-        raise IncompatibleModelError(
-            f"Weights {missing} are not initializers of the prediction model, so the page "
-            "could not write the trained model; train a model whose weights are initializers."
-        )
-    for tensor in trained.graph.initializer:
-        if tensor.name in state:
-            tensor.CopyFrom(numpy_helper.from_array(state[tensor.name], tensor.name))
-    template = copy_model(trained)
-    kept = [t for t in template.graph.initializer if t.name not in set(weights)]
-    del template.graph.initializer[:]
-    template.graph.initializer.extend(kept)
-    return template, trained
 
 
 def _check_assembly(
@@ -272,18 +282,13 @@ def _value(info: onnx.ValueInfoProto) -> dict[str, Any]:
     return {"name": info.name, "type": _web_type(dtype, info.name), "dims": dims}
 
 
-def _classes(trainer: Any) -> int | None:
-    """The number of classes of a classification loss (labels 0 .. K-1), else None."""
-    return int(trainer._n_classes()) if trainer._is_classifier() else None
-
-
-def _prediction_kind(trainer: Any) -> dict[str, Any]:
+def _prediction_kind(loss: Loss | None, classes: int | None) -> dict[str, Any]:
     """How ``predict`` turns the output into predictions, as
     :meth:`graphkit.losses.Loss.labels` does: the values themselves (regression), the
     argmax of several columns, or a threshold on one column."""
-    if not trainer._is_classifier() or trainer.loss_ is None:
+    if classes is None or loss is None:
         return {"kind": "values"}
-    threshold = 0.5 if trainer.loss_.prediction == "probabilities" else 0.0
+    threshold = 0.5 if loss.prediction == "probabilities" else 0.0
     return {"kind": "labels", "threshold": threshold}
 
 

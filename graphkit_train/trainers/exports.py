@@ -1,0 +1,132 @@
+"""What a trainer exports of its model: the prediction graph with the trained weights
+(:meth:`ModelExports.get_trained_onnx`), every graph it runs
+(:meth:`ModelExports.save_onnx_graph`), and what the exporters of
+:mod:`graphkit.training.export` and :mod:`graphkit_train.web.export` take from it
+(:meth:`ModelExports.fitted_state`, :meth:`ModelExports.prediction_template`,
+:meth:`ModelExports.class_count`, ``backend_``).
+
+The graphs themselves are written by graphkit (:mod:`graphkit.training.trained`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+
+from graphkit.compat import load_model
+from graphkit.training.trained import trained_weights, untied_prediction, with_weights
+from graphkit.update_step import UpdateStep
+
+if TYPE_CHECKING:
+    from graphkit.backends.base import Backend
+    from graphkit_train.distributed import ProcessGroup
+    from graphkit_train.trainers.heads import Head
+
+
+class ModelExports:
+    """The trained model and the graphs a trainer runs, exported (see the module
+    docstring).
+
+    The trainer provides ``_build``, ``_fitted``, ``get_state``, ``update_step_``,
+    ``untie_shared_weights``, ``_backend``, ``_prediction_model`` and ``_graphs``.
+    """
+
+    # what the trainer provides, declared for the type checker (none exists at run time)
+    update_step_: UpdateStep
+    _backend: Backend
+    _group: ProcessGroup | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def _fitted(self) -> bool: ...
+
+        def _build(self) -> None: ...
+
+        def get_state(self) -> dict[str, np.ndarray]: ...
+
+        def _prediction_model(self) -> onnx.ModelProto: ...
+
+        def _graphs(self) -> dict[str, onnx.ModelProto]: ...
+
+        def _is_classifier(self) -> bool: ...
+
+        def _n_classes(self, head: Head | None = None) -> int: ...
+
+    @property
+    def backend_(self) -> Backend:
+        """The backend the trainer was built with (:func:`graphkit.backends.get` of
+        ``backend``): its gradient source, what runs the graphs, and the lowering of its
+        operators to standard ONNX."""
+        self._build()
+        return self._backend
+
+    def fitted_state(self) -> dict[str, np.ndarray] | None:
+        """``get_state()`` once fitted (or given a state with ``set_state``), else None
+        (the exporters then write the initial weights)."""
+        self._build()
+        return self.get_state() if self._fitted else None
+
+    def prediction_template(self) -> onnx.ModelProto:
+        """The prediction graph with its initial weights, shared weights untied as
+        training unties them (``untie_shared_weights``): the graph the trained weights are
+        written into (:func:`graphkit.training.trained.with_weights`)."""
+        self._build()
+        return self._untied(self._prediction_model())
+
+    def class_count(self) -> int | None:
+        """The number of classes of a classification loss (labels ``0 .. K-1``; 2 for
+        one probability or score column), None for a regression (or a loss per
+        output)."""
+        return int(self._n_classes()) if self._is_classifier() else None
+
+    def get_trained_onnx(
+        self, model: onnx.ModelProto | None = None, ema: bool = False
+    ) -> onnx.ModelProto:
+        """The prediction graph (or ``model``, e.g. the original one) with the trained
+        weights, or with their moving average when ``ema`` (the optimizer's chain must
+        end with :func:`graphkit.transforms.ema`)."""
+        self._build()
+        weights = trained_weights(self.get_state(), self.update_step_.weights, ema)
+        target = self._untied(self._prediction_model() if model is None else load_model(model))
+        return with_weights(target, weights)
+
+    def _untied(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """``model`` with the copies of shared weights that training made (see
+        ``untie_shared_weights``), so that every trained weight is one of its
+        initializers."""
+        if not getattr(self, "untie_shared_weights", False):
+            return model
+        return untied_prediction(model, self.update_step_.weights)
+
+    def save_onnx_graph(self, export: str | os.PathLike[str] | type[bytes]) -> dict[str, Any]:
+        """Export every graph the trainer uses.
+
+        Args:
+            export: a folder (created if needed) or the type ``bytes`` to serialize in
+                memory.
+
+        Returns:
+            ``{name: path}`` or ``{name: serialized bytes}``; once trained, ``trained``
+            is the prediction graph with the trained weights. In distributed training
+            only rank 0 writes files (the other ranks return ``{}``).
+        """
+        self._build()
+        group = getattr(self, "_group", None)
+        if group is not None and group.rank != 0 and export is not bytes:
+            return {}
+        graphs = self._graphs()
+        if self._fitted:
+            graphs["trained"] = self.get_trained_onnx()
+        if export is bytes:
+            return {name: g.SerializeToString() for name, g in graphs.items()}
+        folder = os.fspath(export)  # type: ignore[arg-type]
+        os.makedirs(folder, exist_ok=True)
+        paths = {}
+        for name, graph in graphs.items():
+            paths[name] = os.path.join(folder, f"{name}.onnx")
+            onnx.save(graph, paths[name])
+        return paths
