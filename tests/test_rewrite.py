@@ -355,3 +355,29 @@ def test_set_weights_writes_back_and_validates(linreg, rng):
         set_weights(model, {"W": new})
     with pytest.raises(DTypeError):
         set_weights(model, {"coef": np.zeros((3, 1), dtype=np.int64)})
+
+
+def test_keep_outputs_keeps_the_named_outputs_in_order_and_only_their_nodes():
+    from graphkit.rewrite import keep_outputs
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("a", "b", "c")]
+    nodes = [
+        helper.make_node("Neg", ["x"], ["a"]),
+        helper.make_node("Exp", ["x"], ["b"]),
+        helper.make_node("Abs", ["b"], ["c"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], outs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    kept = keep_outputs(model, ["c", "a"])
+    assert [o.name for o in kept.graph.output] == ["c", "a"]
+    assert sorted(n.op_type for n in kept.graph.node) == ["Abs", "Exp", "Neg"]
+    only = keep_outputs(model, ["a"])
+    assert [n.op_type for n in only.graph.node] == ["Neg"]
+    value = np.array([1.0, -2.0], np.float32)
+    got = gk.run(kept, {"x": value})
+    np.testing.assert_allclose(got["c"], np.abs(np.exp(value)))
+    np.testing.assert_allclose(got["a"], -value)
+    assert len(model.graph.node) == 3  # the model given is left as it was
+    with pytest.raises(gk.UnknownNameError, match=r"\['z'\] are not outputs"):
+        keep_outputs(model, ["z"])
