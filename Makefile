@@ -60,7 +60,7 @@ FLOORS_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python
 FLOORS       := .venv-floors
 FLOORS_STAMP := $(FLOORS)/.graphkit-installed
 FLOORS_TESTS := tests/test_install.py tests/test_fused.py tests/test_counter.py \
-	tests/test_decay_factors.py tests/test_training_info.py tests/test_step_trainer.py \
+	tests/test_decay_factors.py tests/test_training_info.py tests/test_portable_trainer.py \
 	tests/test_gradient.py
 
 # made anew each time, so that it holds exactly the floors

@@ -275,7 +275,7 @@ def report(rows: list, epochs: int, fixed: dict[str, dict[str, float]]) -> list[
     ) + [
         f"Best of {epochs} epochs after one untimed; µs / batch; **x native** is the ratio "
         "to native onnxruntime with the same threads and mode. "
-        "`step`: one run per batch (graphkit-web's `mode: \"step\"`, Python's StepTrainer); "
+        "`step`: one run per batch (graphkit-web's `mode: \"step\"`, Python's PortableTrainer); "
         "`epoch`: the exported epoch, one run per epoch (the page's default).",
         "",
         "| model | rows, batch | mode | wasm 1 thread | native 1 thread | x native "

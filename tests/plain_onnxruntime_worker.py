@@ -8,7 +8,7 @@ carrying a TrainingInfoProto), ``<name>.batches.npz``, and optionally ``<name>.e
 ``<name>.epoch_feeds.npz`` and ``<name>.rows.npz``, in
 the folder, it trains over the batches and writes ``<name>.result.npz``: the step's final
 resident tensors (prefix ``step/``), the TrainingInfoProto run's final initializers
-(prefix ``info/``), the state after two shuffled epochs of ``StepTrainer`` over the rows
+(prefix ``info/``), the state after two shuffled epochs of ``PortableTrainer`` over the rows
 (prefix ``trainer/``) and the onnxruntime version.
 """
 
@@ -48,7 +48,7 @@ def run_step(path: Path, batches: list[dict], training_info) -> dict[str, np.nda
 def main() -> None:
     folder = Path(sys.argv[1])
     assert not hasattr(onnxruntime, "training"), "this must be plain onnxruntime"
-    training_info, step_trainer = load("training_info"), load("step_trainer")
+    training_info, portable_trainer = load("training_info"), load("portable_trainer")
     for batches_file in sorted(folder.glob("*.batches.npz")):
         name = batches_file.name[: -len(".batches.npz")]
         data = np.load(batches_file)
@@ -79,7 +79,7 @@ def main() -> None:
         if (folder / f"{name}.rows.npz").exists():
             # two epochs of the step trainer over the same rows, shuffled with seed 0
             rows = np.load(folder / f"{name}.rows.npz")
-            trainer = step_trainer.StepTrainer(
+            trainer = portable_trainer.PortableTrainer(
                 folder / f"{name}.step.onnx", batch_size=10, shuffle=True, random_state=0
             )
             trainer.fit(rows["X"], rows["y"], epochs=2)

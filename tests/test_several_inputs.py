@@ -211,8 +211,8 @@ def test_validation_early_stopping_score_checkpoints_and_pickling(trainer, tmp_p
 
 def test_portable_step_epoch_and_training_info_take_every_input(tmp_path):
     """The exports name both inputs; the exported step trains on onnx.reference as the
-    trainer does (StepTrainer with the same dict)."""
-    from graphkit.step_trainer import StepTrainer
+    trainer does (PortableTrainer with the same dict)."""
+    from graphkit.portable_trainer import PortableTrainer
     from graphkit.training.epoch import PERMUTATION
 
     X, y, w = _data("two_tensors")
@@ -220,7 +220,7 @@ def test_portable_step_epoch_and_training_info_take_every_input(tmp_path):
     step_trainer = _trainer("full", onx, max_iter=1)
     step = step_trainer.export_training_step()
     assert {"X", "Z", "label", "weight"} <= {i.name for i in step.graph.input}
-    ours = StepTrainer(step, batch_size=8, random_state=5, runtime="reference")
+    ours = PortableTrainer(step, batch_size=8, random_state=5, runtime="reference")
     ours.fit(X, y, w, epochs=2)
     theirs = _trainer("full", onx, max_iter=2).fit(X, y, sample_weight=w)
     for name, value in theirs.get_state().items():
@@ -230,7 +230,7 @@ def test_portable_step_epoch_and_training_info_take_every_input(tmp_path):
     info = theirs.export_training_info(tmp_path / "model.trainable.onnx")
     onnx.checker.check_model(info, full_check=True)
     with pytest.raises(ValueError, match=r"2 feature inputs \['X', 'Z'\].*dict"):
-        StepTrainer(step).fit(X["X"], y)
+        PortableTrainer(step).fit(X["X"], y)
 
 
 def test_add_loss_output_on_two_inputs(rng):

@@ -204,7 +204,7 @@ def test_the_loss_of_one_batch_is_the_formula():
 
 
 def test_validation_early_stopping_checkpoints_pickling_and_exports(tmp_path):
-    from graphkit.step_trainer import StepTrainer
+    from graphkit.portable_trainer import PortableTrainer
     from graphkit.training.epoch import PERMUTATION
 
     x, price, kind, w = _data(60)
@@ -237,13 +237,13 @@ def test_validation_early_stopping_checkpoints_pickling_and_exports(tmp_path):
     # the exported step names both labels; it trains on onnx.reference as the trainer does
     step = _full(train, max_iter=1).export_training_step()
     assert {f"label_{reg}", f"label_{cls}", "weight"} <= {i.name for i in step.graph.input}
-    ours = StepTrainer(step, batch_size=BATCH, random_state=SEED, runtime="reference")
+    ours = PortableTrainer(step, batch_size=BATCH, random_state=SEED, runtime="reference")
     ours.fit(x, y, w, epochs=2)
     theirs = _full(train, max_iter=2).fit(x, y, sample_weight=w)
     for name, value in theirs.get_state().items():
         np.testing.assert_allclose(ours.state()[name], value, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"loss per output.*dict"):
-        StepTrainer(step).fit(x, price)
+        PortableTrainer(step).fit(x, price)
     epoch = theirs.export_training_epoch()
     assert {f"label_{reg}", f"label_{cls}", PERMUTATION} <= {i.name for i in epoch.graph.input}
     info = theirs.export_training_info()

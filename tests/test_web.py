@@ -3,7 +3,7 @@
 Each model is exported (:func:`graphkit_train.web.export_web`, or ``graphkit-train
 export --web``), served on localhost with the demo page (``web/index.html``), trained in
 the page for 3 epochs on fixed permutations, and compared with Python's own run of the
-same exported step (:class:`graphkit.step_trainer.StepTrainer` on onnxruntime, the
+same exported step (:class:`graphkit.portable_trainer.PortableTrainer` on onnxruntime, the
 permuted rows fed in order): the epoch losses, the held-out losses and every weight
 within 1e-5. The model the page writes (``exportModel``) must pass ``onnx.checker``'s
 full check and predict in Python's onnxruntime as it did in the page.
@@ -29,7 +29,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import graphkit as gk
-from graphkit.step_trainer import StepTrainer
+from graphkit.portable_trainer import PortableTrainer
 from tests.browser import WEB, browser_missing, run_page, serve
 from tests.web_models import MODELS
 
@@ -89,13 +89,13 @@ def load_rows(folder: Path, part: str) -> tuple[np.ndarray, np.ndarray]:
 
 def python_run(
     folder: Path, orders: list[np.ndarray], weights: np.ndarray | None
-) -> tuple[StepTrainer, list[float]]:
-    """StepTrainer on the exported step, each epoch's permuted rows in order, and the
+) -> tuple[PortableTrainer, list[float]]:
+    """PortableTrainer on the exported step, each epoch's permuted rows in order, and the
     held-out loss after each epoch (evaluate.onnx on Python's onnxruntime)."""
     manifest = json.loads((folder / "manifest.json").read_text())
     X, y = load_rows(folder, "train")
     X_held, y_held = load_rows(folder, "held_out")
-    trainer = StepTrainer(folder / "training_step.onnx", manifest["batch_size"], shuffle=False)
+    trainer = PortableTrainer(folder / "training_step.onnx", manifest["batch_size"], shuffle=False)
     evaluate = onnxruntime.InferenceSession(str(folder / "evaluate.onnx"))
     label = manifest["label"]
     held_losses = []

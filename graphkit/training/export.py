@@ -47,8 +47,8 @@ from graphkit._graph import fresh_name, graph_names, rename_tensors
 from graphkit.backends.base import Backend
 from graphkit.compat import finalize
 from graphkit.errors import IncompatibleModelError
+from graphkit.portable_trainer import META
 from graphkit.rewrite import META_HEADS, loss_heads, metadata, prune
-from graphkit.step_trainer import META
 from graphkit.training.epoch import loop_over_batches
 from graphkit.training.problem import TrainingProblem
 from graphkit.training.step import TrainingStep
@@ -159,7 +159,7 @@ def export_step(
         "loss": step.loss,
         "resident": list(resident),
     }
-    model.metadata_props.add(key=META, value=json.dumps(roles))  # for StepTrainer
+    model.metadata_props.add(key=META, value=json.dumps(roles))  # for PortableTrainer
     return _finish(model, path)
 
 

@@ -4,7 +4,7 @@ The folder holds nothing but standard ONNX, raw little-endian tensors and JSON, 
 onnxruntime-web's wasm backend, which has no training API since onnxruntime 1.20,
 trains it as an inference engine: a loop feeds a batch and the resident tensors to the
 exported step (or the whole epoch to the exported epoch) and feeds each ``<name>.next``
-back, as :class:`graphkit.step_trainer.StepTrainer` does in Python::
+back, as :class:`graphkit.portable_trainer.PortableTrainer` does in Python::
 
     manifest.json            what the ES module needs to know (below)
     training_step.onnx       one batch: graphkit.training.export.export_training_step

@@ -3,7 +3,7 @@
 // onnxruntime-web has no training API since onnxruntime 1.20; graphkit's exports hold
 // standard ONNX only, so its inference engine trains them: a loop feeds a batch and the
 // resident tensors (weights, optimizer state, step, loss_sum) to the exported step and
-// feeds each output '<name>.next' back, as graphkit's StepTrainer does in Python.
+// feeds each output '<name>.next' back, as graphkit's PortableTrainer does in Python.
 //
 //   import * as ort from "onnxruntime-web";
 //   import { loadTrainer } from "./model/graphkit-web.mjs";
@@ -119,7 +119,7 @@ export class WebTrainer {
    * epoch, or a function (epoch, rows) => permutation), sampleWeight (one per row),
    * validation ({ X, y }), onEpoch ((epoch, { train, heldOut }, trainer) => ..., awaited;
    * returning true stops), mode ("epoch": one run per epoch, the default; "step": one
-   * run per batch, as Python's StepTrainer).
+   * run per batch, as Python's PortableTrainer).
    *
    * A failed run leaves the weights and optimizer state as they were before it.
    */

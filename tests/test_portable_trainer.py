@@ -1,4 +1,4 @@
-"""StepTrainer: an exported step keeps training, epoch after epoch, on onnx.reference
+"""PortableTrainer: an exported step keeps training, epoch after epoch, on onnx.reference
 or onnxruntime, as graphkit's own trainer (same batches, same permutations)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from conftest import linear_regression_onnx, mlp_onnx
 
 import graphkit as gk
-from graphkit.step_trainer import StepTrainer
+from graphkit.portable_trainer import PortableTrainer
 from graphkit.training_info import initial_state
 from graphkit_train import OrtGradientOptimizer
 
@@ -30,12 +30,12 @@ def test_shuffled_epochs_match_graphkit(runtime, rng):
     y = np.tanh(X[:, :3]).astype(np.float32)
     model = mlp_onnx(4, 6, 3, "Tanh")
     step = make(model, max_iter=1).export_training_step()  # before any training
-    ours = StepTrainer(step, batch_size=10, random_state=3, runtime=runtime).fit(X, y, epochs=3)
+    ours = PortableTrainer(step, batch_size=10, random_state=3, runtime=runtime).fit(X, y, epochs=3)
     theirs = make(model, max_iter=3, random_state=3).fit(X, y)
     np.testing.assert_allclose(ours.train_losses_, theirs.train_losses_, rtol=1e-5)
     for name, value in theirs.get_state().items():
         np.testing.assert_allclose(ours.state()[name], value, rtol=1e-5, atol=1e-6)
-    again = StepTrainer(ours.to_model(), batch_size=10, shuffle=False, runtime=runtime)
+    again = PortableTrainer(ours.to_model(), batch_size=10, shuffle=False, runtime=runtime)
     np.testing.assert_array_equal(again.state()["W1"], ours.state()["W1"])
 
 
@@ -45,18 +45,18 @@ def test_sample_weights_and_bad_input(rng):
     onx = linear_regression_onnx(np.zeros((2, 1), np.float32), np.zeros(1, np.float32))
     step = make(onx, weight_name="weight", max_iter=1).export_training_step()
     with pytest.raises(ValueError, match="takes no sample weights"):
-        StepTrainer(make(onx, max_iter=1).export_training_step()).fit(X, y, np.ones(40))
+        PortableTrainer(make(onx, max_iter=1).export_training_step()).fit(X, y, np.ones(40))
     w = rng.uniform(0.5, 2.0, size=40).astype(np.float32)
-    ours = StepTrainer(step, batch_size=8, shuffle=False).fit(X, y, w, epochs=2)
+    ours = PortableTrainer(step, batch_size=8, shuffle=False).fit(X, y, w, epochs=2)
     theirs = make(onx, "squared_error", "weight", max_iter=2, batch_size=8, shuffle=False)
     theirs.fit(X, y, w)
     np.testing.assert_allclose(ours.state()["coef"], theirs.get_state()["coef"], rtol=1e-5)
     with pytest.raises(ValueError, match="not a graphkit training step"):
-        StepTrainer(onx)
+        PortableTrainer(onx)
     with pytest.raises(ValueError, match="batch_size"):
-        StepTrainer(step, batch_size=0)
+        PortableTrainer(step, batch_size=0)
     with pytest.raises(ValueError, match="runtime must be"):
-        StepTrainer(step, runtime="tvm")
+        PortableTrainer(step, runtime="tvm")
 
 
 def test_opening_an_exported_step_or_epoch_prints_no_warning(tmp_path):

@@ -1,14 +1,14 @@
 """Keep training an exported step on any ONNX runtime: plain onnxruntime, onnx.reference.
 
 :func:`graphkit.training.export.export_training_step` writes a training step in standard
-ONNX whose metadata names its data inputs and resident tensors. :class:`StepTrainer`
+ONNX whose metadata names its data inputs and resident tensors. :class:`PortableTrainer`
 runs it epoch after epoch, as graphkit's own trainer does (same batches, same
 ``random_state`` permutation), with nothing but onnx, numpy and the runtime: like
 :mod:`graphkit.training_info`, this file can be loaded where graphkit and
 onnxruntime-training are not installed (with ``training_info.py`` and
 ``training/batches.py`` beside it, as in graphkit's source tree)::
 
-    trainer = StepTrainer("step.onnx", batch_size=32).fit(X, y, epochs=5)
+    trainer = PortableTrainer("step.onnx", batch_size=32).fit(X, y, epochs=5)
     trainer.train_losses_, trainer.state()["W1"]
 """
 
@@ -58,7 +58,7 @@ META = "graphkit.training_step"
 heads (a loss per output: ``{output: label input}``), sample_weight, loss, resident."""
 
 
-class StepTrainer:
+class PortableTrainer:
     """Mini-batch training with an exported training step.
 
     Args:
@@ -121,7 +121,7 @@ class StepTrainer:
         y: np.ndarray | dict[str, np.ndarray],
         sample_weight: np.ndarray | None = None,
         epochs: int = 1,
-    ) -> StepTrainer:
+    ) -> PortableTrainer:
         """Train ``epochs`` more epochs; ``train_losses_`` gets each epoch's mean batch loss.
 
         Args:
