@@ -31,7 +31,14 @@ from onnx import numpy_helper
 from graphkit import backends
 from graphkit._graph import copy_model
 from graphkit.backends.base import Backend
-from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
+from graphkit.compat import (
+    DSL_OPSET,
+    MAX_IR_VERSION,
+    MAX_OPSET,
+    check_tensor_sizes,
+    make_compatible,
+    opset_of,
+)
 from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
 from graphkit.ml_ops import linear_models_as_standard_ops
@@ -96,6 +103,7 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     prepares the model once).
     """
     if _standard_already(model):
+        check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
         return copy_model(model)
     return linear_models_as_standard_ops(compatible_for_training(model))
 

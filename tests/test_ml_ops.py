@@ -148,3 +148,48 @@ def test_normalizer_matches_onnxruntime(norm, rng):
     np.testing.assert_allclose(
         gk.run(rewritten, {"X": X})["Y"], gk.run(onx, {"X": X})["Y"], rtol=1e-6
     )
+
+
+def test_a_model_above_the_opsets_graphkit_writes_is_still_converted(rng):
+    """A linear model at an opset newer than graphkit writes (22) comes out at 21, as
+    onnx.checker and onnxruntime-training 1.19.2 take it, computing the same."""
+    from skl2onnx import to_onnx
+    from sklearn.linear_model import Ridge
+
+    from graphkit.compat import MAX_OPSET, opset_of
+
+    X, y = _data("regression", rng)
+    onx = to_onnx(Ridge().fit(X, y), X[:1], target_opset={"": 17, "ai.onnx.ml": 3})
+    next(o for o in onx.opset_import if o.domain == "").version = MAX_OPSET + 1
+    onx.ir_version = 10
+    rewritten = linear_models_as_standard_ops(onx)
+    assert opset_of(rewritten) == MAX_OPSET
+    got = next(iter(gk.run(rewritten, {"X": X}).values())).ravel()
+    coefficients = np.array(
+        [a for a in onx.graph.node[0].attribute if a.name == "coefficients"][0].floats
+    )
+    intercepts = np.array(
+        [a for a in onx.graph.node[0].attribute if a.name == "intercepts"][0].floats
+    )
+    np.testing.assert_allclose(got, X @ coefficients + intercepts, rtol=1e-5, atol=1e-5)
+
+
+def test_graphkit_s_own_loss_graph_is_still_checked_for_short_tensors():
+    """A graph that says add_loss_output wrote it is not converted again, but a tensor
+    whose data does not fill its dims is refused all the same."""
+    from graphkit.prepare import standard_model
+    from graphkit.rewrite import META_LOSS
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 2])
+    loss = helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [2], np.ones(2, np.float32).tobytes(), raw=True)
+    w.raw_data = w.raw_data[:4]  # one float for two
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["p"]),
+        helper.make_node("ReduceSum", ["p"], ["loss"], keepdims=0),
+    ]
+    graph = helper.make_graph(nodes, "g", [x], [loss], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    helper.set_model_props(model, {META_LOSS: "loss"})
+    with pytest.raises(gk.IncompatibleModelError, match="'w'"):
+        standard_model(model)
