@@ -30,6 +30,7 @@ from graphkit.shapes import (  # noqa: F401 - graphkit's modules take them from 
     shape_matches,
     static_shape,
 )
+from graphkit.tensor_store import tensor_value
 
 
 class CompiledModels:
@@ -170,10 +171,10 @@ def resolve_castlike(model: onnx.ModelProto) -> None:
         for v in itertools.chain(typed.graph.input, typed.graph.value_info, typed.graph.output)
         if v.type.tensor_type.elem_type
     }
-    constants = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    constants = {i.name: tensor_value(i) for i in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type == "Constant" and node.domain == "" and node.attribute[0].name == "value":
-            constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            constants[node.output[0]] = tensor_value(node.attribute[0].t)
     nodes = []
     for node in model.graph.node:
         target = elem_of.get(node.input[1]) if node.op_type == "CastLike" else None
@@ -585,7 +586,7 @@ def _int_values(node: onnx.NodeProto) -> list[int] | None:
             TensorProto.INT64,
             TensorProto.INT32,
         ):
-            return [int(v) for v in onnx.numpy_helper.to_array(attribute.t).ravel()]
+            return [int(v) for v in tensor_value(attribute.t).ravel()]
     return None
 
 

@@ -21,6 +21,7 @@ from pathlib import PureWindowsPath
 import onnx
 from onnx import TensorProto
 
+from graphkit import tensor_store
 from graphkit.errors import IncompatibleModelError
 
 MAX_IR_VERSION = 10
@@ -62,7 +63,8 @@ def load_model(model: onnx.ModelProto | bytes | str | os.PathLike[str]) -> onnx.
         TypeError: ``model`` is none of these.
     """
     if isinstance(model, onnx.ModelProto):
-        _refuse_external_data(model, "The ModelProto given")
+        # a graph graphkit made in this process may hold stored tensors (mapped weights)
+        _refuse_external_data(model, "The ModelProto given", allow_stored=True)
         return model
     folder = None
     if isinstance(model, (bytes, bytearray)):
@@ -166,7 +168,7 @@ def _external(tensor: TensorProto) -> dict[str, str]:
     return {entry.key: entry.value for entry in tensor.external_data}
 
 
-def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
+def _refuse_external_data(model: onnx.ModelProto, where: str, allow_stored: bool = False) -> None:
     """Refuse a model in memory that still refers to external data files.
 
     Resolving them against the working directory (what onnxruntime and onnx's checker
@@ -175,6 +177,8 @@ def _refuse_external_data(model: onnx.ModelProto, where: str) -> None:
     """
     for what, tensor in _tensors(model):
         if tensor.data_location == TensorProto.EXTERNAL:
+            if allow_stored and tensor_store.is_stored(tensor):
+                continue
             location = _external(tensor).get("location", "")
             raise IncompatibleModelError(
                 f"{where} keeps the data of {what} in an external file ({location!r}), "
@@ -263,20 +267,35 @@ def _load_external_data(model: onnx.ModelProto, folder: str, where: str) -> None
         if length is None:
             length = size - offset
         end = offset + length
-        data = b""
-        if offset >= 0 and length >= 0 and end <= size:
-            with open(real, "rb") as handle:
-                handle.seek(offset)
-                data = handle.read(length)
-        if len(data) != length or offset < 0:
+        if offset < 0 or length < 0 or end > size:
             raise IncompatibleModelError(
                 f"{where} keeps the data of {what} in bytes {offset} to {end} of {path!r}, "
                 f"but that file holds {size} bytes: it is truncated, or not this model's "
                 "data. Copy or download the model's files again."
             )
+        if length >= tensor_store.MAP_FROM_BYTES and tensor_store.mappable(tensor, offset):
+            _check_stored_size(tensor, length, what, where)
+            tensor_store.store(tensor, real, offset, length)  # mapped when first read
+            continue
+        with open(real, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(length)
         tensor.raw_data = data
         tensor.data_location = TensorProto.DEFAULT
         del tensor.external_data[:]
+
+
+def _check_stored_size(tensor: TensorProto, length: int, what: str, where: str) -> None:
+    """Refuse external bytes that do not fill the tensor's dims exactly."""
+    count = math.prod(tensor.dims)
+    expected = count * _ITEM_BYTES[tensor.data_type]
+    if length != expected:
+        raise IncompatibleModelError(
+            f"{where}: {what} declares dims {list(tensor.dims)} of "
+            f"{_type_name(tensor.data_type)} ({count} values, {expected} bytes), but its "
+            f"external data holds {length} bytes. The file is truncated or corrupted, or the "
+            "exporter wrote a wrong shape: export or download the model again."
+        )
 
 
 # Element types packed several to a byte in raw_data (bits per element).
@@ -375,7 +394,7 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
             refers to external data (:func:`load_model` reads it from a path); a tensor's
             data does not fill its dims.
     """
-    _refuse_external_data(model, "The model")
+    _refuse_external_data(model, "The model", allow_stored=True)
     check_tensor_sizes(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -492,7 +511,7 @@ _RUNTIME_DOMAIN = "graphkit.onnxruntime_internal"
 
 def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model``, or a copy the checker can read when it holds onnxruntime's internal
-    gradient operators.
+    gradient operators, or stored tensors (:mod:`graphkit.tensor_store`).
 
     onnxruntime-training registers a few gradient kernels (``MaxPoolGrad``,
     ``AveragePoolGrad``...) in the default ONNX domain, where ``onnx.checker`` knows no
@@ -506,6 +525,7 @@ def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
         and not onnx.defs.has(node.op_type)
         and node.op_type.endswith("Grad")
     }
+    model = tensor_store.as_inputs_for_checking(model)  # the checker would open their files
     if not unknown:
         return model
     copy = onnx.ModelProto()
@@ -580,7 +600,7 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
         # the converter drops ModelProto.training_info: the training graphs come back as
         # they were (their operators are checked against the new opset by the checker)
         converted.training_info.extend(model.training_info)
-        onnx.checker.check_model(converted)
+        onnx.checker.check_model(_checkable(converted))
     except Exception as exc:
         direction = "down" if target < source else "up"
         raise IncompatibleModelError(

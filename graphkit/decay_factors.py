@@ -40,6 +40,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, read_counts
+from graphkit.tensor_store import tensor_value
 
 GATHER_FROM = 4096
 """Elements of a weight (or of the weights laid end to end) from which the rewrite pays
@@ -140,7 +141,7 @@ def gather_decay(
     epoch computes before its Scan (the counter's arithmetic, which takes the new
     kernels on them along), free at each step. Returns how many it rewrote."""
     graph = model.graph
-    constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    constants = {t.name: tensor_value(t) for t in graph.initializer}
     finder = _Finder(graph, shapes)
     taken = graph_names(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}

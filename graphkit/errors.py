@@ -46,6 +46,11 @@ class ConvergenceError(GraphkitError, ArithmeticError):
     """The loss became NaN or infinite during training."""
 
 
+class InsufficientMemoryError(GraphkitError, MemoryError):
+    """Training would need more memory than the machine has available: refused before
+    allocating, with the estimate and what is available in the message."""
+
+
 class NotFittedError(GraphkitError, ValueError, AttributeError):
     """A trainer used before ``fit`` (or ``set_state``).
 

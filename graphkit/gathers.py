@@ -24,6 +24,7 @@ from onnx import helper, numpy_helper
 
 from graphkit._graph import constant_tensors, fresh_name, graph_names
 from graphkit.compat import opset_of
+from graphkit.tensor_store import tensor_value
 
 MIN_OPSET = 13
 """``Split`` and ``Squeeze`` take their sizes and axes as inputs from opset 13 on."""
@@ -119,7 +120,7 @@ def _split(
 def _scalar_constants(graph: onnx.GraphProto) -> dict[str, int]:
     """The integer scalars of ``graph``'s constants (:func:`constant_tensors`)."""
     return {
-        name: int(numpy_helper.to_array(tensor))
+        name: int(tensor_value(tensor))
         for name, tensor in constant_tensors(graph)
         if tensor.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
         and not list(tensor.dims)

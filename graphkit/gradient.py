@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import onnx
 
-from graphkit import backends
+from graphkit import backends, tensor_store
 from graphkit._graph import ancestors
 from graphkit.backends.base import Backend
 from graphkit.compat import finalize
@@ -56,7 +56,10 @@ def gradient_model(
     logger.debug(
         "gradient of %r with respect to %s from the %s backend", output, wrt, gradient_source.name
     )
-    return finalize(gradient_source.gradient_graph(model, output, wrt))
+    # mapped weights (graphkit.tensor_store) are read-only inputs to the gradient source
+    lifted, stored = tensor_store.stored_as_inputs(model)
+    gradient = gradient_source.gradient_graph(lifted, output, wrt)
+    return finalize(tensor_store.stored_as_initializers(gradient, stored))
 
 
 def reaching(model: onnx.ModelProto, weights: Iterable[str], outputs: Iterable[str]) -> list[str]:

@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from graphkit._graph import _subgraphs, all_graphs, fresh_name, graph_names
+from graphkit.tensor_store import tensor_value
 
 FLOAT_ELEM_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
 
@@ -374,7 +375,7 @@ def untie_constants(
         ):
             continue  # nothing to untie, or the user trains a constant on purpose
         copy = fresh_name(f"{name}.frozen", taken)
-        frozen = numpy_helper.from_array(numpy_helper.to_array(values[name]), copy)
+        frozen = numpy_helper.from_array(tensor_value(values[name]), copy)
         model.graph.initializer.append(frozen)
         for node, position in direct_constant_readers:
             model.graph.node[uses.index[id(node)]].input[position] = copy
@@ -416,7 +417,7 @@ def untie_shared_parameters(
         for k, (node, position) in enumerate(slots[1:], start=1):
             copy = fresh_name(f"{name}.{k}", taken)
             model.graph.initializer.append(
-                numpy_helper.from_array(numpy_helper.to_array(values[name]), copy)
+                numpy_helper.from_array(tensor_value(values[name]), copy)
             )
             model.graph.node[uses.index[id(node)]].input[position] = copy
             weights.append(copy)

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphkit import backends
 from graphkit._graph import copy_model
@@ -50,6 +49,7 @@ from graphkit.rewrite import (
     get_train_initializer,
     metadata,
 )
+from graphkit.tensor_store import tensor_value
 
 
 def prepare_for_training(
@@ -222,11 +222,11 @@ def _dynamo_training_batch_norm(node: onnx.NodeProto) -> str | None:
 
 def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     values: dict[str, np.ndarray] = {
-        t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.dims in ([], [1])
+        t.name: tensor_value(t) for t in model.graph.initializer if t.dims in ([], [1])
     }
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            values[node.output[0]] = tensor_value(node.attribute[0].t)
     return values
 
 

@@ -52,6 +52,7 @@ from graphkit.compat import (
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
+from graphkit.tensor_store import tensor_value
 
 # metadata keys of a training graph
 META_LOSS = "graphkit.loss_output"
@@ -103,17 +104,13 @@ def get_train_initializer(onx: onnx.ModelProto) -> dict[str, np.ndarray]:
     """
     check_tensor_sizes(onx)  # a tensor shorter than its dims: named, not numpy's reshape
     names = set(parameter_names(onx))
-    return {
-        init.name: numpy_helper.to_array(init)
-        for init in onx.graph.initializer
-        if init.name in names
-    }
+    return {init.name: tensor_value(init) for init in onx.graph.initializer if init.name in names}
 
 
 def weight_values(onx: onnx.ModelProto, names: Iterable[str]) -> dict[str, np.ndarray]:
     """``{name: value}`` of the named initializers, in the order of ``names``."""
     found = {i.name: i for i in onx.graph.initializer}
-    return {name: numpy_helper.to_array(found[name]) for name in names}
+    return {name: tensor_value(found[name]) for name in names}
 
 
 def float_initializers(onx: onnx.ModelProto) -> list[str]:
@@ -609,7 +606,7 @@ def _unflatten_targets(model: onnx.ModelProto, output: onnx.ValueInfoProto) -> N
     if producer is None or producer.op_type != "Reshape" or len(producer.input) < 2:
         return
     shape = next((i for i in model.graph.initializer if i.name == producer.input[1]), None)
-    if shape is None or numpy_helper.to_array(shape).tolist() != [-1, 1]:
+    if shape is None or tensor_value(shape).tolist() != [-1, 1]:
         return
     try:
         typed = onnx.shape_inference.infer_shapes(model)

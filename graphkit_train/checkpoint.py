@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from graphkit import tensor_store
 from graphkit.errors import GraphkitError
 
 try:
@@ -101,12 +102,18 @@ def _host_tag() -> str:
 
 def graph_hash(*models: onnx.ModelProto) -> str:
     """sha256 of the models' structure: initializer values are left out, so training
-    (which changes the weights) keeps the hash."""
+    (which changes the weights) keeps the hash. A weight kept in its external data file
+    (:mod:`graphkit.tensor_store`, a large frozen base) is not copied into a checkpoint:
+    the hash records a digest of its bytes instead, so that a checkpoint resumes only
+    on the same base weights."""
     h = hashlib.sha256()
     for model in models:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         for tensor in copy.graph.initializer:
+            if tensor_store.is_stored(tensor):
+                h.update(f"{tensor.name}:{tensor_store.digest(tensor)}".encode())
+                del tensor.external_data[:]  # its location is this process's name for it
             shape = list(tensor.dims)
             tensor.ClearField("raw_data")
             for field in ("float_data", "double_data", "int32_data", "int64_data"):

@@ -40,7 +40,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
-from graphkit import losses, optimizers, schedules
+from graphkit import losses, optimizers, schedules, tensor_store
 from graphkit.compat import load_model
 from graphkit.rewrite import META_LOSS, loss_heads, metadata
 from graphkit.runtime_check import OnnxruntimeInstallError, OnnxruntimeNotInstalledError
@@ -1043,8 +1043,8 @@ def _write(trainer: Trainer, folder: str, report: dict[str, Any], say: Any) -> d
         "training_step": os.path.join(folder, "training_step.onnx"),
         "report": os.path.join(folder, "report.json"),
     }
-    onnx.save(trainer.get_trained_onnx(), files["model"])
-    onnx.save(trainer.training_step_.model, files["training_step"])
+    tensor_store.save_model(trainer.get_trained_onnx(), files["model"])
+    tensor_store.save_model(trainer.training_step_.model, files["training_step"])
     # the same training in standard ONNX, to continue on any runtime
     portable = {
         "portable_training_step": os.path.join(folder, "training_step.portable.onnx"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from graphkit._graph import (
     all_graphs,
@@ -31,6 +31,7 @@ from graphkit._graph import (
     graph_names,
     int_constant,
 )
+from graphkit.tensor_store import tensor_value
 
 LONG_AXIS = 4096
 """Positions along the split axis from which a ``Split`` becomes ``Slice`` nodes."""
@@ -84,7 +85,7 @@ def _slices_of(
         return []
     if len(node.input) < 2 or node.input[1] not in constants:
         return []  # sizes from the input's shape (equal parts), computed or fed: left alone
-    sizes = [int(s) for s in numpy_helper.to_array(constants[node.input[1]]).reshape(-1)]
+    sizes = [int(s) for s in tensor_value(constants[node.input[1]]).reshape(-1)]
     if len(sizes) != len(node.output) or sum(sizes) < LONG_AXIS or min(sizes, default=0) < 0:
         return []
     ends = np.cumsum(sizes).tolist()

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import runtime_check
+from graphkit import runtime_check, tensor_store
 from graphkit.engine.cuda_splits import split_long_axes_as_slices
 from graphkit.engine.cuda_unpools import max_unpools_as_scatters
 from graphkit.errors import IncompatibleModelError
@@ -265,10 +265,13 @@ def inference_session(
     if providers and provider_name(providers[0]) == "CUDAExecutionProvider":
         parsed = onnx.load_from_string(model) if isinstance(model, bytes) else model
         model = max_unpools_as_scatters(split_long_axes_as_slices(parsed))
-    data = model if isinstance(model, bytes) else model.SerializeToString()
+    if isinstance(model, onnx.ModelProto):
+        model = tensor_store.hoisted(model)  # shared initializers live in the main graph
+    data = model if isinstance(model, bytes) else serialized(model)
     ort = onnxruntime()
     disabled = list(_broken_optimizers(model))
     options = session_options(threads)  # outside the try: a bad setting is not the model's
+    shared = share_stored_initializers(model, options)
     try:
         session = ort.InferenceSession(
             data, options, providers=list(providers), disabled_optimizers=disabled
@@ -294,7 +297,39 @@ def inference_session(
             f"onnxruntime {version()} cannot load this model: {short_message(exc)}"
         ) from exc
     _check_providers_loaded(session, providers)
+    session._graphkit_shared = shared  # onnxruntime reads their buffers: keep them alive
     return session
+
+
+def serialized(model: onnx.ModelProto) -> bytes:
+    """``model``'s bytes, or a clear error past protobuf's 2 GB where a weight is held
+    inline (graphs built from a model loaded by path keep their large weights mapped,
+    :mod:`graphkit.tensor_store`, and stay small)."""
+    size = model.ByteSize()
+    if size > tensor_store.PROTOBUF_LIMIT:
+        raise IncompatibleModelError(
+            f"This graph holds {size / 2**30:.2f} GiB of weights inside its ModelProto, past "
+            "protobuf's 2 GiB limit. Save the model with its weights as external data "
+            "(onnx.save_model(model, 'model.onnx', save_as_external_data=True)) and pass "
+            "graphkit the path of the .onnx file: it then maps the weights from their file "
+            "instead of holding them in the protobuf."
+        )
+    return model.SerializeToString()
+
+
+def share_stored_initializers(model: onnx.ModelProto | bytes, options: Any) -> list[Any]:
+    """Hand ``model``'s stored initializers (:mod:`graphkit.tensor_store`) to onnxruntime
+    as shared initializers (``SessionOptions.add_initializer``): every session reads the
+    one mapped array, no copy. The OrtValues returned must outlive the session."""
+    if isinstance(model, bytes):
+        return []
+    values = []
+    ort = onnxruntime()
+    for name, array in tensor_store.stored_initializers(model).items():
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        options.add_initializer(name, value)
+        values.append(value)
+    return values
 
 
 def _check_providers_loaded(session: Any, providers: Sequence[Provider]) -> None:

@@ -27,6 +27,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import constant_tensors, outer_reads
+from graphkit.tensor_store import tensor_value
 
 ELEMENTWISE = frozenset(
     {
@@ -113,7 +114,7 @@ def _step_counter(step: onnx.ModelProto, carried: Sequence[str]) -> tuple[str, i
             continue
         others = [i for i in node.input if i != name]
         if len(others) == 1 and others[0] in constants:
-            one = numpy_helper.to_array(constants[others[0]])
+            one = tensor_value(constants[others[0]])
             if one.ndim == 0 and one.item() == 1:
                 return name, tensor.elem_type
     return None
@@ -155,7 +156,7 @@ def counter_values(step: onnx.ModelProto, carried: Sequence[str]) -> CounterValu
             float_kind = elem in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
             data, ok = inputs, rank(node.output[0]) == 0 and float_kind
         elif node.op_type == "Reshape" and len(inputs) == 2 and inputs[1] in constants:
-            target = numpy_helper.to_array(constants[inputs[1]])
+            target = tensor_value(constants[inputs[1]])
             data = inputs[:1]
             ok = bool(np.all(target == 1)) and rank(node.output[0]) == target.size
         else:

@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphkit import backends
+from graphkit import backends, tensor_store
 from graphkit._graph import fresh_name, graph_names, rename_tensors
 from graphkit.backends.base import Backend
 from graphkit.compat import finalize
@@ -336,11 +336,13 @@ def export_epoch(
 
 
 def _finish(model: onnx.ModelProto, path: str | os.PathLike[str] | None) -> onnx.ModelProto:
-    """Check ``model``, save it to ``path`` when given, and return it."""
+    """Check ``model``, save it to ``path`` when given (its weights as external data
+    beside it when they came so, :func:`graphkit.tensor_store.save_model`), and return
+    it self-contained."""
     finalize(model, full_check=True)
     if path is not None:
-        onnx.save(model, os.fspath(path))
-    return model
+        tensor_store.save_model(model, os.fspath(path))
+    return tensor_store.inline(model)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import constant_tensors, fresh_name, graph_names, outer_reads
+from graphkit.tensor_store import tensor_value
 
 
 @dataclass
@@ -57,7 +58,7 @@ def packed_weights(step: onnx.ModelProto, carried: Sequence[str]) -> PackedWeigh
         for name in outer_reads(node):
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
-    constants = {k: numpy_helper.to_array(v) for k, v in constant_tensors(graph)}
+    constants = {k: tensor_value(v) for k, v in constant_tensors(graph)}
     shapes = {}
     for value in graph.input:
         dims = value.type.tensor_type.shape.dim

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from graphkit import backends
+from graphkit import backends, tensor_store
 from graphkit.backends.base import Backend
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
@@ -171,8 +171,13 @@ class OrtGradientForwardBackward:
             return self._with_agent(gradient, base.forward_model, None, base.grad_of, base.seeds)
         inputs = [n for n in self.input_names if n in requiring]
         check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
-        graphs = self.backend.forward_backward_graphs(self._model, self.weight_names, inputs)
-        gradient, forward = self.backend.prepare_gradient(graphs.gradient), graphs.forward
+        # mapped weights (graphkit.tensor_store) are read-only inputs to the gradient source
+        lifted, stored = tensor_store.stored_as_inputs(self._model)
+        graphs = self.backend.forward_backward_graphs(lifted, self.weight_names, inputs)
+        gradient = self.backend.prepare_gradient(
+            tensor_store.stored_as_initializers(graphs.gradient, stored)
+        )
+        forward = tensor_store.stored_as_initializers(graphs.forward, stored)
         grad_of = {g: n for n, g in graphs.user_input_grad_names.items()}
         grad_of.update(
             zip(graphs.initializer_grad_names_to_train, graphs.initializer_names_to_train)

@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from graphkit import tensor_store
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.errors import ConvergenceError, ShapeError, UnknownNameError, not_fitted
 from graphkit.update_step import LOSS, STEP, UpdateStep, grad_name, next_name
-from graphkit_train import checkpoint
+from graphkit_train import checkpoint, memory
 from graphkit_train.distributed import ProcessGroup
 
 if TYPE_CHECKING:
@@ -89,7 +90,13 @@ class ResidentState:
         """Two buffer sets holding ``values``, the two bindings that alternate, and a
         cache of what the update-step path binds in each."""
         step = self.update_step_
+        if self._ort_device == "cpu":
+            resident = sum(np.asarray(values[n]).nbytes for n in step.resident)
+            weights = sum(np.asarray(values[n]).nbytes for n in step.weights)
+            memory.check_fits(resident, weights)
         self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
+        # initial values mapped from an external data file are in the buffers now
+        tensor_store.release_pages([values[n] for n in step.resident])
         self._bindings = []
         for k in (0, 1):
             binding = self._bind_resident(self._resident_session, k)

@@ -106,7 +106,8 @@ class Checkpointing:
 
     def __getstate__(self) -> dict[str, Any]:
         params = self.get_params()
-        params["model_onnx"] = load_model(params["model_onnx"]).SerializeToString()
+        if not isinstance(params["model_onnx"], (str, os.PathLike)):  # a path stays one
+            params["model_onnx"] = load_model(params["model_onnx"]).SerializeToString()
         state: dict[str, Any] = {"params": params}
         if self._built and self._fitted:
             state["trained"] = self.get_state()
@@ -120,7 +121,8 @@ class Checkpointing:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         params = dict(state["params"])
-        params["model_onnx"] = onnx.load_from_string(params["model_onnx"])
+        if isinstance(params["model_onnx"], bytes):
+            params["model_onnx"] = onnx.load_from_string(params["model_onnx"])
         self.__init__(**params)  # type: ignore[misc]
         if "trained" in state:
             self.set_state(as_state(state["trained"]))

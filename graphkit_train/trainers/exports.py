@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
+from graphkit import tensor_store
 from graphkit.compat import load_model
 from graphkit.training.trained import trained_weights, untied_prediction, with_weights
 from graphkit.update_step import UpdateStep
@@ -88,7 +89,34 @@ class ModelExports:
     ) -> onnx.ModelProto:
         """The prediction graph (or ``model``, e.g. the original one) with the trained
         weights, or with their moving average when ``ema`` (the optimizer's chain must
-        end with :func:`graphkit.transforms.ema`)."""
+        end with :func:`graphkit.transforms.ema`).
+
+        A self-contained ModelProto, its weights inside; for a model of gigabytes,
+        :meth:`save_onnx_graph` writes them beside the graph instead, without that copy.
+        """
+        return tensor_store.inline(self._trained_model(model, ema))
+
+    def save_trained_onnx(
+        self, path: str | os.PathLike[str], model: onnx.ModelProto | None = None, ema: bool = False
+    ) -> str:
+        """Write :meth:`get_trained_onnx` to ``path`` without holding it in one protobuf:
+        a model that came with external data, or holds more than 1 GB of weights, gets
+        its weights in ``<file name>.data`` beside it (onnxruntime and ``onnx.load``
+        read it from any working directory); frozen weights are copied from their file
+        as they are. Returns ``path``.
+
+        Raises:
+            ValueError: the data file is the one the weights are mapped from.
+        """
+        path = os.fspath(path)
+        tensor_store.save_model(self._trained_model(model, ema), path)
+        return path
+
+    def _trained_model(
+        self, model: onnx.ModelProto | None = None, ema: bool = False
+    ) -> onnx.ModelProto:
+        """:meth:`get_trained_onnx`, its frozen weights still mapped from their file
+        (:mod:`graphkit.tensor_store`): what the exporters write without copying them."""
         self._build()
         weights = trained_weights(self.get_state(), self.update_step_.weights, ema)
         target = self._untied(self._prediction_model() if model is None else load_model(model))
@@ -113,6 +141,13 @@ class ModelExports:
             ``{name: path}`` or ``{name: serialized bytes}``; once trained, ``trained``
             is the prediction graph with the trained weights. In distributed training
             only rank 0 writes files (the other ranks return ``{}``).
+
+        A graph that came with external data, or holds more than 1 GB of weights, is
+        written with its weights in ``<name>.onnx.data`` beside it (onnxruntime and
+        ``onnx.load`` read it from any working directory); the others are one file.
+
+        Raises:
+            ValueError: ``bytes`` for a graph past protobuf's 2 GB (write it to a folder).
         """
         self._build()
         group = getattr(self, "_group", None)
@@ -120,13 +155,23 @@ class ModelExports:
             return {}
         graphs = self._graphs()
         if self._fitted:
-            graphs["trained"] = self.get_trained_onnx()
+            graphs["trained"] = self._trained_model()
         if export is bytes:
-            return {name: g.SerializeToString() for name, g in graphs.items()}
+            return {name: _serialized(tensor_store.inline(g)) for name, g in graphs.items()}
         folder = os.fspath(export)  # type: ignore[arg-type]
         os.makedirs(folder, exist_ok=True)
         paths = {}
         for name, graph in graphs.items():
             paths[name] = os.path.join(folder, f"{name}.onnx")
-            onnx.save(graph, paths[name])
+            tensor_store.save_model(graph, paths[name])
         return paths
+
+
+def _serialized(model: onnx.ModelProto) -> bytes:
+    if model.ByteSize() > tensor_store.PROTOBUF_LIMIT:
+        raise ValueError(
+            f"A graph of {model.ByteSize() / 2**30:.2f} GiB cannot be serialized in memory "
+            "(protobuf's limit is 2 GiB): pass save_onnx_graph a folder, which writes its "
+            "weights as external data."
+        )
+    return model.SerializeToString()

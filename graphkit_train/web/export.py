@@ -47,6 +47,7 @@ from graphkit.rewrite import (
     loss_heads,
     metadata,
 )
+from graphkit.tensor_store import tensor_value
 from graphkit.training.batches import NamedRows
 from graphkit.training.export import State, export_info
 from graphkit.training.problem import TrainingProblem
@@ -238,10 +239,10 @@ def _check_assembly(
     tail.graph.initializer.extend(numpy_helper.from_array(v, n) for n, v in weights.items())
     model = onnx.ModelProto.FromString(template + tail.SerializeToString())
     onnx.checker.check_model(model, full_check=True)
-    got = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    got = {t.name: tensor_value(t) for t in model.graph.initializer}
     for tensor in trained.graph.initializer:
         value = got.get(tensor.name)
-        if value is None or not np.array_equal(value, numpy_helper.to_array(tensor)):
+        if value is None or not np.array_equal(value, tensor_value(tensor)):
             raise AssertionError(f"graphkit bug: the web template loses {tensor.name!r}")
 
 

@@ -41,6 +41,7 @@ from onnx import helper, numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, outer_reads, read_counts, rename_reads
 from graphkit.static_shapes import REDUCTIONS, matmul_transposes, static_shapes, transpose_perm
+from graphkit.tensor_store import tensor_value
 
 _RESHAPES = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
 
@@ -320,7 +321,7 @@ def _reduction_axes(
     if len(node.input) > 1 and node.input[1]:
         if node.input[1] not in constants:
             return None
-        return [int(a) for a in numpy_helper.to_array(constants[node.input[1]]).ravel()]
+        return [int(a) for a in tensor_value(constants[node.input[1]]).ravel()]
     for attribute in node.attribute:
         if attribute.name == "axes":
             return list(attribute.ints)
@@ -390,7 +391,7 @@ def _sink_one(
             viewed = views[name, want]
         elif name in constants:
             viewed = fresh_name(f"{name}/core", taken)
-            value = numpy_helper.to_array(constants[name]).reshape(want)
+            value = tensor_value(constants[name]).reshape(want)
             graph.initializer.append(numpy_helper.from_array(value, viewed))
             constants[viewed] = graph.initializer[-1]
         elif shapes.get(name) != want:  # the same elements, in order
@@ -514,7 +515,7 @@ def _reuse_layer_norm_statistics(
             )
             shifted = variance and only(variance.output[0], "Add")
             eps = shifted and next((i for i in shifted.input if i in constants), None)
-            value = numpy_helper.to_array(constants[eps]) if eps else None
+            value = tensor_value(constants[eps]) if eps else None
             if variance is None or shifted is None or value is None or value.dtype != np.float32:
                 continue
             if value.size != 1 or value != epsilon:

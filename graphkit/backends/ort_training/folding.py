@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphkit.tensor_store import tensor_value
+
 _MS = "com.microsoft"
 
 
@@ -41,7 +43,7 @@ def fold_broadcast_gradient_args(model: onnx.ModelProto) -> bool:
             and node.domain == _MS
             and all(name in constants for name in node.input)
         ):
-            shapes = [numpy_helper.to_array(constants[name]).tolist() for name in node.input]
+            shapes = [tensor_value(constants[name]).tolist() for name in node.input]
             for name, axes in zip(node.output, broadcast_gradient_args(*shapes)):
                 if name:
                     model.graph.initializer.append(

@@ -39,6 +39,7 @@ from graphkit.backends import conv_adjoints, pool_adjoints
 from graphkit.compat import opset_of
 from graphkit.engine.ort_engine import is_float64
 from graphkit.errors import IncompatibleModelError
+from graphkit.tensor_store import tensor_value
 
 Lowering = Callable[[onnx.NodeProto], "list[onnx.NodeProto] | None"]
 """A node -> its replacement, or None when its attributes are outside what is known."""
@@ -1095,7 +1096,7 @@ def _int_constants(graph: onnx.GraphProto) -> dict[str, list[int]]:
     """The integer values ``graph`` fixes (the axes a node may read from outside its
     replacement, as ReduceSumTraining does)."""
     return {
-        name: [int(v) for v in numpy_helper.to_array(t).ravel()]
+        name: [int(v) for v in tensor_value(t).ravel()]
         for name, t in constant_tensors(graph)
         if t.data_type in (TensorProto.INT64, TensorProto.INT32)
     }

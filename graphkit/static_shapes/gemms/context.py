@@ -9,10 +9,10 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from graphkit._graph import graph_names, outer_reads
 from graphkit.static_shapes.shapes import last_two_swapped, transpose_perm
+from graphkit.tensor_store import tensor_value
 
 GEMV_FUSED_UP_TO = 4096
 """Elements of a one-column product's first operand up to which its Gemm takes the
@@ -26,7 +26,7 @@ class Context:
     def __init__(self, model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
         graph = self.graph = model.graph
         self.shapes = shapes
-        self.constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.constants = {t.name: tensor_value(t) for t in graph.initializer}
         self.outputs = {o.name for o in graph.output}
         self.readers: dict[str, list[onnx.NodeProto]] = {}
         for node in graph.node:

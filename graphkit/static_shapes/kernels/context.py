@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import onnx
-from onnx import numpy_helper
 
 from graphkit._graph import graph_names, read_counts
 from graphkit.static_shapes.shapes import STANDARD
+from graphkit.tensor_store import tensor_value
 
 
 class Context:
@@ -19,7 +19,7 @@ class Context:
     def __init__(self, model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
         graph = self.graph = model.graph
         self.shapes = shapes
-        self.constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.constants = {t.name: tensor_value(t) for t in graph.initializer}
         self.producer = {o: n for n in graph.node for o in n.output}
         self.reads = read_counts(graph.node, (o.name for o in graph.output))
         self.taken = graph_names(graph)

@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from graphkit._graph import fresh_name, graph_names, read_counts
+from graphkit.tensor_store import tensor_value
 
 
 class Context:
@@ -22,7 +23,7 @@ class Context:
 
     def __init__(self, graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.graph, self.shapes = graph, dict(shapes)
-        self.constants = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.constants = {t.name: tensor_value(t) for t in graph.initializer}
         self.elem = {
             v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info]
         }
