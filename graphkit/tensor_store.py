@@ -30,7 +30,6 @@ import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx
@@ -164,22 +163,45 @@ def digest(tensor: TensorProto) -> str:
     return known
 
 
-def release_pages(arrays: list[np.ndarray]) -> None:
-    """Let the system drop the pages of ``arrays`` that are mapped from a file (initial
-    values copied into buffers): they stay readable, reloaded from the file if read
-    again, and no longer count in the process's resident memory."""
-    for array in arrays:
-        base: Any = array
-        while base is not None and not isinstance(base, np.memmap):
-            base = getattr(base, "base", None)
-        handle = getattr(base, "_mmap", None)
-        if handle is not None and hasattr(mmap, "MADV_DONTNEED"):
-            handle.madvise(mmap.MADV_DONTNEED)
+COPY_CHUNK_BYTES = 64 << 20
+"""The bytes :func:`copied` reads from a mapping before it lets the system drop them."""
+
+
+def copied(array: np.ndarray) -> np.ndarray:
+    """A writable copy of ``array``; for a tensor mapped from its file, copied by chunks
+    of :data:`COPY_CHUNK_BYTES` whose mapped pages are dropped as soon as they are read,
+    so that the copy never holds the tensor twice in memory."""
+    handle = getattr(array, "_mmap", None)
+    if not isinstance(array, np.memmap) or handle is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return np.array(array)
+    out = np.empty(array.shape, array.dtype)
+    source, target = array.reshape(-1), out.reshape(-1)
+    start = int(array.offset) % mmap.ALLOCATIONGRANULARITY  # where the array begins in it
+    step = max(1, COPY_CHUNK_BYTES // max(1, array.itemsize))
+    for first in range(0, source.size, step):
+        last = min(source.size, first + step)
+        target[first:last] = source[first:last]
+        begin = start + first * array.itemsize
+        aligned = begin - begin % mmap.PAGESIZE
+        handle.madvise(mmap.MADV_DONTNEED, aligned, start + last * array.itemsize - aligned)
+    return out
 
 
 def stored_initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """``{name: mapped array}`` for the stored initializers of ``model``'s main graph."""
     return {t.name: _array(loc) for t in model.graph.initializer if (loc := _location(t))}
+
+
+def elem_bytes(elem_type: int) -> int:
+    """The bytes of one element of ``elem_type`` (0 where it has no whole-byte size)."""
+    dtype = _MAPPABLE.get(elem_type)
+    return 0 if dtype is None else np.dtype(dtype).itemsize
+
+
+def tensor_bytes(tensor: TensorProto) -> int:
+    """The bytes of ``tensor``'s values, stored or inline (0 where the element type has
+    no whole-byte size)."""
+    return int(np.prod(tensor.dims, dtype=np.int64)) * elem_bytes(tensor.data_type)
 
 
 def stored_bytes(model: onnx.ModelProto) -> int:
@@ -419,18 +441,20 @@ __all__ = [
     "PROTOBUF_LIMIT",
     "FileSlice",
     "as_inputs_for_checking",
+    "copied",
     "digest",
+    "elem_bytes",
     "has_stored",
     "hoisted",
     "inline",
     "is_stored",
     "mappable",
-    "release_pages",
     "save_model",
     "stored_as_initializers",
     "stored_as_inputs",
     "stored_bytes",
     "stored_initializers",
     "store",
+    "tensor_bytes",
     "tensor_value",
 ]

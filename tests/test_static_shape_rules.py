@@ -653,3 +653,83 @@ def test_a_scan_body_with_inputs_of_unknown_shape_stays():
     specialize_scan_bodies(out, (), specialize)
     assert out == model
     same_values(model, out, feeds_for(model, N=5))
+
+
+# -- sparse row updates --------------------------------------------------------------------
+
+
+def _embedding_sgd(reduction: str = "add", also_read: bool = False) -> onnx.ModelProto:
+    """The native backend's SGD step of a Gather-read table: W + s * squeeze(scatter-add)."""
+    nodes = [
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("ScatterND", ["zeros", "I", "U"], ["scattered"], reduction=reduction),
+        helper.make_node("Squeeze", ["scattered", "seed"], ["grad"]),
+        helper.make_node("Mul", ["grad", "s"], ["update"]),
+        helper.make_node("Add", ["W", "update"], ["W_next"]),
+    ]
+    outputs = ["W_next", "grad"] if also_read else ["W_next"]
+    return build(
+        nodes,
+        {"W": [10, 3], "I": ([5, 1], np.int64), "U": [5, 3, 1]},
+        outputs,
+        {
+            "shape": np.array([10, 3, 1]),
+            "seed": np.array([-1]),
+            "s": np.array(-0.5, f32),
+        },
+    )
+
+
+def _table_feeds() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "W": rng.normal(size=(10, 3)).astype(f32),
+        "I": np.array([[2], [7], [2], [-1], [0]]),  # a row read twice, a negative index
+        "U": rng.normal(size=(5, 3, 1)).astype(f32),
+    }
+
+
+def test_an_embedding_sgd_step_scatters_into_the_table():
+    model = _embedding_sgd()
+    out = kernels(model)
+    assert ops(out) == {"Squeeze": 1, "Mul": 1, "ScatterND": 1}
+    feeds = _table_feeds()
+    expected = feeds["W"].copy()
+    for index, rows in zip(feeds["I"][:, 0], feeds["U"][..., 0]):
+        expected[index] += -0.5 * rows  # numpy: the rows the Gather read, each time
+    (got,) = run(out, feeds)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    same_values(model, out, feeds)
+
+
+def test_a_scatter_without_add_or_a_gradient_read_elsewhere_stays():
+    for model in (_embedding_sgd(reduction="none"), _embedding_sgd(also_read=True)):
+        assert kernels(model).graph.node == model.graph.node
+
+
+def test_onnxruntime_trainings_gather_grad_update_scatters_into_the_table():
+    nodes = [
+        helper.make_node("GatherGrad", ["shape", "I", "dY"], ["grad"], domain="com.microsoft"),
+        helper.make_node("Mul", ["grad", "s"], ["update"]),
+        helper.make_node("Add", ["W", "update"], ["W_next"]),
+    ]
+    model = build(
+        nodes,
+        {"W": [10, 3], "I": ([2, 2], np.int64), "dY": [2, 2, 3]},
+        ["W_next"],
+        {"shape": np.array([10, 3]), "s": np.array(-0.5, f32)},
+    )
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    out = kernels(model)
+    assert ops(out) == {"Unsqueeze": 1, "Mul": 1, "ScatterND": 1}
+    rng = np.random.default_rng(1)
+    feeds = {
+        "W": rng.normal(size=(10, 3)).astype(f32),
+        "I": np.array([[1, 4], [4, 9]]),
+        "dY": rng.normal(size=(2, 2, 3)).astype(f32),
+    }
+    expected = feeds["W"].copy()
+    for index, rows in zip(feeds["I"].ravel(), feeds["dY"].reshape(-1, 3)):
+        expected[index] += -0.5 * rows
+    (got,) = run(out, feeds)  # standard operators only: any onnxruntime runs it
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -241,10 +241,34 @@ def lacks_float64_kernels() -> bool:
     return version_tuple() < FLOAT64_KERNELS_SINCE
 
 
+LARGE_MODEL_BYTES = 64 << 20
+"""A graph whose inputs and initializers hold at least this many bytes runs without
+onnxruntime's constant folding: onnxruntime folds every constant subgraph into an
+initializer of each session, however large (a zero tensor of an embedding table's size,
+for its gradient, costs the table's size again in every session), and graphkit has
+folded the shape arithmetic that matters already (:mod:`graphkit.static_shapes`)."""
+
+
 def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
-    if isinstance(model, onnx.ModelProto) and lacks_float64_kernels() and is_float64(model):
-        return BROKEN_OPTIMIZERS + FLOAT64_BROKEN_OPTIMIZERS
-    return BROKEN_OPTIMIZERS
+    if not isinstance(model, onnx.ModelProto):
+        return BROKEN_OPTIMIZERS
+    disabled = BROKEN_OPTIMIZERS
+    if lacks_float64_kernels() and is_float64(model):
+        disabled += FLOAT64_BROKEN_OPTIMIZERS
+    if _value_bytes(model) >= LARGE_MODEL_BYTES:
+        disabled += ("ConstantFolding",)
+    return disabled
+
+
+def _value_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of the graph's inputs of static shape and its initializers."""
+    total = sum(tensor_store.tensor_bytes(t) for t in model.graph.initializer)
+    for value in model.graph.input:
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 0 for d in tensor.shape.dim]
+        if tensor.HasField("shape") and all(dims):
+            total += tensor_store.elem_bytes(tensor.elem_type) * int(np.prod(dims, dtype=np.int64))
+    return total
 
 
 def inference_session(

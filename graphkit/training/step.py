@@ -217,7 +217,11 @@ def _assemble(
     model.graph.output.extend(outputs)
     model.doc_string = f"graphkit update step: {optimizer!r}, penalty {penalty!r}."
 
-    initial: dict[str, np.ndarray] = {w: np.array(weights[w]) for w in names}
+    # a weight mapped from its external data file (read-only) is not copied here: the
+    # trainer copies it into its buffers, then lets the system drop the mapped pages
+    initial: dict[str, np.ndarray] = {
+        w: weights[w] if isinstance(weights[w], np.memmap) else np.array(weights[w]) for w in names
+    }
     initial.update(initial_state)
     initial[STEP] = np.array(0, dtype=np.int64)
     initial[LOSS_SUM] = np.array(0, dtype=ELEM_TO_DTYPE[loss_elem])

@@ -84,7 +84,8 @@ class ResidentState:
         def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]: ...
 
     def _ortvalue(self, array: np.ndarray) -> Any:
-        return engine.ortvalue(np.array(array), self._ort_device, self._device_id)
+        # a weight mapped from its file is copied without holding it twice
+        return engine.ortvalue(tensor_store.copied(array), self._ort_device, self._device_id)
 
     def _allocate(self, values: Mapping[str, np.ndarray]) -> None:
         """Two buffer sets holding ``values``, the two bindings that alternate, and a
@@ -95,8 +96,6 @@ class ResidentState:
             weights = sum(np.asarray(values[n]).nbytes for n in step.weights)
             memory.check_fits(resident, weights)
         self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
-        # initial values mapped from an external data file are in the buffers now
-        tensor_store.release_pages([values[n] for n in step.resident])
         self._bindings = []
         for k in (0, 1):
             binding = self._bind_resident(self._resident_session, k)

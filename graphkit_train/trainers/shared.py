@@ -55,7 +55,9 @@ Shared parameters:
         full batch of an epoch in one call of a ``Scan`` graph over the data laid out batch
         by batch (:mod:`graphkit.training.epoch`); an int k runs k batches per call; 1 runs
         one call per batch. The weights are the same whichever is chosen; only the speed
-        differs. Streamed batches (``fit(batches)``) run one call per batch.
+        differs. Streamed batches (``fit(batches)``) run one call per batch, and so does
+        ``"epoch"`` for trained weights and optimizer state of 64 MiB or more (the Scan
+        would hold copies of them; ``SCAN_UP_TO_BYTES`` in :mod:`graphkit_train.trainers.full`).
     static_shapes: build the step for the concrete ``batch_size`` with its shape arithmetic
         folded away (:mod:`graphkit.static_shapes`); a last, shorter batch runs the step
         built for any batch size.

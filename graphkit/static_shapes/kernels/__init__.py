@@ -5,7 +5,9 @@ the same.
 * :mod:`.sum_of_sums`: the full sum of a ``MatMul`` by ones -> the full sum of its
   operand;
 * :mod:`.relu_sign_mask`: a small ReLU gradient's ``Cast(y > 0)`` -> ``Sign(y)``;
-* :mod:`.doubled_scale`: ``Sum(x, x)`` with ``x = a * c`` -> ``a * 2c``.
+* :mod:`.doubled_scale`: ``Sum(x, x)`` with ``x = a * c`` -> ``a * 2c``;
+* :mod:`.sparse_row_update`: ``W + s * ScatterND(zeros, I, U, add)`` ->
+  ``ScatterND(W, I, s * U, add)`` (an embedding's SGD step on the rows it read).
 
 Each where the node it replaces has no other reader. The MLP 10-10-1's step at batch 10,
 SGD: native 22 -> 19 kernels, ort_training 21 -> 18; the softmax classifier's, 2 fewer."""
@@ -19,6 +21,7 @@ import onnx
 from graphkit.static_shapes.kernels.context import Context
 from graphkit.static_shapes.kernels.doubled_scale import doubled_scale
 from graphkit.static_shapes.kernels.relu_sign_mask import SIGN_MASK_UP_TO, relu_sign_mask
+from graphkit.static_shapes.kernels.sparse_row_update import sparse_row_update
 from graphkit.static_shapes.kernels.sum_of_squares import sum_of_squares
 from graphkit.static_shapes.kernels.sum_of_sums import sum_of_sums
 from graphkit.static_shapes.shapes import STANDARD
@@ -42,6 +45,8 @@ def fewer_kernels(model: onnx.ModelProto, shapes: Mapping[str, tuple[int, ...]])
             relu_sign_mask(ctx, node)
         elif node.op_type == "Sum":
             doubled_scale(ctx, node)
+        elif node.op_type == "Add":
+            sparse_row_update(ctx, node)
     if ctx.dropped:
         kept = []
         for index, node in enumerate(graph.node):
