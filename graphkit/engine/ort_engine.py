@@ -252,7 +252,7 @@ folded the shape arithmetic that matters already (:mod:`graphkit.static_shapes`)
 def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
     if not isinstance(model, onnx.ModelProto):
         return BROKEN_OPTIMIZERS
-    disabled = BROKEN_OPTIMIZERS
+    disabled: tuple[str, ...] = BROKEN_OPTIMIZERS
     if lacks_float64_kernels() and is_float64(model):
         disabled += FLOAT64_BROKEN_OPTIMIZERS
     if _value_bytes(model) >= LARGE_MODEL_BYTES:
