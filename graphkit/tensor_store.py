@@ -154,9 +154,17 @@ def digest(tensor: TensorProto) -> str:
         known = _digests.get(location)
     if known is None:
         h = hashlib.blake2b(digest_size=16)
-        flat = np.ascontiguousarray(_array(location)).reshape(-1).view(np.uint8)
-        for start in range(0, flat.size, 64 << 20):
-            h.update(flat[start : start + (64 << 20)].tobytes())
+        where = _slices[location]
+        # read from the file, not the mapping: the pages then stay out of this process
+        with open(where.path, "rb") as handle:
+            handle.seek(where.offset)
+            left = where.length
+            while left:
+                chunk = handle.read(min(left, COPY_CHUNK_BYTES))
+                if not chunk:
+                    raise OSError(f"{where.path!r} is shorter than when it was loaded")
+                h.update(chunk)
+                left -= len(chunk)
         known = h.hexdigest()
         with _lock:
             _digests[location] = known

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import re
@@ -138,13 +137,11 @@ def write(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], header
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    buffer = io.BytesIO()
     payload = {f"a{i}": np.asarray(v) for i, v in enumerate(arrays.values())}
     header = {**header, "format": FORMAT, "version": VERSION, "arrays": list(arrays)}
     meta = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
     # one dict of Any: mypy would match a dict of arrays against savez's allow_pickle
     named: dict[str, Any] = {_HEADER: meta, **payload}
-    np.savez(buffer, **named)
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
@@ -158,7 +155,7 @@ def write(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], header
         raise _write_error(path, exc, "no temporary file can be created in its folder") from exc
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getvalue())
+            np.savez(f, **named)  # straight to the file: a model of gigabytes, once
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)

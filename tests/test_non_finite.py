@@ -105,3 +105,26 @@ def test_an_interrupted_epoch_leaves_the_last_finished_one(cls, data, monkeypatc
     reference = cls(model(), loss="squared_error", max_iter=2, batch_size=5, random_state=0)
     for name, value in reference.fit(X, y).get_state().items():
         np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+def test_rollback_to_the_checkpoint_keeps_no_copy_and_returns_to_it(cls, data, tmp_path):
+    X, y = data
+    settings = dict(loss="squared_error", batch_size=20, shuffle=False, rollback="checkpoint")
+    path = tmp_path / "run.ckpt"
+    with pytest.raises(ValueError, match=r"rollback='checkpoint'.*checkpoint="):
+        cls(model(), max_iter=1, **settings).fit(X, y)
+    # the reference: two epochs of the default rollback
+    good = cls(model(), max_iter=2, schedule=0.01, **{**settings, "rollback": "epoch"})
+    good = good.fit(X, y).get_state()
+    trainer = cls(model(), max_iter=2, schedule=0.01, **settings).fit(X, y, checkpoint=path)
+    for name, value in good.items():
+        np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)
+    # an overflowing third epoch (another schedule: another graph, another checkpoint,
+    # written when the fit starts): back to the state it started from
+    trainer.set_params(schedule=OVERFLOW, max_iter=1, warm_start=True)
+    with pytest.raises(ConvergenceError, match=r"last checkpoint.*after epoch 2"):
+        trainer.fit(X, y, checkpoint=tmp_path / "overflow.ckpt")
+    for name, value in good.items():
+        np.testing.assert_array_equal(trainer.get_state()[name], value, err_msg=name)
+    assert len(trainer.train_losses_) == 2

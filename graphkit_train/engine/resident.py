@@ -67,6 +67,7 @@ class ResidentState:
     update_step_: UpdateStep
     _resident_session: Any
     _buffers: list[dict[str, Any]] | None
+    _host_views: list[dict[str, np.ndarray]] | None
     _current: int
     _rng: np.random.Generator | None
     train_losses_: list[float]
@@ -95,7 +96,16 @@ class ResidentState:
             resident = sum(np.asarray(values[n]).nbytes for n in step.resident)
             weights = sum(np.asarray(values[n]).nbytes for n in step.weights)
             memory.check_fits(resident, weights)
-        self._buffers = [{n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)]
+        if self._ort_device == "cpu":
+            # onnxruntime shares a CPU array's memory: the arrays are views of the buffers
+            host = [{n: tensor_store.copied(values[n]) for n in step.resident} for _ in range(2)]
+            self._host_views = host
+            self._buffers = [{n: engine.ortvalue(a, "cpu", 0) for n, a in h.items()} for h in host]
+        else:
+            self._host_views = None
+            self._buffers = [
+                {n: self._ortvalue(values[n]) for n in step.resident} for _ in range(2)
+            ]
         self._bindings = []
         for k in (0, 1):
             binding = self._bind_resident(self._resident_session, k)
@@ -142,11 +152,18 @@ class ResidentState:
 
     def get_state(self) -> dict[str, np.ndarray]:
         """Weights, optimizer state and ``"step"`` (updates applied), as numpy copies."""
-        current = self._resident
         step = self.update_step_
-        return step.public(
-            {n: current[n].numpy().copy() for n in [*step.weights, *step.state, STEP]}
-        )
+        views = self._state_views()
+        return step.public({n: np.array(views[n]) for n in [*step.weights, *step.state, STEP]})
+
+    def _state_views(self) -> Mapping[str, np.ndarray]:
+        """The current resident values without a copy where the buffers are on the CPU
+        (read them before the next run changes them), else copies."""
+        current = self._resident
+        host = getattr(self, "_host_views", None)
+        if host is not None:
+            return host[self._current]
+        return {n: value.numpy() for n, value in current.items()}
 
     def _non_finite_state(self) -> str | None:
         """The first weight or optimizer-state entry holding an inf or a nan, described
@@ -154,8 +171,8 @@ class ResidentState:
         they are (a few microseconds an epoch); names the entry per weight only when one
         is found (a packed state entry holds every weight's)."""
         step = self.update_step_
-        current = self._resident
-        if all(_finite(current[name].numpy()) for name in [*step.weights, *step.state]):
+        current = self._state_views()
+        if all(_finite(current[name]) for name in [*step.weights, *step.state]):
             return None
         weights = set(step.weights)
         for name, value in self.get_state().items():
@@ -177,7 +194,9 @@ class ResidentState:
                 f"{broken} holds inf or nan: a checkpoint of it could not resume training; "
                 f"nothing was written to {os.fspath(path)!r}."
             )
-        arrays = self.get_state()
+        step = self.update_step_
+        views = self._state_views()  # written as they are: no copy of the weights
+        arrays = step.public({n: views[n] for n in [*step.weights, *step.state, STEP]})
         header = {
             "trainer": type(self).__name__,
             "graph_hash": self._graph_hash(),
@@ -198,10 +217,7 @@ class ResidentState:
                 model (other weights, shapes, dtypes, operators or optimizer).
         """
         self._build()
-        arrays, header = checkpoint.read(path)
-        step = self.update_step_
-        expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
-        checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
+        arrays, header = self._read_checkpoint(path)
         self.set_state(arrays)
         self.train_losses_ = list(header["train_losses"])
         self.validation_losses_ = list(header["validation_losses"])
@@ -209,6 +225,25 @@ class ResidentState:
             self._rng = np.random.default_rng()
             self._rng.bit_generator.state = header["rng"]
         return self
+
+    def _read_checkpoint(
+        self, path: str | os.PathLike[str]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The arrays and header of a checkpoint of this trainer's graphs (checked)."""
+        arrays, header = checkpoint.read(path)
+        step = self.update_step_
+        expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
+        checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
+        return arrays, header
+
+    def _restore_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Put the state of the checkpoint at ``path`` back in the current buffers (no
+        new buffers: ``rollback="checkpoint"`` keeps the memory it saves), with its loss
+        history and shuffling state."""
+        arrays, header = self._read_checkpoint(path)
+        self._restore(self.update_step_.internal(arrays), header["rng"])
+        self.train_losses_ = list(header["train_losses"])
+        self.validation_losses_ = list(header["validation_losses"])
 
     def _graph_hash(self) -> str:
         """The structure of the user's graph and of the update step (no weight values)."""
@@ -290,6 +325,17 @@ class ResidentState:
             self._rng.bit_generator.state = shuffling
 
 
+_FINITE_CHUNK = 1 << 22
+"""Elements checked at once: the check of a table of gigabytes allocates 4 MB, not its
+size in booleans."""
+
+
 def _finite(value: np.ndarray) -> bool:
     """Whether a float array holds no inf and no nan (other dtypes always do)."""
-    return value.dtype.kind != "f" or bool(np.isfinite(value).all())
+    if value.dtype.kind != "f":
+        return True
+    flat = value.reshape(-1)
+    return all(
+        bool(np.isfinite(flat[i : i + _FINITE_CHUNK]).all())
+        for i in range(0, flat.size, _FINITE_CHUNK)
+    )

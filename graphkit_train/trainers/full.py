@@ -125,6 +125,7 @@ class Trainer(BaseTrainer):
         backend: str | None = None,
         untie_shared_weights: bool = True,
         loss_weights: Mapping[str, float] | None = None,
+        rollback: str = "epoch",
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -654,6 +655,7 @@ class OrtGradientOptimizer(Trainer):
         execution_mode: str = "sequential",
         backend: str | None = None,
         untie_shared_weights: bool = True,
+        rollback: str = "epoch",
     ) -> None:
         self._store_params(locals())
         self._invalidate()

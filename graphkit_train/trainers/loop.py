@@ -47,8 +47,9 @@ class TrainingLoop:
 
     The trainer provides the parameters (``distributed``, ``random_state``,
     ``max_iter``, ``batch_size``, ``early_stopping``, ``validation_every``, ``shuffle``,
-    ``verbose``, ``n_iter_no_change``, ``tol``, ``exc``), the resident state
-    (``_resident``, ``_bindings``, ``_current``, ``_restore``, ``_non_finite_state``),
+    ``verbose``, ``n_iter_no_change``, ``tol``, ``exc``, ``rollback``), the resident
+    state (``_resident``, ``_bindings``, ``_current``, ``_restore``, ``_state_views``,
+    ``_restore_checkpoint``, ``_non_finite_state``),
     the checks of the data (``_stream``, ``_checked_data``, ``_checked_held_out``,
     ``_checked_batch``, ``_refuse_one_shot``), the held-out loss, the start of the state
     (``_resume``, ``_start_state``), ``save_checkpoint`` and one batch (``_run_batch``).
@@ -66,6 +67,7 @@ class TrainingLoop:
     n_iter_no_change: int
     tol: float
     exc: bool
+    rollback: str
     update_step_: UpdateStep
     learning_rate_: GradientTransformation
     loss_: Loss | None
@@ -87,6 +89,10 @@ class TrainingLoop:
         ) -> None: ...
 
         def _non_finite_state(self) -> str | None: ...
+
+        def _state_views(self) -> Mapping[str, np.ndarray]: ...
+
+        def _restore_checkpoint(self, path: str | os.PathLike[str]) -> None: ...
 
         def save_checkpoint(self, path: str | os.PathLike[str]) -> None: ...
 
@@ -142,6 +148,12 @@ class TrainingLoop:
         of one ``fit`` share."""
         if checkpoint is not None and self.distributed:
             raise ValueError("checkpoint= is not supported with distributed=True yet.")
+        if self.rollback == "checkpoint" and checkpoint is None:
+            raise ValueError(
+                "rollback='checkpoint' returns a failed epoch to the last checkpoint: pass "
+                "fit(..., checkpoint='run.ckpt'), or keep rollback='epoch' (a copy of the "
+                "trained weights and optimizer state in memory)."
+            )
         check_loop_param("checkpoint_every", checkpoint_every)
         stream = self._stream(train)
         resumed = self._resume(checkpoint)
@@ -177,6 +189,8 @@ class TrainingLoop:
         period = 1 if early else validation_period(self.validation_every, max_iter)
         self._refuse_one_shot(stream, validation, first_epoch, max_iter, period)
         self._start_state(resumed, seed)
+        if self.rollback == "checkpoint" and not resumed:
+            self.save_checkpoint(checkpoint)  # type: ignore[arg-type]  # the point to return to
         shows = self.verbose and (group is None or group.rank == 0)
         self.n_iter_ = 0
         if group is None and stream is None:
@@ -218,9 +232,9 @@ class TrainingLoop:
     def _fit_epoch(self, epoch: int, run: FitRun) -> bool:
         """One epoch of ``fit`` and what follows it (validation, progress, early stopping,
         the callback, the checkpoint); whether training stops."""
-        snapshot = {name: value.numpy().copy() for name, value in self._resident.items()}
+        snapshot = self._rollback_point()
         shuffling = None if self._rng is None else self._rng.bit_generator.state
-        self._resident[LOSS_SUM].update_inplace(np.zeros_like(snapshot[LOSS_SUM]))
+        self._resident[LOSS_SUM].update_inplace(np.zeros_like(self._resident[LOSS_SUM].numpy()))
         batches = None
         try:
             if run.stream is None:
@@ -230,33 +244,33 @@ class TrainingLoop:
         except KeyboardInterrupt:
             # Ctrl-C: the state of the last finished epoch, its shuffling generator
             # included, so that a checkpoint saved now resumes exactly
-            self._restore(snapshot, shuffling)
+            self._roll_back(run, snapshot, shuffling)
             raise
         except Exception:
             # a bad streamed batch, the iterable's own error: the last good epoch; a
             # batch of in-memory rows that failed in onnxruntime changed nothing, and the
             # weights stay those of the batches before it
             if run.stream is not None:
-                self._restore(snapshot, shuffling)
+                self._roll_back(run, snapshot, shuffling)
             raise
         problem = loss_problem(loss, self.loss_, self._heads)
         # a last update can overflow while the loss it was computed with is finite
         overflow = None if problem else self._non_finite_state()
         if problem or overflow:
-            self._restore(snapshot)
+            failed = len(self.train_losses_) + 1
+            self._roll_back(run, snapshot)
+            state = self._rolled_back_to(run)
             if overflow:
                 message = (
-                    f"{overflow} became non-finite (inf or nan) during epoch "
-                    f"{len(self.train_losses_) + 1} while the loss stayed finite "
-                    f"({loss:.6g}): an update overflowed. Lower the learning rate or scale "
-                    "the features; the weights and optimizer state are those of the "
-                    "previous epoch."
+                    f"{overflow} became non-finite (inf or nan) during epoch {failed} while "
+                    f"the loss stayed finite ({loss:.6g}): an update overflowed. Lower the "
+                    f"learning rate or scale the features; the weights and optimizer state "
+                    f"are {state}."
                 )
             else:
                 message = (
-                    f"The loss became {loss:.6g} during epoch {len(self.train_losses_) + 1}"
-                    f"{problem}; the weights and optimizer state are those of the previous "
-                    "epoch."
+                    f"The loss became {loss:.6g} during epoch {failed}{problem}; the weights "
+                    f"and optimizer state are {state}."
                 )
             if self.exc:
                 raise ConvergenceError(message)
@@ -267,7 +281,7 @@ class TrainingLoop:
             try:  # a bad held-out batch: the epoch is not kept either
                 held_out = self._held_out_loss(run.validation, run.group)
             except BaseException:
-                self._restore(snapshot, shuffling)
+                self._roll_back(run, snapshot, shuffling)
                 raise
             self.validation_losses_.append(held_out)
         self.train_losses_.append(loss)
@@ -286,6 +300,35 @@ class TrainingLoop:
         ):
             self.save_checkpoint(run.checkpoint)
         return stop if run.group is None else run.group.any(stop)
+
+    def _rollback_point(self) -> dict[str, np.ndarray] | None:
+        """What a failed epoch returns to: a copy of the resident values now
+        (``rollback="epoch"``), or None where the last checkpoint is
+        (``rollback="checkpoint"``)."""
+        if self.rollback == "checkpoint":
+            return None
+        return {name: np.array(value) for name, value in self._state_views().items()}
+
+    def _roll_back(
+        self,
+        run: FitRun,
+        snapshot: Mapping[str, np.ndarray] | None,
+        shuffling: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Return to ``snapshot`` (and the shuffling state), or to the last checkpoint."""
+        if snapshot is not None:
+            self._restore(snapshot, shuffling)
+        else:
+            self._restore_checkpoint(run.checkpoint)  # type: ignore[arg-type]
+
+    def _rolled_back_to(self, run: FitRun) -> str:
+        """Where :meth:`_roll_back` returned, for a message."""
+        if self.rollback != "checkpoint":
+            return "those of the previous epoch"
+        return (
+            f"those of the last checkpoint, {os.fspath(run.checkpoint)!r} (after epoch "  # type: ignore[arg-type]
+            f"{len(self.train_losses_)})"
+        )
 
     def _run_epoch(
         self,

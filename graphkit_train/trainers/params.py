@@ -60,6 +60,7 @@ class ParamsMixin:
             "validation_fraction",
             "n_iter_no_change",
             "tol",
+            "rollback",
         }
     )
 

@@ -128,6 +128,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         execution_mode: str = "sequential",
         backend: str | None = None,
         untie_shared_weights: bool = True,
+        rollback: str = "epoch",
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -542,6 +543,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         execution_mode: str = "sequential",
         backend: str | None = None,
         untie_shared_weights: bool = True,
+        rollback: str = "epoch",
     ) -> None:
         self._store_params(locals())
         self._invalidate()

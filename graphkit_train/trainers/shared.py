@@ -72,6 +72,14 @@ Shared parameters:
         per slot, ``<name>``, ``<name>.1``... (torch's TorchScript exporter merges equal
         initializers, such as two fresh LayerNorms' weights, which torch trains apart).
         False keeps them tied (weights tied on purpose).
+    rollback: what a failed epoch (a non-finite loss or weight, Ctrl-C, a bad streamed or
+        held-out batch) returns to. ``"epoch"`` (the default): the state at the start of
+        the epoch, from a copy of the trained weights and optimizer state taken then.
+        ``"checkpoint"``: the last checkpoint of ``fit(..., checkpoint=path)`` (written at
+        the start of the fit if the file does not exist yet), with its loss history and
+        shuffling state; no copy is kept in memory, which for a model of gigabytes is its
+        size saved (see :mod:`graphkit_train.memory`). A failed step leaves the weights
+        as they were either way: each run reads one buffer set and writes the other.
     output_index: the output the loss applies to, by position or name (None: the only float
         tensor output; a skl2onnx ZipMap output stands for its probabilities).
     exc: raise ``ConvergenceError`` on a NaN loss; False warns and stops instead.
@@ -178,10 +186,14 @@ def shared_parameters(cls: T) -> T:
     return cls
 
 
+ROLLBACKS = ("epoch", "checkpoint")
+"""The values of ``rollback``."""
+
+
 def check_common_params(params: Any) -> None:
     """Check the shared parameters that steer the loop (``max_iter``, ``batch_size``,
-    ``n_iter_no_change``, ``validation_fraction``, ``tol``) of a trainer (or any object
-    holding them as attributes), when it builds.
+    ``n_iter_no_change``, ``validation_fraction``, ``tol``, ``rollback``) of a trainer (or
+    any object holding them as attributes), when it builds.
 
     Raises:
         ValueError: naming the parameter and the value.
@@ -195,6 +207,8 @@ def check_common_params(params: Any) -> None:
         )
     if params.tol < 0:
         raise ValueError(f"tol must be >= 0, got {params.tol!r}.")
+    if getattr(params, "rollback", "epoch") not in ROLLBACKS:
+        raise ValueError(f"rollback must be one of {list(ROLLBACKS)}, got {params.rollback!r}.")
 
 
-__all__ = ["MARK", "SHARED_PARAMETERS", "check_common_params", "shared_parameters"]
+__all__ = ["MARK", "ROLLBACKS", "SHARED_PARAMETERS", "check_common_params", "shared_parameters"]
