@@ -5,8 +5,9 @@ values):
 
 * two buffer sets: each run reads one and writes the other, so that a failed step
   (onnxruntime's error, a non-finite loss) leaves the weights as they were;
-* one snapshot per epoch, so that Ctrl-C or a bad streamed batch returns to the
-  epoch's start;
+* with ``rollback="epoch"`` (the default), a copy taken at the start of each epoch, so
+  that a failed epoch (a non-finite loss, Ctrl-C, a bad streamed batch) returns to it;
+  ``rollback="checkpoint"`` returns to the last checkpoint instead and keeps no copy;
 * while a step runs, the gradients and the updates (about three times the weights
   trained: the gradient, its scaled copy, and the new values before they are bound).
 
@@ -24,7 +25,8 @@ import sys
 from graphkit.errors import InsufficientMemoryError
 
 RESIDENT_COPIES = 3
-"""Copies of the resident values: two buffer sets and the epoch's snapshot."""
+"""Copies of the resident values with ``rollback="epoch"``: two buffer sets and the
+epoch's copy (one fewer with ``rollback="checkpoint"``)."""
 
 STEP_COPIES = 3
 """Weight-sized temporaries while a step runs: gradient, update, new value."""
@@ -45,33 +47,49 @@ def available_bytes() -> int | None:
     return None
 
 
-def training_bytes(resident_bytes: int, weight_bytes: int) -> int:
-    """The estimate of what training adds: :data:`RESIDENT_COPIES` of the resident
-    values and :data:`STEP_COPIES` of the trained weights."""
-    return RESIDENT_COPIES * resident_bytes + STEP_COPIES * weight_bytes
+def training_bytes(resident_bytes: int, weight_bytes: int, epoch_copy: bool = True) -> int:
+    """The estimate of what training adds: :data:`RESIDENT_COPIES` of the resident values
+    (one fewer without the epoch's copy) and :data:`STEP_COPIES` of the trained
+    weights."""
+    copies = RESIDENT_COPIES - (0 if epoch_copy else 1)
+    return copies * resident_bytes + STEP_COPIES * weight_bytes
 
 
-def check_fits(resident_bytes: int, weight_bytes: int, what: str = "Training") -> None:
+def check_fits(
+    resident_bytes: int,
+    weight_bytes: int,
+    epoch_copy: bool = True,
+    held_bytes: int = 0,
+    what: str = "Training",
+) -> None:
     """Refuse training whose estimate (:func:`training_bytes`) exceeds the memory
-    available now.
+    available now plus ``held_bytes`` (buffers about to be replaced).
 
     Raises:
         InsufficientMemoryError: with the estimate, its parts and what is available.
     """
     available = available_bytes()
-    need = training_bytes(resident_bytes, weight_bytes)
-    if available is None or need <= available:
+    need = training_bytes(resident_bytes, weight_bytes, epoch_copy)
+    if available is None or need <= available + held_bytes:
         return
+    available += held_bytes
     gib = 2**30
+    copies = RESIDENT_COPIES - (0 if epoch_copy else 1)
+    kept = (
+        "two buffer sets, so that a failed step leaves the weights as they were, and the "
+        "epoch's copy (rollback='epoch')"
+        if epoch_copy
+        else "two buffer sets, so that a failed step leaves the weights as they were"
+    )
     raise InsufficientMemoryError(
         f"{what} needs about {need / gib:.1f} GiB of memory and {available / gib:.1f} GiB "
-        f"is available: {RESIDENT_COPIES} copies of the {resident_bytes / gib:.2f} GiB of "
-        "trained weights and optimizer state (two buffer sets, so that a failed step "
-        f"leaves the weights as they were, and the epoch's snapshot), and {STEP_COPIES} "
-        f"copies of the {weight_bytes / gib:.2f} GiB of trained weights while a step runs "
-        "(gradients and updates). Train fewer weights (weights_to_train: the last layers "
-        "and the head, the base frozen costs its size once), choose an optimizer with "
-        "less state ('sgd' keeps none, 'adam' two values per weight), or free memory."
+        f"is available: {copies} copies of the {resident_bytes / gib:.2f} GiB of trained "
+        f"weights and optimizer state ({kept}), and {STEP_COPIES} copies of the "
+        f"{weight_bytes / gib:.2f} GiB of trained weights while a step runs (gradients "
+        "and updates). Train fewer weights (weights_to_train: the last layers and the head; "
+        "a frozen base costs its size once), choose an optimizer with less state ('sgd' "
+        "keeps none, 'adam' two values per weight), return a failed epoch to the last "
+        "checkpoint (rollback='checkpoint'), or free memory."
     )
 
 

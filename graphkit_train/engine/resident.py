@@ -95,7 +95,9 @@ class ResidentState:
         if self._ort_device == "cpu":
             resident = sum(np.asarray(values[n]).nbytes for n in step.resident)
             weights = sum(np.asarray(values[n]).nbytes for n in step.weights)
-            memory.check_fits(resident, weights)
+            held = 2 * resident if getattr(self, "_buffers", None) is not None else 0
+            epoch_copy = getattr(self, "rollback", "epoch") != "checkpoint"
+            memory.check_fits(resident, weights, epoch_copy, held)
         if self._ort_device == "cpu":
             # onnxruntime shares a CPU array's memory: the arrays are views of the buffers
             host = [{n: tensor_store.copied(values[n]) for n in step.resident} for _ in range(2)]
