@@ -57,7 +57,7 @@ def gradient_model(
         "gradient of %r with respect to %s from the %s backend", output, wrt, gradient_source.name
     )
     # mapped weights (graphkit.tensor_store) are read-only inputs to the gradient source
-    lifted, stored = tensor_store.stored_as_inputs(model)
+    lifted, stored = tensor_store.stored_as_inputs(model, wrt)
     gradient = gradient_source.gradient_graph(lifted, output, wrt)
     return finalize(tensor_store.stored_as_initializers(gradient, stored))
 

@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,16 +238,18 @@ def _all_tensors(model: onnx.ModelProto) -> Iterator[TensorProto]:
     yield from graph_tensors(model.graph)
 
 
-def inline(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` itself when it holds no stored tensor, else a copy whose stored tensors
-    hold their bytes (a self-contained ModelProto, as :func:`onnx.load` gives)."""
-    if not has_stored(model):
+def inline(model: onnx.ModelProto, names: Collection[str] | None = None) -> onnx.ModelProto:
+    """``model`` itself when it holds no stored tensor (of ``names``), else a copy whose
+    stored tensors (those of ``names``; None: all) hold their bytes: with all, a
+    self-contained ModelProto, as :func:`onnx.load` gives."""
+    chosen = [t for t in _all_tensors(model) if is_stored(t) and (names is None or t.name in names)]
+    if not chosen:
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for tensor in _all_tensors(out):
         location = _location(tensor)
-        if location is not None:
+        if location is not None and (names is None or tensor.name in names):
             data = np.ascontiguousarray(_array(location)).tobytes()
             del tensor.external_data[:]
             tensor.data_location = TensorProto.DEFAULT
@@ -310,11 +312,16 @@ def _in_main(model: onnx.ModelProto, tensor: TensorProto) -> bool:
     return any(t is tensor for t in model.graph.initializer)
 
 
-def stored_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[TensorProto]]:
-    """``(copy of model with its stored initializers as graph inputs, those tensors)``,
-    or ``(model, [])`` when it has none: what a gradient source differentiates without
-    reading (or folding) the mapped weights. :func:`stored_as_initializers` puts them
-    back into the graphs it returns."""
+def stored_as_inputs(
+    model: onnx.ModelProto, trained: Collection[str] = ()
+) -> tuple[onnx.ModelProto, list[TensorProto]]:
+    """``(copy of model with its frozen stored initializers as graph inputs, those
+    tensors)``, or ``(model, [])`` when it has none: what a gradient source
+    differentiates without reading (or folding) the mapped weights.
+    :func:`stored_as_initializers` puts them back into the graphs it returns. A stored
+    initializer named in ``trained`` is differentiated with respect to: it is read into
+    the copy (a gradient source may fold what it reads)."""
+    model = inline(model, set(trained))
     stored = [t for t in model.graph.initializer if is_stored(t)]
     if not stored:
         return model, []

@@ -194,6 +194,20 @@ def test_forward_backward_training_takes_a_mapped_model(small, backend):
     np.testing.assert_allclose(fitted.get_state()["head"], expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_backward_training_trains_a_mapped_table(small, backend):
+    path, vocabulary, X, y = small
+    settings = dict(
+        loss="cross_entropy", optimizer="sgd", schedule=0.5, max_iter=2, batch_size=16,
+        shuffle=False, backend=backend,
+    )  # fmt: skip
+    fitted = ForwardBackwardTrainer(path, **settings).fit(X, y)
+    head0 = numpy_helper.to_array(onnx.load(path).graph.initializer[1])
+    table, head = sgd_epochs(table_of(path, vocabulary), head0, X, y, 0.5, 16, 2)
+    np.testing.assert_allclose(fitted.get_state()["head"], head, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fitted.get_state()["table"], table, rtol=1e-5, atol=1e-6)
+
+
 def test_the_trained_model_is_saved_with_its_data_beside_it(small, tmp_path, monkeypatch):
     path, vocabulary, X, y = small
     fitted = trainer(path, ["head"]).fit(X, y)

@@ -172,7 +172,7 @@ class OrtGradientForwardBackward:
         inputs = [n for n in self.input_names if n in requiring]
         check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
         # mapped weights (graphkit.tensor_store) are read-only inputs to the gradient source
-        lifted, stored = tensor_store.stored_as_inputs(self._model)
+        lifted, stored = tensor_store.stored_as_inputs(self._model, self.weight_names)
         graphs = self.backend.forward_backward_graphs(lifted, self.weight_names, inputs)
         gradient = self.backend.prepare_gradient(
             tensor_store.stored_as_initializers(graphs.gradient, stored)
