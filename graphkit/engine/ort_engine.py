@@ -242,8 +242,9 @@ def lacks_float64_kernels() -> bool:
 
 
 LARGE_MODEL_BYTES = 64 << 20
-"""A graph whose inputs and initializers hold at least this many bytes runs without
-onnxruntime's constant folding: onnxruntime folds every constant subgraph into an
+"""A graph whose inputs and initializers hold at least this many bytes, or that holds a
+weight mapped from its file (:mod:`graphkit.tensor_store`), runs without onnxruntime's
+constant folding: onnxruntime folds every constant subgraph into an
 initializer of each session, however large (a zero tensor of an embedding table's size,
 for its gradient, costs the table's size again in every session), and graphkit has
 folded the shape arithmetic that matters already (:mod:`graphkit.static_shapes`)."""
@@ -255,7 +256,9 @@ def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
     disabled: tuple[str, ...] = BROKEN_OPTIMIZERS
     if lacks_float64_kernels() and is_float64(model):
         disabled += FLOAT64_BROKEN_OPTIMIZERS
-    if _value_bytes(model) >= LARGE_MODEL_BYTES:
+    # a stored initializer is shared, not the session's: folding it would read its
+    # file by its stored name, and copy it into the session
+    if tensor_store.has_stored(model) or _value_bytes(model) >= LARGE_MODEL_BYTES:
         disabled += ("ConstantFolding",)
     return disabled
 
@@ -349,7 +352,12 @@ def share_stored_initializers(model: onnx.ModelProto | bytes, options: Any) -> l
         return []
     values = []
     ort = onnxruntime()
-    for name, array in tensor_store.stored_initializers(model).items():
+    stored = tensor_store.stored_initializers(model)
+    if stored:
+        # onnxruntime packs a constant MatMul operand into a layout of its own, a copy
+        # in every session: for a frozen base of gigabytes, its size once per session
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    for name, array in stored.items():
         value = ort.OrtValue.ortvalue_from_numpy(array)
         options.add_initializer(name, value)
         values.append(value)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import onnx
 
+from graphkit import tensor_store
+
 Fold = Callable[[onnx.ModelProto], bool]
 """Folds what it can of a model in place; whether it changed anything."""
 
@@ -28,6 +30,9 @@ def fold(model: onnx.ModelProto) -> onnx.ModelProto:
     import onnx_ir.passes.common as common
     from onnxscript.optimizer import fold_constants
 
+    # weights mapped from their file (graphkit.tensor_store) are inputs to the folding:
+    # onnx_ir would look for a file by their stored name
+    model, stored = tensor_store.stored_as_inputs(model)
     graph = ir.serde.deserialize_model(model)
     common.InlinePass()(graph)
     # nodes whose inputs and outputs have at most 8192 elements each: a step's shape
@@ -40,7 +45,7 @@ def fold(model: onnx.ModelProto) -> onnx.ModelProto:
         common.RemoveUnusedNodesPass(),
         common.RemoveUnusedOpsetsPass(),
     )(graph)
-    return ir.serde.serialize_model(graph)
+    return tensor_store.stored_as_initializers(ir.serde.serialize_model(graph), stored)
 
 
 __all__ = ["Fold", "fold"]
