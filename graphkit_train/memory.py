@@ -29,7 +29,8 @@ RESIDENT_COPIES = 3
 epoch's copy (one fewer with ``rollback="checkpoint"``)."""
 
 STEP_COPIES = 3
-"""Weight-sized temporaries while a step runs: gradient, update, new value."""
+"""Temporaries of the largest trained tensor's size while a step runs: its gradient,
+its scaled copy, a temporary."""
 
 
 def available_bytes() -> int | None:
@@ -47,17 +48,17 @@ def available_bytes() -> int | None:
     return None
 
 
-def training_bytes(resident_bytes: int, weight_bytes: int, epoch_copy: bool = True) -> int:
+def training_bytes(resident_bytes: int, largest_bytes: int, epoch_copy: bool = True) -> int:
     """The estimate of what training adds: :data:`RESIDENT_COPIES` of the resident values
-    (one fewer without the epoch's copy) and :data:`STEP_COPIES` of the trained
-    weights."""
+    (one fewer without the epoch's copy) and :data:`STEP_COPIES` of the largest trained
+    tensor."""
     copies = RESIDENT_COPIES - (0 if epoch_copy else 1)
-    return copies * resident_bytes + STEP_COPIES * weight_bytes
+    return copies * resident_bytes + STEP_COPIES * largest_bytes
 
 
 def check_fits(
     resident_bytes: int,
-    weight_bytes: int,
+    largest_bytes: int,
     epoch_copy: bool = True,
     held_bytes: int = 0,
     what: str = "Training",
@@ -69,7 +70,7 @@ def check_fits(
         InsufficientMemoryError: with the estimate, its parts and what is available.
     """
     available = available_bytes()
-    need = training_bytes(resident_bytes, weight_bytes, epoch_copy)
+    need = training_bytes(resident_bytes, largest_bytes, epoch_copy)
     if available is None or need <= available + held_bytes:
         return
     available += held_bytes
@@ -84,9 +85,9 @@ def check_fits(
     raise InsufficientMemoryError(
         f"{what} needs about {need / gib:.1f} GiB of memory and {available / gib:.1f} GiB "
         f"is available: {copies} copies of the {resident_bytes / gib:.2f} GiB of trained "
-        f"weights and optimizer state ({kept}), and {STEP_COPIES} copies of the "
-        f"{weight_bytes / gib:.2f} GiB of trained weights while a step runs (gradients "
-        "and updates). Train fewer weights (weights_to_train: the last layers and the head; "
+        f"weights and optimizer state ({kept}), and {STEP_COPIES} copies of the largest "
+        f"trained tensor ({largest_bytes / gib:.2f} GiB) while a step runs (its gradient "
+        "and update). Train fewer weights (weights_to_train: the last layers and the head; "
         "a frozen base costs its size once), choose an optimizer with less state ('sgd' "
         "keeps none, 'adam' two values per weight), return a failed epoch to the last "
         "checkpoint (rollback='checkpoint'), or free memory."

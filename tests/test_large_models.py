@@ -268,8 +268,8 @@ def test_training_that_cannot_fit_is_refused_before_allocating(small, monkeypatc
     monkeypatch.setattr(memory, "available_bytes", lambda: 4 << 20)  # 4 MiB
     with pytest.raises(InsufficientMemoryError) as caught:
         trainer(path).fit(X, y)
-    weights = (vocabulary * DIM + DIM * CLASSES) * 4
-    assert f"{6 * weights / 2**30:.1f} GiB" in str(caught.value)  # 3 + 3 copies, sgd
+    weights, table = (vocabulary * DIM + DIM * CLASSES) * 4, vocabulary * DIM * 4
+    assert f"{(3 * weights + 3 * table) / 2**30:.1f} GiB" in str(caught.value)  # sgd
     assert "weights_to_train" in str(caught.value)
     trainer(path, ["head"]).fit(X, y)  # the head alone fits
 

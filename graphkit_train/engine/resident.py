@@ -94,10 +94,10 @@ class ResidentState:
         step = self.update_step_
         if self._ort_device == "cpu":
             resident = sum(np.asarray(values[n]).nbytes for n in step.resident)
-            weights = sum(np.asarray(values[n]).nbytes for n in step.weights)
+            largest = max((np.asarray(values[n]).nbytes for n in step.resident), default=0)
             held = 2 * resident if getattr(self, "_buffers", None) is not None else 0
             epoch_copy = getattr(self, "rollback", "epoch") != "checkpoint"
-            memory.check_fits(resident, weights, epoch_copy, held)
+            memory.check_fits(resident, largest, epoch_copy, held)
         if self._ort_device == "cpu":
             # onnxruntime shares a CPU array's memory: the arrays are views of the buffers
             host = [{n: tensor_store.copied(values[n]) for n in step.resident} for _ in range(2)]
