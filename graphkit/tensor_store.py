@@ -195,6 +195,25 @@ def copied(array: np.ndarray) -> np.ndarray:
     return out
 
 
+def references(model: onnx.ModelProto, skip: Collection[str] = ()) -> dict[str, dict]:
+    """``{name: {"file", "offset", "length", "blake2b"}}`` for the stored initializers of
+    ``model`` not in ``skip``: where each weight's bytes are (the file's name, not its
+    folder) and their digest, what a checkpoint records instead of copying them."""
+    out = {}
+    for tensor in model.graph.initializer:
+        location = _location(tensor)
+        if location is None or tensor.name in skip:
+            continue
+        where = _slices[location]
+        out[tensor.name] = {
+            "file": os.path.basename(where.path),
+            "offset": where.offset,
+            "length": where.length,
+            "blake2b": digest(tensor),
+        }
+    return out
+
+
 def stored_initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """``{name: mapped array}`` for the stored initializers of ``model``'s main graph."""
     return {t.name: _array(loc) for t in model.graph.initializer if (loc := _location(t))}
@@ -464,6 +483,7 @@ __all__ = [
     "inline",
     "is_stored",
     "mappable",
+    "references",
     "save_model",
     "stored_as_initializers",
     "stored_as_inputs",

@@ -269,6 +269,23 @@ def read(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dict[str,
     return arrays, header
 
 
+def check_frozen(path: str, header: dict[str, Any], frozen: Mapping[str, dict]) -> None:
+    """Refuse a checkpoint written over other frozen weights than ``frozen``
+    (:func:`graphkit.tensor_store.references`): a checkpoint holds no copy of them, so
+    it resumes only on the same bytes."""
+    recorded = header.get("frozen", {})
+    for name, now in frozen.items():
+        then = recorded.get(name)
+        if then is not None and then.get("blake2b") != now["blake2b"]:
+            raise CheckpointError(
+                f"{path!r} was written over another frozen weight {name!r}: the bytes now in "
+                f"{now['file']!r} differ from those it was trained with (blake2b "
+                f"{then.get('blake2b')} then, {now['blake2b']} now). A checkpoint holds no "
+                "copy of the frozen weights: resume it with the model files it was "
+                "written with."
+            )
+
+
 def check_matches(
     path: str,
     header: dict[str, Any],

@@ -32,7 +32,15 @@ def header_fields(text: str) -> list[str]:
 
 
 def test_every_script_has_a_results_file_and_no_result_lies_elsewhere():
-    scripts = {"run", "peers", "forward_backward", "distributed", "gradient_sources", "web"}
+    scripts = {
+        "run",
+        "peers",
+        "forward_backward",
+        "distributed",
+        "gradient_sources",
+        "web",
+        "finetune",
+    }
     names = {p.stem.split("-")[0] for p in RESULTS}
     assert names == scripts
     assert [p.name for p in BENCHMARKS.glob("*.md")] == ["README.md"]

@@ -241,11 +241,14 @@ def test_a_checkpoint_references_the_frozen_base(small, tmp_path):
     fitted = trainer(path, ["head"]).fit(X, y)
     fitted.save_checkpoint(tmp_path / "run.ckpt")
     assert os.path.getsize(tmp_path / "run.ckpt") < vocabulary * DIM * 4 / 10  # no table
+    _, header = checkpoint.read(tmp_path / "run.ckpt")  # a reference and a digest instead
+    assert header["frozen"]["table"]["file"] == "model.onnx.data"
+    assert header["frozen"]["table"]["length"] == vocabulary * DIM * 4
     resumed = trainer(path, ["head"]).load_checkpoint(tmp_path / "run.ckpt")
     np.testing.assert_array_equal(resumed.get_state()["head"], fitted.get_state()["head"])
     # the same graph over other base weights: refused, the digest differs
     other = save_external(embedding_model(vocabulary, seed=5), tmp_path / "other")
-    with pytest.raises(checkpoint.CheckpointError, match="another graph"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"another frozen weight .table.*differ"):
         trainer(other, ["head"]).load_checkpoint(tmp_path / "run.ckpt")
 
 

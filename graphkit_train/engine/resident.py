@@ -206,6 +206,8 @@ class ResidentState:
             "train_losses": [float(x) for x in self.train_losses_],
             "validation_losses": [float(x) for x in self.validation_losses_],
             "rng": self._rng.bit_generator.state if self._rng is not None else None,
+            # weights read from their own file and not trained: referenced, not copied
+            "frozen": self._frozen_references(),
         }
         checkpoint.write(path, arrays, header)
         logger.debug("saved the state after epoch %d to %s", header["epochs"], os.fspath(path))
@@ -235,8 +237,13 @@ class ResidentState:
         arrays, header = checkpoint.read(path)
         step = self.update_step_
         expected = step.public({n: step.initial[n] for n in [*step.weights, *step.state, STEP]})
+        checkpoint.check_frozen(os.fspath(path), header, self._frozen_references())
         checkpoint.check_matches(os.fspath(path), header, arrays, expected, self._graph_hash())
         return arrays, header
+
+    def _frozen_references(self) -> dict[str, dict]:
+        """The weights mapped from their file that this trainer does not train."""
+        return tensor_store.references(load_model(self.model_onnx), self.update_step_.weights)
 
     def _restore_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Put the state of the checkpoint at ``path`` back in the current buffers (no
