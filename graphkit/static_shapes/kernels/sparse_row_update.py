@@ -87,17 +87,7 @@ def _rewrite(
         squeeze.CopyFrom(
             helper.make_node("Squeeze", [updates, axes_name], [source], name=squeeze.name)
         )
-    rows_scaled = fresh_name(f"{scaled.output[0]}/rows", ctx.taken)
-    scaled.CopyFrom(helper.make_node("Mul", [source, scale], [rows_scaled], name=scaled.name))
-    node.CopyFrom(
-        helper.make_node(
-            "ScatterND",
-            [table, indices, rows_scaled],
-            list(node.output),
-            name=node.name,
-            reduction="add",
-        )
-    )
+    _scatter_scaled(ctx, node, scaled, table, indices, source, scale)
     ctx.dropped.update({id(scatter), id(zeros)})
     return True
 
@@ -133,18 +123,32 @@ def _gather_grad(
     ctx.graph.initializer.append(numpy_helper.from_array(np.array([-1], np.int64), axes_name))
     unsqueezed = fresh_name(f"{gradient}/indices", ctx.taken)
     grad.CopyFrom(helper.make_node("Unsqueeze", [indices, axes_name], [unsqueezed], name=grad.name))
+    _scatter_scaled(ctx, node, scaled, table, unsqueezed, rows, scale)
+    return True
+
+
+def _scatter_scaled(
+    ctx: Context,
+    node: onnx.NodeProto,
+    scaled: onnx.NodeProto,
+    table: str,
+    indices: str,
+    rows: str,
+    scale: str,
+) -> None:
+    """The ``Mul`` ``scaled`` rewritten as ``rows * scale`` and the ``Add`` ``node`` as
+    ``ScatterND(table, indices, rows * scale, add)``, in place."""
     rows_scaled = fresh_name(f"{scaled.output[0]}/rows", ctx.taken)
     scaled.CopyFrom(helper.make_node("Mul", [rows, scale], [rows_scaled], name=scaled.name))
     node.CopyFrom(
         helper.make_node(
             "ScatterND",
-            [table, unsqueezed, rows_scaled],
+            [table, indices, rows_scaled],
             list(node.output),
             name=node.name,
             reduction="add",
         )
     )
-    return True
 
 
 def _elem_type(ctx: Context, name: str) -> int | None:
