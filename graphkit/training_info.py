@@ -28,8 +28,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit.tensor_store import tensor_value
-
 
 class TrainingInfoError(ValueError):
     """A TrainingInfoProto whose bindings or graphs do not fit the model."""
@@ -169,10 +167,10 @@ def initial_state(model: onnx.ModelProto) -> dict[str, np.ndarray]:
                 continue
             for attribute in node.attribute:
                 if attribute.name == "value":
-                    values[node.output[0]] = tensor_value(attribute.t)
+                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
         if values:
             return values
-    return {t.name: tensor_value(t) for t in model.graph.initializer if t.name in inputs}
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in inputs}
 
 
 def session(model: onnx.ModelProto, runtime: str) -> Any:
@@ -255,7 +253,7 @@ def run_training_info(
     bound = {e.key: e.value for e in info.update_binding}
     consumed = set(bound.values())
     initial = {**_initializers(model.graph), **_initializers(info.algorithm)}
-    values = {k: tensor_value(initial[k]) for k in bound}
+    values = {k: numpy_helper.to_array(initial[k]) for k in bound}
     history = []
     for batch in batches:
         out = dict(zip(names, run({**batch, **values})))
