@@ -363,18 +363,29 @@ def share_stored_initializers(model: onnx.ModelProto | bytes, options: Any) -> l
     one mapped array, no copy. The OrtValues returned must outlive the session."""
     if isinstance(model, bytes):
         return []
-    values = []
     ort = onnxruntime()
     stored = tensor_store.stored_initializers(model)
     if stored:
         # onnxruntime packs a constant MatMul operand into a layout of its own, a copy
         # in every session: for a frozen base of gigabytes, its size once per session
         options.add_session_config_entry("session.disable_prepacking", "1")
-    for name, array in stored.items():
-        value = ort.OrtValue.ortvalue_from_numpy(array)
-        options.add_initializer(name, value)
-        values.append(value)
+    names = list(stored)
+    values = [ort.OrtValue.ortvalue_from_numpy(array) for array in stored.values()]
+    if not names:
+        return values
+    if version_tuple() < SHARED_INITIALIZERS_BEFORE:
+        for name, value in zip(names, values):
+            options.add_initializer(name, value)
+    else:  # newer releases check an initializer's external path before replacing it
+        options.add_external_initializers(names, values)
     return values
+
+
+SHARED_INITIALIZERS_BEFORE = (1, 20)
+"""onnxruntime releases before this take a stored tensor through ``add_initializer``
+(shared, no copy; checked on 1.19.2). Later ones (checked: 1.32) validate the external
+path of an initializer before ``add_initializer`` replaces it, and take it through
+``add_external_initializers``, meant for initializers kept outside the model."""
 
 
 def _check_providers_loaded(session: Any, providers: Sequence[Provider]) -> None:
