@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import INSTALLED_BACKENDS
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit import tensor_store
@@ -22,7 +23,7 @@ from graphkit.errors import IncompatibleModelError, InsufficientMemoryError
 from graphkit_train import ForwardBackwardTrainer, Trainer, checkpoint, memory
 
 DIM, CLASSES, TOKENS = 256, 4, 8
-BACKENDS = ["native", "ort_training"]
+BACKENDS = INSTALLED_BACKENDS
 
 
 def embedding_model(vocabulary: int, seed: int = 0) -> onnx.ModelProto:
