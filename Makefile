@@ -33,7 +33,7 @@ NATIVE_STAMP := $(NATIVE)/.graphkit-installed
 $(NATIVE_STAMP): pyproject.toml
 	$(NEWEST_PYTHON) -m venv $(NATIVE)
 	$(NATIVE)/bin/python -m pip install --quiet --upgrade pip
-	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev,cpu]"
+	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev,cpu,peft]"
 	touch $(NATIVE_STAMP)
 
 # The torch bridge (OnnxModule, DDP) on plain onnxruntime, where torch's wheel is (CPython
@@ -103,11 +103,14 @@ web: $(STAMP) web-deps
 
 # Reinstall when the dependency list changes. The training build of onnxruntime, so that
 # both backends run and check each other; torch==2.13.0 by name, the CPU wheel (no extra
-# names torch: on Linux, PyPI's torch pulls CUDA). `graphkit` is the distribution's name
+# names torch: on Linux, PyPI's torch pulls CUDA), and with it the references the LoRA and
+# language-model tests compare with (PEFT, transformers: both need torch, so no extra
+# names them either). `graphkit` is the distribution's name
 # before graphkit-onnx: an environment made before the rename drops it.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip uninstall --quiet --yes graphkit 2>/dev/null || true
-	$(BIN)/python -m pip install --quiet -e ".[dev,ort-training,docs]" torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev,ort-training,docs]" torch==2.13.0 \
+	peft==0.21.2 transformers==4.57.6
 	touch $(STAMP)
 
 # pytest-xdist workers for the two whole-suite runs (the machine's two cores; 1 runs the

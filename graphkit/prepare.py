@@ -40,6 +40,7 @@ from graphkit.compat import (
 )
 from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
+from graphkit.lora import adapter_names
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.rewrite import (
@@ -135,9 +136,11 @@ def trainable_weights(
     onx: onnx.ModelProto, weights_to_train: Sequence[str] | str | None
 ) -> list[str]:
     """``weights_to_train`` checked against the float initializers; when None, the
-    model's parameters (:func:`graphkit.get_train_initializer`), never its constants."""
+    adapters of a model :func:`graphkit.lora.add_lora` adapted (its base stays frozen),
+    else the model's parameters (:func:`graphkit.get_train_initializer`), never its
+    constants."""
     if weights_to_train is None:
-        weights = list(get_train_initializer(onx))
+        weights = adapter_names(onx) or list(get_train_initializer(onx))
     else:
         weights = check_weight_names(onx, weights_to_train)
     if not weights:

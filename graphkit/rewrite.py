@@ -61,6 +61,7 @@ META_WEIGHT = "graphkit.weight_input"
 META_PREDICTION = "graphkit.prediction_output"
 META_LOSS_FUNCTION = "graphkit.loss_function"
 META_HEADS = "graphkit.loss_heads"
+META_LORA = "graphkit.lora"  # graphkit.lora's record of its adapters: the prediction's own
 """A graph with a loss per output records its heads here (JSON: a list of
 ``{"output", "label", "loss", "weight"}``) instead of the three one-loss keys above."""
 
@@ -899,7 +900,7 @@ def strip_loss_output(onx: onnx.ModelProto) -> onnx.ModelProto:
     """The prediction graph inside a training graph made by :func:`add_loss_output`.
 
     Removes the loss output and what only it needed (label and weight inputs, loss and
-    penalty nodes) and the ``graphkit.*`` metadata.
+    penalty nodes) and the ``graphkit.*`` metadata (but for :mod:`graphkit.lora`'s record).
     """
     meta = metadata(onx)
     loss_name = meta.get(META_LOSS, "loss")
@@ -910,7 +911,9 @@ def strip_loss_output(onx: onnx.ModelProto) -> onnx.ModelProto:
     kept = [o for o in model.graph.output if o.name != loss_name]
     del model.graph.output[:]
     model.graph.output.extend(kept)
-    kept_meta = [p for p in model.metadata_props if not p.key.startswith("graphkit.")]
+    kept_meta = [
+        p for p in model.metadata_props if not p.key.startswith("graphkit.") or p.key == META_LORA
+    ]
     del model.metadata_props[:]
     model.metadata_props.extend(kept_meta)
     return prune(model)

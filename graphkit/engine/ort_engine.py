@@ -496,6 +496,31 @@ def ortvalue(array: np.ndarray, kind: str = "cpu", device_id: int = 0) -> Any:
     return onnxruntime().OrtValue.ortvalue_from_numpy(array, kind, device_id)
 
 
+def write_adapter(
+    path: str, values: Mapping[str, np.ndarray], adapter_version: int, model_version: int
+) -> None:
+    """Write ``values`` (name -> array) as onnxruntime's LoRA adapter file at ``path``
+    (``onnxruntime.AdapterFormat``, onnxruntime 1.20 and later: what
+    ``RunOptions.add_active_adapter`` activates).
+
+    Raises:
+        ImportError: the installed onnxruntime has no adapter format (the training build
+            1.19.2, say); the message names what writes one.
+    """
+    ort = onnxruntime()
+    if not hasattr(ort, "AdapterFormat"):
+        raise ImportError(
+            f"onnxruntime {ort.__version__} cannot write adapter files: its adapter format "
+            "came with onnxruntime 1.20. Save the adapters where onnxruntime>=1.20 is "
+            "installed (graphkit-onnx[cpu], the native backend), or save format='peft'."
+        )
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(int(adapter_version))
+    adapter.set_model_version(int(model_version))
+    adapter.set_parameters({name: ortvalue(np.asarray(v)) for name, v in values.items()})
+    adapter.export_adapter(path)
+
+
 def c_ortvalue(array: np.ndarray, device: Any) -> Any:
     """A C OrtValue holding ``array`` (C-contiguous) on ``device`` (a C OrtDevice, see
     :func:`ort_device`). On the CPU it borrows the array's memory: the caller keeps the

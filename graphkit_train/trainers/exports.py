@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import onnx
 
-from graphkit import tensor_store
+from graphkit import lora, tensor_store
 from graphkit.compat import load_model
 from graphkit.training.trained import trained_weights, untied_prediction, with_weights
 from graphkit.update_step import UpdateStep
@@ -129,6 +129,33 @@ class ModelExports:
         if not getattr(self, "untie_shared_weights", False):
             return model
         return untied_prediction(model, self.update_step_.weights)
+
+    def lora_state(self) -> dict[str, np.ndarray]:
+        """The LoRA adapters' values (trained once fitted), in the graph's layout
+        (:func:`graphkit.lora.lora_state`).
+
+        Raises:
+            graphkit.lora.LoraError: the model has no adapters (:func:`graphkit.lora.add_lora`).
+        """
+        return lora.lora_state(self.prediction_template(), self.fitted_state())
+
+    def save_adapter(
+        self,
+        path: str | os.PathLike[str],
+        format: str = "onnxruntime",
+        **options: Any,  # noqa: A002
+    ) -> str:
+        """Write the LoRA adapters alone (trained once fitted), in onnxruntime's adapter
+        format or PEFT's (:func:`graphkit.lora.save_adapter`, which takes ``options``).
+        Returns the path written.
+
+        Raises:
+            graphkit.lora.LoraError: the model has no adapters, or PEFT's format cannot
+                name them.
+        """
+        return lora.save_adapter(
+            self.prediction_template(), path, format, self.fitted_state(), **options
+        )
 
     def save_onnx_graph(self, export: str | os.PathLike[str] | type[bytes]) -> dict[str, Any]:
         """Export every graph the trainer uses.

@@ -211,6 +211,7 @@ def module_graphs(
     """
     outputs = [o.name for o in model.graph.output]
     refuse_control_flow(model, [*weights, *inputs_requiring_grad], outputs)
+    model = _frozen_reads_apart(model, weights, inputs_requiring_grad)
     model, internal = _alphabetical_weights(model, weights)
     original = {v: k for k, v in internal.items()}
     graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
@@ -218,6 +219,58 @@ def module_graphs(
         rename_tensors(graph, lambda n: original.get(n, n))
     graphs.initializer_names_to_train = [original[n] for n in graphs.initializer_names_to_train]
     return graphs
+
+
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+
+
+def _frozen_reads_apart(
+    model: onnx.ModelProto, weights: Sequence[str], inputs_requiring_grad: Sequence[str]
+) -> onnx.ModelProto:
+    """``model`` where no frozen float initializer is read twice on the gradient path.
+
+    ``OrtModuleGraphBuilder`` defines the gradient of such a tensor once per reader
+    ("Duplicate definition of name (...weight_grad)") when a weight before it trains: a
+    Llama exported by TorchScript, whose equal RMSNorm weights the exporter merged into
+    one initializer read through an ``Identity`` per layer, failed so. Each ``Identity``
+    of a frozen initializer is bypassed, and each further reader on the gradient path
+    gets a tensor of its own: the same bytes under another name (a mapped tensor stays
+    one mapping; an inline one is copied). A trained initializer is never read so:
+    training unties it first (:func:`graphkit.parameters.untie_shared_parameters`).
+    """
+    frozen = {
+        i.name: i
+        for i in model.graph.initializer
+        if i.name not in set(weights) and i.data_type in _FLOATS
+    }
+    outputs = {o.name for o in model.graph.output}
+    alias = {
+        n.output[0]: n.input[0]
+        for n in model.graph.node
+        if n.op_type == "Identity" and n.input[0] in frozen and n.output[0] not in outputs
+    }
+    out = copy_model(model)
+    graph = out.graph
+    nodes = [n for n in graph.node if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for node in nodes:
+        node.input[:] = [alias.get(name, name) for name in node.input]
+    on_path = descendants(graph, [*weights, *inputs_requiring_grad])
+    taken = graph_names(graph)
+    seen: set[str] = set()
+    for node in nodes:
+        if not on_path.intersection(node.output):
+            continue
+        for k, name in enumerate(node.input):
+            if name not in frozen:
+                continue
+            if name in seen:
+                copy = graph.initializer.add()
+                copy.CopyFrom(frozen[name])
+                copy.name = node.input[k] = fresh_name(f"{name}/read", taken)
+            seen.add(name)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return out
 
 
 def _alphabetical_weights(

@@ -1,0 +1,655 @@
+"""LoRA: low-rank adapters beside a model's products, written in standard ONNX.
+
+:func:`add_lora` rewrites each product that reads a chosen weight ``W`` (``MatMul``, or
+``Gemm`` without ``transA``, reading ``W`` directly or through ``Transpose``) so that it
+computes, as PEFT's ``LoraLayer`` does for a ``torch.nn.Linear``,
+
+    y = x W + (alpha / rank) ((x A) B)
+
+with ``A`` (``[in, rank]``) and ``B`` (``[rank, out]``) new float initializers: the only
+weights a trainer trains by default (:func:`graphkit.prepare.trainable_weights` reads
+them from the model's metadata); ``W`` stays frozen (a memory-mapped base stays in its
+file, stored once). ``A`` is drawn as PEFT's default (Kaiming-uniform: ``U(-1/sqrt(in),
+1/sqrt(in))``) or Gaussian (``N(0, 1/rank^2)``), ``B`` is zeros: the adapted model
+predicts as the base model until it is trained.
+
+What an adapted model becomes:
+
+* :func:`merge_lora`: the plain model, ``W + (alpha / rank) A B`` folded into each
+  weight (in ``W``'s layout), no trace of the adapters;
+* :func:`serving_model`: the base model with each adapter weight a graph input (zeros
+  by default, the base model), which onnxruntime's LoRA serving feeds from an adapter
+  file (``RunOptions.add_active_adapter``);
+* :func:`save_adapter`: the adapters alone, in onnxruntime's adapter format or as PEFT's
+  ``adapter_model.safetensors`` and ``adapter_config.json`` (``PeftModel.from_pretrained``
+  loads them into the torch model the ONNX graph was exported from).
+
+What was added is recorded in the model's metadata (``graphkit.lora``: each weight, its
+adapters, rank and alpha, and the nodes that compute them), which these functions and
+the trainers read; it survives :func:`graphkit.add_loss_output` and the trained exports.
+
+The adapters sit in the graph in the layout the products read (``A`` ``[in, rank]``,
+``B`` ``[rank, out]``), so no ``Transpose`` runs at each step; PEFT's layout (``lora_A``
+``[rank, in]``, ``lora_B`` ``[out, rank]``) is written by ``save_adapter(...,
+format="peft")`` only.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from graphkit._graph import copy_model, fresh_name, graph_names
+from graphkit.compat import load_model
+from graphkit.errors import GraphkitError
+from graphkit.parameters import FLOAT_ELEM_TYPES
+from graphkit.rewrite import META_LORA
+from graphkit.tensor_store import tensor_value
+
+INITS = ("kaiming", "gaussian")
+"""How :func:`add_lora` draws ``A``: PEFT's default (``init_lora_weights=True``) or its
+``"gaussian"``; ``B`` starts at zeros either way."""
+
+FORMATS = ("onnxruntime", "peft")
+"""What :func:`save_adapter` writes."""
+
+_WEIGHT_SUFFIX = ".weight"
+
+
+class LoraError(GraphkitError, ValueError):
+    """LoRA asked of what cannot take it: targets that match no weight, a weight no
+    product reads, a rank out of range, a model without adapters."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """One product that reads an adapted weight: the nodes added beside it, the
+    product's own output (renamed ``base``) and the output they now write (``output``)."""
+
+    product: str
+    base: str
+    output: str
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The adapters of one weight: ``W`` (``layout`` ``"in_out"``: ``[in, out]`` as the
+    product reads it; ``"out_in"``: torch's ``[out, in]``, read through ``Transpose`` or
+    by a ``Gemm`` with ``transB``), ``A`` ``[in, rank]``, ``B`` ``[rank, out]``."""
+
+    weight: str
+    a: str
+    b: str
+    rank: int
+    alpha: float
+    layout: str
+    sites: tuple[Site, ...]
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, what the adapters' product is multiplied by."""
+        return self.alpha / self.rank
+
+
+# -- adding adapters -----------------------------------------------------------------------
+
+
+def add_lora(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    targets: str | Iterable[str] | Callable[[str], bool],
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    init: str = "kaiming",
+    random_state: int | None = 0,
+) -> onnx.ModelProto:
+    """``model`` with a low-rank adapter beside each product that reads a target weight.
+
+    Args:
+        model: a ModelProto or a path (large external weights stay mapped, not copied).
+        targets: which weights: a name, a glob pattern (``"*.q_proj.weight"``), a module
+            name as PEFT's ``target_modules`` takes it (``"q_proj"`` matches the weight
+            ``...self_attn.q_proj.weight``), a list of these, or a predicate of the
+            initializer's name.
+        rank: the adapters' rank r, 1 <= r <= min(in, out) of every target.
+        alpha: the scale's numerator: the adapters add ``(alpha / rank) (x A) B``.
+        dropout: PEFT's ``lora_dropout``; only 0 is supported (graphkit does not train
+            Dropout yet).
+        init: ``"kaiming"`` (PEFT's default) or ``"gaussian"``, how ``A`` is drawn.
+        random_state: the seed of ``A``'s draw (None: a fresh one).
+
+    Returns:
+        A new model; the adapters are recorded in its metadata (:func:`adapters`).
+
+    Raises:
+        LoraError: no weight matches (the message lists the candidates), a matched weight
+            is read by no product, the rank is out of range, the model has adapters
+            already, or a parameter is invalid.
+    """
+    model = load_model(model)
+    if adapters(model):
+        raise LoraError(
+            "The model has LoRA adapters already; merge them first (graphkit.lora."
+            "merge_lora) or add every target in one add_lora call."
+        )
+    _check_params(rank, alpha, dropout, init)
+    out = copy_model(model)
+    candidates = _product_weights(out.graph)
+    chosen = _match(targets, [t.name for t in out.graph.initializer], candidates)
+    rng = np.random.default_rng(random_state)
+    taken = graph_names(out.graph)
+    added = []
+    initializers = {t.name: t for t in out.graph.initializer}
+    for name in chosen:
+        weight = initializers[name]
+        added.append(
+            _add_adapter(out.graph, weight, candidates[name], rank, alpha, init, rng, taken)
+        )
+    _write_record(out, added)
+    return out
+
+
+def _check_params(rank: int, alpha: float, dropout: float, init: str) -> None:
+    if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"rank must be a positive integer, got {rank!r}.")
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+        raise LoraError(f"alpha must be a positive number, got {alpha!r}.")
+    if dropout != 0.0:
+        raise LoraError(
+            f"dropout={dropout!r}: graphkit does not train Dropout yet, so LoRA's dropout "
+            "cannot be applied; use dropout=0.0."
+        )
+    if init not in INITS:
+        raise LoraError(f"init must be one of {INITS}, not {init!r}.")
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """A product reading a weight: the node, the input it multiplies the weight by, and
+    the layout it reads the weight in."""
+
+    node: onnx.NodeProto
+    x: str
+    layout: str
+
+
+def _product_weights(graph: onnx.GraphProto) -> dict[str, list[_Reader]]:
+    """Each rank-2 float initializer read as the right operand of a product: ``MatMul(x,
+    W)``, ``MatMul(x, Transpose(W))``, ``Gemm(x, W)`` (``transA=0``; ``transB`` says the
+    layout)."""
+    weights = {
+        t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type in FLOAT_ELEM_TYPES
+    }
+    transposed = {
+        n.output[0]: n.input[0]
+        for n in graph.node
+        if n.op_type == "Transpose"
+        and n.input[0] in weights
+        and list(_attr(n, "perm", [1, 0])) == [1, 0]
+    }
+    readers: dict[str, list[_Reader]] = {}
+    for node in graph.node:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+            continue
+        if node.op_type == "Gemm" and _attr(node, "transA", 0):
+            continue
+        right = node.input[1]
+        if right in weights:
+            layout = "out_in" if node.op_type == "Gemm" and _attr(node, "transB", 0) else "in_out"
+            readers.setdefault(right, []).append(_Reader(node, node.input[0], layout))
+        elif right in transposed and node.op_type == "MatMul":
+            readers.setdefault(transposed[right], []).append(_Reader(node, node.input[0], "out_in"))
+    return readers
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _match(
+    targets: str | Iterable[str] | Callable[[str], bool],
+    names: Sequence[str],
+    candidates: Mapping[str, Any],
+) -> list[str]:
+    """The initializer names ``targets`` chooses, in graph order, each read by a product."""
+    if callable(targets):
+        chosen = [n for n in names if targets(n)]
+        asked = "the predicate"
+    else:
+        patterns = [targets] if isinstance(targets, str) else list(targets)
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            raise LoraError(
+                "targets must be a name, a glob pattern, a list of them or a predicate, "
+                f"got {targets!r}."
+            )
+        chosen = [n for n in names if any(_matches(n, p) for p in patterns)]
+        asked = f"targets {patterns}"
+    if not chosen:
+        raise LoraError(
+            f"{asked} match no weight of the model. Weights read by a product (MatMul, "
+            f"Gemm): {_listing(candidates)}."
+        )
+    unread = [n for n in chosen if n not in candidates]
+    if (
+        unread
+        and not callable(targets)
+        and all(not any(_matches(c, p) for c in candidates) for p in patterns)
+    ):
+        raise LoraError(
+            f"{asked} match {_listing(unread)}, which no product (MatMul, Gemm) reads as "
+            "its weight: LoRA adapts the weights of linear layers. Weights read by a "
+            f"product: {_listing(candidates)}."
+        )
+    return [n for n in chosen if n in candidates]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """An exact name, a glob, or a module name (PEFT's ``target_modules``): the weight's
+    name without ``.weight`` equal to the pattern or ending with ``.pattern``."""
+    if name == pattern or fnmatch.fnmatchcase(name, pattern):
+        return True
+    module = name.removesuffix(_WEIGHT_SUFFIX)
+    return module != name and (module == pattern or module.endswith("." + pattern))
+
+
+def _listing(names: Iterable[str], most: int = 12) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return (shown + more) if names else "none"
+
+
+def _add_adapter(
+    graph: onnx.GraphProto,
+    weight: onnx.TensorProto,
+    readers: list[_Reader],
+    rank: int,
+    alpha: float,
+    init: str,
+    rng: np.random.Generator,
+    taken: set[str],
+) -> Adapter:
+    """``A``, ``B`` of ``weight`` and the nodes that add ``(alpha / rank) (x A) B`` to
+    each product reading it."""
+    layout = readers[0].layout
+    if any(r.layout != layout for r in readers):
+        raise LoraError(
+            f"{weight.name!r} is read in two layouts (directly and transposed); adapt one "
+            "product at a time is not supported."
+        )
+    rows, cols = weight.dims
+    fan_in, fan_out = (rows, cols) if layout == "in_out" else (cols, rows)
+    if rank > min(fan_in, fan_out):
+        raise LoraError(
+            f"rank={rank} exceeds {weight.name!r}'s dimensions ({fan_in} inputs, {fan_out} "
+            f"outputs): the rank must be at most {min(fan_in, fan_out)}."
+        )
+    dtype = helper.tensor_dtype_to_np_dtype(weight.data_type)
+    stem = weight.name.removesuffix(_WEIGHT_SUFFIX)
+    suffix = _WEIGHT_SUFFIX if stem != weight.name else ""
+    a_name = fresh_name(f"{stem}.lora_A{suffix}", taken)
+    b_name = fresh_name(f"{stem}.lora_B{suffix}", taken)
+    a = _draw_a(init, fan_in, rank, rng).astype(dtype)
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(a, a_name),
+            numpy_helper.from_array(np.zeros((rank, fan_out), dtype), b_name),
+        ]
+    )
+    sites = [_add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken) for r in readers]
+    return Adapter(weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites))
+
+
+def _draw_a(init: str, fan_in: int, rank: int, rng: np.random.Generator) -> np.ndarray:
+    """PEFT's draws of ``lora_A`` (``[rank, in]`` in torch), returned as ``[in, rank]``:
+    Kaiming-uniform with ``a = sqrt(5)``, i.e. ``U(-1/sqrt(in), 1/sqrt(in))``, or
+    ``N(0, (1/rank)^2)``."""
+    if init == "kaiming":
+        bound = 1.0 / math.sqrt(fan_in)
+        return rng.uniform(-bound, bound, size=(rank, fan_in)).T
+    return rng.normal(0.0, 1.0 / rank, size=(rank, fan_in)).T
+
+
+def _add_site(
+    graph: onnx.GraphProto,
+    reader: _Reader,
+    a: str,
+    b: str,
+    scale: float,
+    dtype: np.dtype,
+    taken: set[str],
+) -> Site:
+    """After ``reader``'s product: ``y = base + ((x A) B) * scale``, where the product
+    now writes ``base`` (the nodes computed in PEFT's order)."""
+    product = reader.node
+    output = product.output[0]
+    base = fresh_name(f"{output}/lora_base", taken)
+    product.output[0] = base
+    prefix = f"lora/{product.name or output}"
+    names = [
+        fresh_name(f"{prefix}/{op}", taken) for op in ("MatMulA", "MatMulB", "Scale", "Mul", "Add")
+    ]
+    xa, xab, scale_name, scaled = (
+        fresh_name(f"{prefix}/{v}", taken) for v in ("xA", "xAB", "s", "sxAB")
+    )
+    nodes = [
+        helper.make_node("MatMul", [reader.x, a], [xa], name=names[0]),
+        helper.make_node("MatMul", [xa, b], [xab], name=names[1]),
+        helper.make_node(
+            "Constant",
+            [],
+            [scale_name],
+            name=names[2],
+            value=numpy_helper.from_array(np.array(scale, dtype=dtype)),
+        ),
+        helper.make_node("Mul", [xab, scale_name], [scaled], name=names[3]),
+        helper.make_node("Add", [base, scaled], [output], name=names[4]),
+    ]
+    position = list(graph.node).index(product) + 1
+    for offset, node in enumerate(nodes):
+        graph.node.insert(position + offset, node)
+    return Site(product.name, base, output, tuple(names))
+
+
+# -- the record in the metadata ------------------------------------------------------------
+
+
+def _write_record(model: onnx.ModelProto, added: Sequence[Adapter]) -> None:
+    record = json.dumps({"version": 1, "adapters": [asdict(a) for a in added]})
+    kept = [p for p in model.metadata_props if p.key != META_LORA]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=META_LORA, value=record))
+
+
+def adapters(model: onnx.ModelProto) -> list[Adapter]:
+    """The adapters :func:`add_lora` recorded in ``model`` (empty for other models)."""
+    for prop in model.metadata_props:
+        if prop.key == META_LORA:
+            record = json.loads(prop.value)
+            return [
+                Adapter(
+                    **{
+                        **a,
+                        "sites": tuple(
+                            Site(**{**s, "nodes": tuple(s["nodes"])}) for s in a["sites"]
+                        ),
+                    }
+                )
+                for a in record["adapters"]
+            ]
+    return []
+
+
+def adapter_names(model: onnx.ModelProto) -> list[str]:
+    """The adapter weights of ``model`` (``A`` then ``B`` of each target), which a trainer
+    trains by default; empty for a model without adapters."""
+    return [name for a in adapters(model) for name in (a.a, a.b)]
+
+
+def _adapters_of(model: onnx.ModelProto, what: str) -> list[Adapter]:
+    found = adapters(model)
+    if not found:
+        raise LoraError(
+            f"{what}: the model has no LoRA adapters (none recorded by graphkit.lora."
+            "add_lora in its metadata)."
+        )
+    return found
+
+
+# -- values --------------------------------------------------------------------------------
+
+
+def lora_state(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    state: Mapping[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """The adapter weights' values, in the graph's layout (``A`` ``[in, rank]``, ``B``
+    ``[rank, out]``): from ``state`` (a trainer's ``get_state()``) where it has them,
+    else from the model's initializers.
+
+    Raises:
+        LoraError: the model has no adapters.
+    """
+    model = load_model(model)
+    names = adapter_names(_checked(model, "lora_state"))
+    initializers = {t.name: t for t in model.graph.initializer if t.name in names}
+    return {
+        n: np.array(state[n] if state is not None and n in state else tensor_value(initializers[n]))
+        for n in names
+    }  # copies: small, and the caller's to change
+
+
+def _checked(model: onnx.ModelProto, what: str) -> onnx.ModelProto:
+    _adapters_of(model, what)
+    return model
+
+
+def merge_lora(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    state: Mapping[str, np.ndarray] | None = None,
+) -> onnx.ModelProto:
+    """The plain model: each adapted weight replaced by ``W + (alpha / rank) A B`` (in
+    ``W``'s layout), the adapters' nodes, initializers and record removed.
+
+    Args:
+        model: a model :func:`add_lora` adapted (a trainer's ``get_trained_onnx()``, or
+            the model given to the trainer with ``state``).
+        state: trained values by name (a trainer's ``get_state()``): they replace the
+            initializers of the same name first.
+
+    Raises:
+        LoraError: the model has no adapters.
+    """
+    model = load_model(model)
+    found = _adapters_of(model, "merge_lora")
+    out = copy_model(model)
+    values = lora_state(out, state)
+    graph = out.graph
+    removed = {name for a in found for s in a.sites for name in s.nodes}
+    renamed = {s.base: s.output for a in found for s in a.sites}
+    kept = [n for n in graph.node if n.name not in removed]
+    for node in kept:
+        node.output[:] = [renamed.get(o, o) for o in node.output]
+    del graph.node[:]
+    graph.node.extend(kept)
+    merged = {a.weight: _merged_weight(graph, a, values) for a in found}
+    dropped = set(adapter_names(out))
+    tensors = []
+    for tensor in graph.initializer:
+        if tensor.name in dropped:
+            continue
+        if tensor.name in merged:
+            tensor = numpy_helper.from_array(merged[tensor.name], tensor.name)
+        elif state is not None and tensor.name in state:
+            tensor = numpy_helper.from_array(np.asarray(state[tensor.name]), tensor.name)
+        tensors.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(tensors)
+    _drop_record(out)
+    return out
+
+
+def _merged_weight(
+    graph: onnx.GraphProto, adapter: Adapter, values: Mapping[str, np.ndarray]
+) -> np.ndarray:
+    """W + (alpha / rank) A B, transposed for a weight stored ``[out, in]``."""
+    weight = next(t for t in graph.initializer if t.name == adapter.weight)
+    w = tensor_value(weight)
+    delta = (values[adapter.a] @ values[adapter.b]) * np.asarray(adapter.scale, dtype=w.dtype)
+    if adapter.layout == "out_in":
+        delta = delta.T
+    return (w + delta.astype(w.dtype)).astype(w.dtype)
+
+
+def _drop_record(model: onnx.ModelProto) -> None:
+    kept = [p for p in model.metadata_props if p.key != META_LORA]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+
+
+def serving_model(model: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
+    """The adapted model as onnxruntime serves LoRA: each adapter weight a graph input
+    whose default is zeros (without an active adapter, the base model predicts), which an
+    adapter file written by :func:`save_adapter` fills (``RunOptions.add_active_adapter``
+    on onnxruntime 1.20 or later).
+
+    Raises:
+        LoraError: the model has no adapters.
+    """
+    model = load_model(model)
+    names = set(adapter_names(_checked(model, "serving_model")))
+    out = copy_model(model)
+    graph = out.graph
+    tensors = []
+    for tensor in graph.initializer:
+        if tensor.name in names:
+            dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            graph.input.append(
+                helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            )
+            tensor = numpy_helper.from_array(np.zeros(tuple(tensor.dims), dtype), tensor.name)
+        tensors.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(tensors)
+    return out
+
+
+# -- adapter files -------------------------------------------------------------------------
+
+
+def save_adapter(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    format: str = "onnxruntime",  # noqa: A002 - the word users know
+    state: Mapping[str, np.ndarray] | None = None,
+    *,
+    adapter_version: int = 1,
+    model_version: int = 1,
+    base_model_name_or_path: str | None = None,
+    module_prefix: str = "",
+) -> str:
+    """Write the adapters alone; returns the path written.
+
+    Args:
+        model: the adapted model (its record says what the adapters are).
+        path: ``format="onnxruntime"``: the adapter file (``.onnx_adapter``);
+            ``format="peft"``: a folder, where ``adapter_model.safetensors`` and
+            ``adapter_config.json`` are written.
+        format: ``"onnxruntime"``: onnxruntime's adapter format, the graph's names and
+            layout (:func:`serving_model` is the model it activates on); ``"peft"``:
+            PEFT's names and torch's layout, for ``PeftModel.from_pretrained`` on the
+            torch model the graph was exported from.
+        state: trained values by name (a trainer's ``get_state()``), else the model's.
+        adapter_version, model_version: onnxruntime's version fields.
+        base_model_name_or_path: PEFT's field of that name.
+        module_prefix: for ``format="peft"``, a prefix of the ONNX weight names that the
+            torch model PEFT loads into does not have (the attribute of a wrapper module
+            the graph was exported through: ``"m."``); removed from the module names.
+
+    Raises:
+        LoraError: the model has no adapters; ``format="peft"`` for a weight whose name
+            did not come from a torch module (``<module>.weight``); an unknown format.
+        ImportError: the writer's package is missing (the message names it).
+    """
+    if format not in FORMATS:
+        raise LoraError(f"format must be one of {FORMATS}, not {format!r}.")
+    model = load_model(model)
+    found = _adapters_of(model, "save_adapter")
+    values = lora_state(model, state)
+    path = os.fspath(path)
+    if format == "onnxruntime":
+        from graphkit.engine.ort_engine import write_adapter
+
+        write_adapter(path, values, adapter_version, model_version)
+        return path
+    return _save_peft(found, values, path, base_model_name_or_path, module_prefix)
+
+
+def _save_peft(
+    found: Sequence[Adapter],
+    values: Mapping[str, np.ndarray],
+    folder: str,
+    base_model_name_or_path: str | None,
+    module_prefix: str,
+) -> str:
+    """PEFT's ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``
+    ``[rank, in]``, ``lora_B.weight`` ``[out, rank]``) and ``adapter_config.json``."""
+    untraceable = [a.weight for a in found if not a.weight.endswith(_WEIGHT_SUFFIX)]
+    if untraceable:
+        raise LoraError(
+            f"PEFT's format names adapters by torch module, but {_listing(untraceable)} did "
+            "not come from a module's '.weight' (an exporter's constant folding renamed "
+            "it). Export with torch.onnx.export(..., dynamo=False, do_constant_folding="
+            "False) or dynamo=True, optimize=False to keep the names, or save "
+            "format='onnxruntime'."
+        )
+    ranks = {a.rank for a in found}
+    alphas = {a.alpha for a in found}
+    if len(ranks) != 1 or len(alphas) != 1:
+        raise LoraError(
+            f"PEFT's adapter_config.json holds one rank and alpha; the adapters have ranks "
+            f"{sorted(ranks)} and alphas {sorted(alphas)}."
+        )
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as exc:
+        raise ImportError(
+            "Saving PEFT's format needs safetensors: pip install 'graphkit-onnx[peft]' "
+            "(or pip install safetensors)."
+        ) from exc
+    tensors: dict[str, np.ndarray] = {}
+    modules = []
+    for a in found:
+        module = a.weight.removesuffix(_WEIGHT_SUFFIX)
+        if module_prefix and not module.startswith(module_prefix):
+            raise LoraError(f"{a.weight!r} does not start with module_prefix {module_prefix!r}.")
+        module = module.removeprefix(module_prefix)
+        modules.append(module)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(values[a.a].T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(values[a.b].T)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": found[0].rank,
+        "lora_alpha": int(found[0].alpha) if found[0].alpha.is_integer() else found[0].alpha,
+        "lora_dropout": 0.0,
+        "target_modules": modules,  # the full names: PEFT adapts exactly these
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+    }
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return folder
+
+
+__all__ = [
+    "Adapter",
+    "LoraError",
+    "adapter_names",
+    "adapters",
+    "add_lora",
+    "lora_state",
+    "merge_lora",
+    "save_adapter",
+    "serving_model",
+]
