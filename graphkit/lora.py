@@ -1,8 +1,10 @@
 """LoRA: low-rank adapters beside a model's products, written in standard ONNX.
 
 :func:`add_lora` rewrites each product that reads a chosen weight ``W`` (``MatMul``, or
-``Gemm`` without ``transA``, reading ``W`` directly or through ``Transpose``) so that it
-computes, as PEFT's ``LoraLayer`` does for a ``torch.nn.Linear``,
+``Gemm`` without ``transA``, reading ``W`` directly or through ``Transpose``; a quantized
+``W`` behind a ``DequantizeLinear``, onnxruntime's ``MatMulNBits`` written as one by
+:mod:`graphkit.quantized`) so that it computes, as PEFT's ``LoraLayer`` does for a
+``torch.nn.Linear``,
 
     y = x W + (alpha / rank) ((x A) B)
 
@@ -48,10 +50,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from graphkit import tensor_store
 from graphkit._graph import copy_model, fresh_name, graph_names
 from graphkit.compat import load_model
 from graphkit.errors import GraphkitError
 from graphkit.parameters import FLOAT_ELEM_TYPES
+from graphkit.quantized import matmul_nbits_as_standard
 from graphkit.rewrite import META_LORA
 from graphkit.tensor_store import tensor_value
 
@@ -85,7 +89,10 @@ class Site:
 class Adapter:
     """The adapters of one weight: ``W`` (``layout`` ``"in_out"``: ``[in, out]`` as the
     product reads it; ``"out_in"``: torch's ``[out, in]``, read through ``Transpose`` or
-    by a ``Gemm`` with ``transB``), ``A`` ``[in, rank]``, ``B`` ``[rank, out]``."""
+    by a ``Gemm`` with ``transB``), ``A`` ``[in, rank]``, ``B`` ``[rank, out]``. For a
+    quantized base, ``weight`` is the quantized initializer and ``chain`` the outputs of
+    the nodes that make it float (its ``DequantizeLinear``, then a ``Slice`` where
+    :mod:`graphkit.quantized` cut a block's padding)."""
 
     weight: str
     a: str
@@ -94,6 +101,7 @@ class Adapter:
     alpha: float
     layout: str
     sites: tuple[Site, ...]
+    chain: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -143,18 +151,14 @@ def add_lora(
             "merge_lora) or add every target in one add_lora call."
         )
     _check_params(rank, alpha, dropout, init)
-    out = copy_model(model)
+    out = copy_model(matmul_nbits_as_standard(model))
     candidates = _product_weights(out.graph)
     chosen = _match(targets, [t.name for t in out.graph.initializer], candidates)
     rng = np.random.default_rng(random_state)
     taken = graph_names(out.graph)
-    added = []
-    initializers = {t.name: t for t in out.graph.initializer}
-    for name in chosen:
-        weight = initializers[name]
-        added.append(
-            _add_adapter(out.graph, weight, candidates[name], rank, alpha, init, rng, taken)
-        )
+    added = [
+        _add_adapter(out.graph, *candidates[name], rank, alpha, init, rng, taken) for name in chosen
+    ]
     _write_record(out, added)
     return out
 
@@ -174,6 +178,19 @@ def _check_params(rank: int, alpha: float, dropout: float, init: str) -> None:
 
 
 @dataclass(frozen=True)
+class _Weight:
+    """A weight a product can read: the initializer ``name`` itself, or the quantized
+    tensor ``name`` that the nodes whose outputs are ``chain`` make float (its
+    ``DequantizeLinear``, a ``Slice`` of it); ``dims`` are the float weight's, ``dtype``
+    the float type the product computes in."""
+
+    name: str
+    dims: tuple[int, ...]
+    dtype: np.dtype
+    chain: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Reader:
     """A product reading a weight: the node, the input it multiplies the weight by, and
     the layout it reads the weight in."""
@@ -183,21 +200,58 @@ class _Reader:
     layout: str
 
 
-def _product_weights(graph: onnx.GraphProto) -> dict[str, list[_Reader]]:
-    """Each rank-2 float initializer read as the right operand of a product: ``MatMul(x,
-    W)``, ``MatMul(x, Transpose(W))``, ``Gemm(x, W)`` (``transA=0``; ``transB`` says the
-    layout)."""
-    weights = {
-        t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type in FLOAT_ELEM_TYPES
+def _weights(graph: onnx.GraphProto) -> dict[str, _Weight]:
+    """The tensors a product may read as its weight, by the name it reads: each rank-2
+    float initializer, and each ``DequantizeLinear`` of a rank-2 initializer (a quantized
+    base: per-tensor, per-channel or block-wise, any integer type)."""
+    initializers = {t.name: t for t in graph.initializer}
+    found = {
+        t.name: _Weight(t.name, tuple(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type))
+        for t in graph.initializer
+        if len(t.dims) == 2 and t.data_type in FLOAT_ELEM_TYPES
     }
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in initializers:
+            quantized, scale = initializers[node.input[0]], initializers.get(node.input[1])
+            if len(quantized.dims) == 2 and scale is not None:
+                dtype = helper.tensor_dtype_to_np_dtype(scale.data_type)
+                dims = tuple(quantized.dims)
+                found[node.output[0]] = _Weight(quantized.name, dims, dtype, (node.output[0],))
+        elif node.op_type == "Slice" and node.input[0] in found and found[node.input[0]].chain:
+            if all(name in initializers for name in node.input[1:] if name):
+                weight = found[node.input[0]]
+                dims = _sliced(weight.dims, [initializers.get(n) for n in node.input[1:]])
+                chain = (*weight.chain, node.output[0])
+                found[node.output[0]] = _Weight(weight.name, dims, weight.dtype, chain)
+    return found
+
+
+def _sliced(dims: tuple[int, ...], bounds: list[onnx.TensorProto | None]) -> tuple[int, ...]:
+    """The dims of a ``Slice`` of a ``dims`` tensor by constant starts, ends[, axes, steps]."""
+    starts, ends, axes, steps = ([*bounds, None, None][k] for k in range(4))
+    index = [slice(None)] * len(dims)
+    axes_ = tensor_value(axes).tolist() if axes is not None else range(len(dims))
+    steps_ = tensor_value(steps).tolist() if steps is not None else [1] * len(dims)
+    for axis, start, end, step in zip(
+        axes_, tensor_value(starts).tolist(), tensor_value(ends).tolist(), steps_, strict=False
+    ):
+        index[axis] = slice(start, end, step)
+    return tuple(len(range(d)[i]) for d, i in zip(dims, index, strict=True))
+
+
+def _product_weights(graph: onnx.GraphProto) -> dict[str, tuple[_Weight, list[_Reader]]]:
+    """Each weight (:func:`_weights`) read as the right operand of a product, by its
+    initializer's name: ``MatMul(x, W)``, ``MatMul(x, Transpose(W))``, ``Gemm(x, W)``
+    (``transA=0``; ``transB`` says the layout)."""
+    weights = _weights(graph)
     transposed = {
-        n.output[0]: n.input[0]
+        n.output[0]: weights[n.input[0]]
         for n in graph.node
         if n.op_type == "Transpose"
         and n.input[0] in weights
         and list(_attr(n, "perm", [1, 0])) == [1, 0]
     }
-    readers: dict[str, list[_Reader]] = {}
+    found: dict[str, tuple[_Weight, list[_Reader]]] = {}
     for node in graph.node:
         if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
             continue
@@ -205,11 +259,14 @@ def _product_weights(graph: onnx.GraphProto) -> dict[str, list[_Reader]]:
             continue
         right = node.input[1]
         if right in weights:
+            weight = weights[right]
             layout = "out_in" if node.op_type == "Gemm" and _attr(node, "transB", 0) else "in_out"
-            readers.setdefault(right, []).append(_Reader(node, node.input[0], layout))
         elif right in transposed and node.op_type == "MatMul":
-            readers.setdefault(transposed[right], []).append(_Reader(node, node.input[0], "out_in"))
-    return readers
+            weight, layout = transposed[right], "out_in"
+        else:
+            continue
+        found.setdefault(weight.name, (weight, []))[1].append(_Reader(node, node.input[0], layout))
+    return found
 
 
 def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
@@ -274,7 +331,7 @@ def _listing(names: Iterable[str], most: int = 12) -> str:
 
 def _add_adapter(
     graph: onnx.GraphProto,
-    weight: onnx.TensorProto,
+    weight: _Weight,
     readers: list[_Reader],
     rank: int,
     alpha: float,
@@ -297,7 +354,7 @@ def _add_adapter(
             f"rank={rank} exceeds {weight.name!r}'s dimensions ({fan_in} inputs, {fan_out} "
             f"outputs): the rank must be at most {min(fan_in, fan_out)}."
         )
-    dtype = helper.tensor_dtype_to_np_dtype(weight.data_type)
+    dtype = weight.dtype
     stem = weight.name.removesuffix(_WEIGHT_SUFFIX)
     suffix = _WEIGHT_SUFFIX if stem != weight.name else ""
     a_name = fresh_name(f"{stem}.lora_A{suffix}", taken)
@@ -310,7 +367,9 @@ def _add_adapter(
         ]
     )
     sites = [_add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken) for r in readers]
-    return Adapter(weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites))
+    return Adapter(
+        weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites), weight.chain
+    )
 
 
 def _draw_a(init: str, fan_in: int, rank: int, rng: np.random.Generator) -> np.ndarray:
@@ -387,6 +446,7 @@ def adapters(model: onnx.ModelProto) -> list[Adapter]:
                         "sites": tuple(
                             Site(**{**s, "nodes": tuple(s["nodes"])}) for s in a["sites"]
                         ),
+                        "chain": tuple(a.get("chain", ())),
                     }
                 )
                 for a in record["adapters"]
@@ -459,40 +519,79 @@ def merge_lora(
     out = copy_model(model)
     values = lora_state(out, state)
     graph = out.graph
+    if state is not None:
+        _set_values(graph, state)
+    # each merged weight as a float initializer named as the product reads it: W's own
+    # name, or the end of a quantized base's chain (whose nodes then go)
+    merged = {(a.chain or (a.weight,))[-1]: _merged_weight(graph, a, values) for a in found}
+    chains = {name for a in found for name in a.chain}
     removed = {name for a in found for s in a.sites for name in s.nodes}
     renamed = {s.base: s.output for a in found for s in a.sites}
-    kept = [n for n in graph.node if n.name not in removed]
+    kept = [n for n in graph.node if n.name not in removed and n.output[0] not in chains]
     for node in kept:
         node.output[:] = [renamed.get(o, o) for o in node.output]
     del graph.node[:]
     graph.node.extend(kept)
-    merged = {a.weight: _merged_weight(graph, a, values) for a in found}
-    dropped = set(adapter_names(out))
-    tensors = []
-    for tensor in graph.initializer:
-        if tensor.name in dropped:
-            continue
-        if tensor.name in merged:
-            tensor = numpy_helper.from_array(merged[tensor.name], tensor.name)
-        elif state is not None and tensor.name in state:
-            tensor = numpy_helper.from_array(np.asarray(state[tensor.name]), tensor.name)
-        tensors.append(tensor)
+    read = {name for n in kept for name in n.input}
+    dropped = set(adapter_names(out)) | set(merged)
+    dropped |= _quantization_inputs(found, model) - read
+    tensors = [t for t in graph.initializer if t.name not in dropped]
+    tensors += [numpy_helper.from_array(value, name) for name, value in merged.items()]
     del graph.initializer[:]
     graph.initializer.extend(tensors)
     _drop_record(out)
     return out
 
 
+def _set_values(graph: onnx.GraphProto, state: Mapping[str, np.ndarray]) -> None:
+    """Replace the initializers ``state`` names by its values."""
+    for k, tensor in enumerate(graph.initializer):
+        if tensor.name in state:
+            graph.initializer[k].CopyFrom(
+                numpy_helper.from_array(np.asarray(state[tensor.name]), tensor.name)
+            )
+
+
+def _quantization_inputs(found: Sequence[Adapter], model: onnx.ModelProto) -> set[str]:
+    """What the chains of merged quantized weights read (the quantized tensor, its scales
+    and zero points, a slice's bounds): dropped where nothing else reads them."""
+    chains = {name for a in found for name in a.chain}
+    return {name for n in model.graph.node if n.output[0] in chains for name in n.input} - chains
+
+
 def _merged_weight(
     graph: onnx.GraphProto, adapter: Adapter, values: Mapping[str, np.ndarray]
 ) -> np.ndarray:
-    """W + (alpha / rank) A B, transposed for a weight stored ``[out, in]``."""
-    weight = next(t for t in graph.initializer if t.name == adapter.weight)
-    w = tensor_value(weight)
+    """W + (alpha / rank) A B, transposed for a weight stored ``[out, in]``; a quantized
+    weight is dequantized first (the merged weight is float)."""
+    w = _dequantized(graph, adapter) if adapter.chain else _initializer(graph, adapter.weight)
     delta = (values[adapter.a] @ values[adapter.b]) * np.asarray(adapter.scale, dtype=w.dtype)
     if adapter.layout == "out_in":
         delta = delta.T
     return (w + delta.astype(w.dtype)).astype(w.dtype)
+
+
+def _initializer(graph: onnx.GraphProto, name: str) -> np.ndarray:
+    return tensor_value(next(t for t in graph.initializer if t.name == name))
+
+
+def _dequantized(graph: onnx.GraphProto, adapter: Adapter) -> np.ndarray:
+    """The float value of a quantized weight: its chain (``DequantizeLinear``, ``Slice``)
+    evaluated by onnx's reference implementation on the initializers it reads."""
+    nodes = [n for n in graph.node if n.output[0] in set(adapter.chain)]
+    read = {name for n in nodes for name in n.input}
+    chain = helper.make_graph(
+        nodes,
+        "dequantize",
+        [],
+        [helper.make_tensor_value_info(adapter.chain[-1], 0, None)],
+        [t for t in graph.initializer if t.name in read],
+    )
+    model = helper.make_model(chain, opset_imports=[helper.make_opsetid("", 21)])
+    from onnx.reference import ReferenceEvaluator  # only here: a second to import
+
+    (value,) = ReferenceEvaluator(tensor_store.inline(model)).run(None, {})
+    return np.asarray(value)
 
 
 def _drop_record(model: onnx.ModelProto) -> None:
