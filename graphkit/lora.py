@@ -55,7 +55,7 @@ from graphkit._graph import copy_model, fresh_name, graph_names
 from graphkit.compat import load_model
 from graphkit.errors import GraphkitError
 from graphkit.parameters import FLOAT_ELEM_TYPES
-from graphkit.quantized import matmul_nbits_as_standard
+from graphkit.quantized import quantized_as_standard
 from graphkit.rewrite import META_LORA
 from graphkit.tensor_store import tensor_value
 
@@ -151,7 +151,7 @@ def add_lora(
             "merge_lora) or add every target in one add_lora call."
         )
     _check_params(rank, alpha, dropout, init)
-    out = copy_model(matmul_nbits_as_standard(model))
+    out = copy_model(quantized_as_standard(model))
     candidates = _product_weights(out.graph)
     chosen = _match(targets, [t.name for t in out.graph.initializer], candidates)
     rng = np.random.default_rng(random_state)

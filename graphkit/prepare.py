@@ -43,7 +43,7 @@ from graphkit.gathers import gathers_as_split
 from graphkit.lora import adapter_names
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
-from graphkit.quantized import matmul_nbits_as_standard
+from graphkit.quantized import quantized_as_standard
 from graphkit.rewrite import (
     META_LOSS,
     check_weight_names,
@@ -107,7 +107,7 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if _standard_already(model):
         check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
         return copy_model(model)
-    return linear_models_as_standard_ops(compatible_for_training(matmul_nbits_as_standard(model)))
+    return linear_models_as_standard_ops(compatible_for_training(quantized_as_standard(model)))
 
 
 def _standard_already(model: onnx.ModelProto) -> bool:

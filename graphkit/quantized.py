@@ -187,4 +187,45 @@ def _drop_unread(graph: onnx.GraphProto, replaced: set[str]) -> None:
     graph.initializer.extend(kept)
 
 
-__all__ = ["matmul_nbits_as_standard"]
+def explicit_zero_points(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` whose ``DequantizeLinear`` nodes of an initializer all name their zero
+    point (zeros of the quantized type, shaped as the scale), ``model`` itself where they
+    do. Without one, onnxruntime 1.19.2's QDQ rewrites insert a ``QuantizeLinear`` typed
+    uint8 after an int8 weight, and the session fails to load ("Type (tensor(int8)) of
+    output arg (QuantizeLinear_out0) ... does not match expected type (tensor(uint8))")."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    missing = [
+        k
+        for k, n in enumerate(model.graph.node)
+        if n.op_type == "DequantizeLinear"
+        and (len(n.input) < 3 or not n.input[2])
+        and n.input[0] in initializers
+        and n.input[1] in initializers
+    ]
+    if not missing:
+        return model
+    out = copy_model(model)
+    taken = graph_names(out.graph)
+    for k in missing:
+        node = out.graph.node[k]
+        quantized, scale = initializers[node.input[0]], initializers[node.input[1]]
+        zero = helper.make_tensor(
+            fresh_name(f"{node.input[0]}/zero_point", taken),
+            quantized.data_type,
+            list(scale.dims),
+            [0] * int(np.prod(scale.dims, dtype=np.int64)),
+        )
+        out.graph.initializer.append(zero)
+        inputs = [*node.input[:2], zero.name]
+        del node.input[:]
+        node.input.extend(inputs)
+    return out
+
+
+def quantized_as_standard(model: onnx.ModelProto) -> onnx.ModelProto:
+    """:func:`matmul_nbits_as_standard` then :func:`explicit_zero_points`: a quantized
+    base every backend trains on."""
+    return explicit_zero_points(matmul_nbits_as_standard(model))
+
+
+__all__ = ["explicit_zero_points", "matmul_nbits_as_standard", "quantized_as_standard"]
