@@ -229,6 +229,7 @@ def _weights(graph: onnx.GraphProto) -> dict[str, _Weight]:
 def _sliced(dims: tuple[int, ...], bounds: list[onnx.TensorProto | None]) -> tuple[int, ...]:
     """The dims of a ``Slice`` of a ``dims`` tensor by constant starts, ends[, axes, steps]."""
     starts, ends, axes, steps = ([*bounds, None, None][k] for k in range(4))
+    assert starts is not None and ends is not None  # a Slice's two required inputs
     index = [slice(None)] * len(dims)
     axes_ = tensor_value(axes).tolist() if axes is not None else range(len(dims))
     steps_ = tensor_value(steps).tolist() if steps is not None else [1] * len(dims)

@@ -383,18 +383,21 @@ def untie_constants(
 
 
 def untie_shared_parameters(
-    onx: onnx.ModelProto, trained: Iterable[str]
+    onx: onnx.ModelProto, trained: Iterable[str], keep: Iterable[str] = ()
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(copy, trained weights)`` where a trained initializer read by several parameter
     slots gives each reader after the first a copy of its own, ``<name>.1``,
-    ``<name>.2``... (listed right after it).
+    ``<name>.2``... (listed right after it); those in ``keep`` stay one weight.
 
     torch's TorchScript exporter merges initializers of equal value: a fresh network's
     two LayerNorm weights (ones) or several zero biases become one tensor, which
     training would then keep tied where torch trains them apart. Untying is what the
-    trainers do by default; weights tied on purpose (an embedding shared with the output
-    layer) keep training together with ``untie_shared_weights=False``.
+    trainers do by default. Weights torch ties (an embedding read through a Transpose
+    by the output layer: :func:`graphkit.tied_weights.read_transposed`) are kept with
+    ``tie_weights=True``, the default; every shared weight stays tied with
+    ``untie_shared_weights=False``.
     """
+    kept = set(keep)
     uses = _Uses(onx.graph)
     model = onnx.ModelProto()
     model.CopyFrom(onx)
@@ -409,7 +412,7 @@ def untie_shared_parameters(
             if id(node) in uses.index  # the main graph's readers
             and any(role == "parameter" for role, _, _ in uses.edge_roles(node, position))
         ]
-        if name not in values or len(slots) < 2:
+        if name not in values or len(slots) < 2 or name in kept:
             continue
         # the name stays with a slot that reads it directly; readers through an alias
         # (TorchScript writes the merged tensor as "4.weight = Identity(1.weight)") copy

@@ -12,9 +12,14 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 * gathers that take a tensor apart along an axis (an attention's queries, keys and
   values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
 * a model exported in training mode is refused (:func:`refuse_training_mode`);
+* a weight's transposed copy an exporter folded (a tied embedding's output projection)
+  is read as a ``Transpose`` of the weight, so that both train as one
+  (:func:`graphkit.tied_weights.tie_transposed_copies`);
 * the weights to train are chosen (:func:`trainable_weights`: the model's parameters,
   never its constants, unless named);
 * trained weights stop feeding constant roles (:func:`graphkit.parameters.untie_constants`);
+* weights an exporter merged are untied, those torch ties are not
+  (:func:`graphkit.parameters.untie_shared_parameters`);
 * the backend's own rewrites, for what its gradient source cannot differentiate as it
   is (:meth:`graphkit.backends.base.GradientSource.prepare`).
 """
@@ -52,6 +57,7 @@ from graphkit.rewrite import (
     metadata,
 )
 from graphkit.tensor_store import tensor_value
+from graphkit.tied_weights import read_transposed, tie_transposed_copies, tied_names
 
 
 def prepare_for_training(
@@ -60,19 +66,31 @@ def prepare_for_training(
     backend: str | Backend | None = None,
     untie_shared_weights: bool = True,
     loss_output_name: str | None = None,
+    *,
+    tie_weights: bool = True,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(rewritten model, weights to train)`` for a user's prediction or training graph.
 
     The weights are decided on the model as given (see :mod:`graphkit.parameters`), then
     the rewrites above are applied, the last ones by ``backend`` (None: the default).
-    With ``untie_shared_weights``, a weight read by several parameter slots (an
-    exporter's merge of equal initializers) becomes one weight per slot
+    With ``tie_weights``, weights torch ties are trained as one: a weight's exact
+    transposed copy (an output projection tied to the embedding, its ``Transpose``
+    folded by the exporter) is read as ``Transpose(weight)``, and a weight read both
+    directly and through a ``Transpose`` stays one weight
+    (:mod:`graphkit.tied_weights`); a copy named in ``weights_to_train`` stands for the
+    weight. With ``untie_shared_weights``, any other weight read by several parameter
+    slots (an exporter's merge of equal initializers) becomes one weight per slot
     (:func:`graphkit.parameters.untie_shared_parameters`). ``loss_output_name`` (None:
     the one :func:`graphkit.add_loss_output` recorded, if any) names a training graph's
     loss, whose own terms on a weight (a penalty) keep reading the trained weight.
     """
     return prepare_standard_model(
-        standard_model(model), weights_to_train, backend, untie_shared_weights, loss_output_name
+        standard_model(model),
+        weights_to_train,
+        backend,
+        untie_shared_weights,
+        loss_output_name,
+        tie_weights=tie_weights,
     )
 
 
@@ -82,16 +100,22 @@ def prepare_standard_model(
     backend: str | Backend | None = None,
     untie_shared_weights: bool = True,
     loss_output_name: str | None = None,
+    *,
+    tie_weights: bool = True,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """:func:`prepare_for_training` of a model :func:`standard_model` gave (left as it
     is), which is not converted again."""
     model = gathers_as_split(copy_model(standard))
     refuse_training_mode(model)
+    if tie_weights:
+        model, ties = tie_transposed_copies(model)
+        weights_to_train = tied_names(weights_to_train, ties)
     weights = trainable_weights(model, weights_to_train)
     loss = loss_output_name or metadata(model).get(META_LOSS)
     model = untie_constants(model, weights, [loss] if loss else [])
     if untie_shared_weights:
-        model, weights = untie_shared_parameters(model, weights)
+        keep = read_transposed(model, weights) if tie_weights else []
+        model, weights = untie_shared_parameters(model, weights, keep)
     return backends.get(backend).prepare(model), weights
 
 

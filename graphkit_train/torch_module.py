@@ -63,6 +63,8 @@ class OnnxModule(torch.nn.Module):
         backend: the gradient source (:func:`graphkit.backends.get`; None: the default).
         untie_shared_weights: one parameter per slot reading a shared initializer (see
             :func:`graphkit.parameters.untie_shared_parameters`).
+        tie_weights: one parameter for weights torch ties (see
+            :mod:`graphkit.tied_weights`).
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
@@ -77,6 +79,7 @@ class OnnxModule(torch.nn.Module):
         output_names: Sequence[str] | None = None,
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
+        tie_weights: bool = True,
     ) -> None:
         super().__init__()
         self.forward_backward = OrtGradientForwardBackward(
@@ -86,6 +89,7 @@ class OnnxModule(torch.nn.Module):
             device=device,
             backend=backend,
             untie_shared_weights=untie_shared_weights,
+            tie_weights=tie_weights,
         )
         fb = self.forward_backward
         self._torch_device = torch.device(device)

@@ -56,15 +56,23 @@ class TrainingProblem:
         sample_weight_name: str | None = "weight",
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
+        tie_weights: bool = True,
     ) -> TrainingProblem:
         """The problem of training ``model`` (a graph with a loss output): its weights
         are chosen here, once (None: the model's parameters that the loss depends on,
         never its constants). ``backend`` is resolved here, once (a name, or None for
-        the default), and every graph of the problem comes from that backend."""
+        the default), and every graph of the problem comes from that backend.
+        ``untie_shared_weights`` and ``tie_weights`` are
+        :func:`graphkit.prepare.prepare_for_training`'s."""
         backend = backends.get(backend)
         user_model = standard_model(model)
         prepared, weights = prepare_standard_model(
-            user_model, weights_to_train, backend, untie_shared_weights, loss_output_name
+            user_model,
+            weights_to_train,
+            backend,
+            untie_shared_weights,
+            loss_output_name,
+            tie_weights=tie_weights,
         )
         if weights_to_train is None:  # the parameters of another output's head stay put
             weights = reaching(prepared, weights, [loss_output_name])

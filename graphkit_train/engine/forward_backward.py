@@ -84,6 +84,7 @@ class OrtGradientForwardBackward:
             None: the default).
         untie_shared_weights: give each parameter slot reading a shared initializer a
             weight of its own (see :func:`graphkit.parameters.untie_shared_parameters`).
+        tie_weights: train weights torch ties as one (see :mod:`graphkit.tied_weights`).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
@@ -104,10 +105,15 @@ class OrtGradientForwardBackward:
         threads: Threads | None = None,
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
+        tie_weights: bool = True,
     ) -> None:
         self.backend = backends.get(backend)
         model, self.weight_names = prepare_for_training(
-            load_model(onnx_model), weights_to_train, self.backend, untie_shared_weights
+            load_model(onnx_model),
+            weights_to_train,
+            self.backend,
+            untie_shared_weights,
+            tie_weights=tie_weights,
         )
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]

@@ -92,6 +92,7 @@ class BaseTrainer(
     execution_mode: str
     backend: str | None
     untie_shared_weights: bool
+    tie_weights: bool
     rollback: str
     # set by ``_build``
     learning_rate_: GradientTransformation

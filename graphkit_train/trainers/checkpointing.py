@@ -121,6 +121,9 @@ class Checkpointing:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         params = dict(state["params"])
+        # pickled before tie_weights existed: trained as then (copies apart), so that the
+        # state's names match
+        params.setdefault("tie_weights", False)
         if isinstance(params["model_onnx"], bytes):
             params["model_onnx"] = onnx.load_from_string(params["model_onnx"])
         self.__init__(**params)  # type: ignore[misc]

@@ -18,6 +18,7 @@ import onnx
 
 from graphkit import lora, tensor_store
 from graphkit.compat import load_model
+from graphkit.tied_weights import shared_as_trained
 from graphkit.training.trained import trained_weights, untied_prediction, with_weights
 from graphkit.update_step import UpdateStep
 
@@ -32,7 +33,8 @@ class ModelExports:
     docstring).
 
     The trainer provides ``_build``, ``_fitted``, ``get_state``, ``update_step_``,
-    ``untie_shared_weights``, ``_backend``, ``_prediction_model`` and ``_graphs``.
+    ``untie_shared_weights``, ``tie_weights``, ``_backend``, ``_prediction_model`` and
+    ``_graphs``.
     """
 
     # what the trainer provides, declared for the type checker (none exists at run time)
@@ -124,9 +126,13 @@ class ModelExports:
 
     def _untied(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` with the copies of shared weights that training made (see
-        ``untie_shared_weights``), so that every trained weight is one of its
-        initializers."""
-        if not getattr(self, "untie_shared_weights", False):
+        ``untie_shared_weights``) and the ties it made (``tie_weights``), so that every
+        trained weight is one of its initializers."""
+        tie = getattr(self, "tie_weights", False)
+        untie = getattr(self, "untie_shared_weights", False)
+        if tie:
+            return shared_as_trained(model, self.update_step_.weights, tie, untie)
+        if not untie:
             return model
         return untied_prediction(model, self.update_step_.weights)
 

@@ -124,6 +124,7 @@ class Trainer(BaseTrainer):
         execution_mode: str = "sequential",
         backend: str | None = None,
         untie_shared_weights: bool = True,
+        tie_weights: bool = True,
         loss_weights: Mapping[str, float] | None = None,
         rollback: str = "epoch",
     ) -> None:
@@ -192,6 +193,7 @@ class Trainer(BaseTrainer):
             self.sample_weight_name,
             self._backend,
             self.untie_shared_weights,
+            self.tie_weights,
         )
         self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
         # the graph exported with the trained weights: the user's, linear models written
@@ -656,6 +658,7 @@ class OrtGradientOptimizer(Trainer):
         backend: str | None = None,
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
+        tie_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -129,6 +129,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         backend: str | None = None,
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
+        tie_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -176,6 +177,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             threads=self._threads,
             backend=self._backend,
             untie_shared_weights=self.untie_shared_weights,
+            tie_weights=self.tie_weights,
         )
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
         self._prediction_shape = named_shape(prediction)
@@ -544,6 +546,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         backend: str | None = None,
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
+        tie_weights: bool = True,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

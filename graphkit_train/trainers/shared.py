@@ -71,7 +71,13 @@ Shared parameters:
     untie_shared_weights: an initializer read by several parameter slots becomes one weight
         per slot, ``<name>``, ``<name>.1``... (torch's TorchScript exporter merges equal
         initializers, such as two fresh LayerNorms' weights, which torch trains apart).
-        False keeps them tied (weights tied on purpose).
+        False keeps them tied (weights tied on purpose). A weight torch ties, read both
+        directly and through a Transpose, stays one weight with ``tie_weights``.
+    tie_weights: weights torch ties are trained as one, as torch trains them: an exact
+        transposed copy of a weight (a tied output projection, its transpose folded by the
+        exporter) reads the weight through a Transpose instead, and a weight read both
+        directly and through a Transpose (an embedding and the output layer) is not untied
+        (see :mod:`graphkit.tied_weights`). False trains such copies apart.
     rollback: what a failed epoch (a non-finite loss or weight, Ctrl-C, a bad streamed or
         held-out batch) returns to. ``"epoch"`` (the default): the state at the start of
         the epoch, from a copy of the trained weights and optimizer state taken then.
