@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
 
-.PHONY: demo test docs test-native test-plain-torch test-floors lint typecheck bench bench-envs bench-peers bench-finetune-env bench-finetune zoo-table web web-deps clean
+.PHONY: demo test docs test-native test-plain-torch test-floors lint typecheck bench bench-envs bench-peers bench-finetune-env bench-finetune bench-lora zoo-table web web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -200,7 +200,8 @@ bench-envs: $(BENCH_JAX_STAMP) $(BENCH_TORCH_STAMP)
 bench-peers: $(STAMP) bench-envs
 	$(BIN)/python benchmarks/peers.py
 
-# transformers for benchmarks/finetune.py's Llama rows (the export and the torch contender);
+# transformers for benchmarks/finetune.py's Llama rows (the export and the torch contender),
+# and peft for benchmarks/lora.py's torch contender;
 # torch==2.13.0 by name: the CPU wheel (an unpinned torch pulls CUDA)
 BENCH_FINETUNE       := .venv-bench-finetune
 BENCH_FINETUNE_STAMP := $(BENCH_FINETUNE)/.installed
@@ -208,7 +209,8 @@ BENCH_FINETUNE_STAMP := $(BENCH_FINETUNE)/.installed
 $(BENCH_FINETUNE_STAMP):
 	$(PYTHON) -m venv $(BENCH_FINETUNE)
 	$(BENCH_FINETUNE)/bin/python -m pip install --quiet --upgrade pip
-	$(BENCH_FINETUNE)/bin/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 onnx numpy psutil
+	$(BENCH_FINETUNE)/bin/python -m pip install --quiet torch==2.13.0 transformers==4.57.6 \
+		peft==0.21.2 onnx numpy psutil
 	touch $(BENCH_FINETUNE_STAMP)
 
 bench-finetune-env: $(BENCH_FINETUNE_STAMP)
@@ -216,6 +218,10 @@ bench-finetune-env: $(BENCH_FINETUNE_STAMP)
 # one process per contender, run alone on the machine (peak memory of gigabytes)
 bench-finetune: $(STAMP) bench-finetune-env
 	$(BIN)/python benchmarks/finetune.py
+
+# LoRA against PyTorch + PEFT, one process per contender, alone on the machine too
+bench-lora: $(STAMP) bench-finetune-env
+	$(BIN)/python benchmarks/lora.py
 
 clean:
 	rm -rf $(VENV) $(PLAIN) $(PLAIN_TORCH) $(NATIVE) $(FLOORS) $(BENCH_JAX) $(BENCH_TORCH) $(BENCH_FINETUNE) web/node_modules \
