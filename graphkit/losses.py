@@ -18,7 +18,10 @@ source instead (:func:`graphkit.gradient_model`).
 
 Labels: regression losses take float labels shaped like the prediction, ``(N, k)`` for
 a model predicting k values per sample (for one value, ``(N,)`` and ``(N, 1)`` are
-interchangeable); classification losses take int64 class indices ``(N,)``.
+interchangeable); classification losses take int64 class indices ``(N,)``;
+``token_cross_entropy`` takes int64 labels shaped like the prediction without its last
+(class) axis, ``(N, T)`` for a language model's ``(N, T, V)`` logits, and composes its
+own functions (:class:`LossFunctions`: its mean divides by the counted tokens).
 
 Reductions over several values per sample: a regression loss's per-sample value is the
 sum over the sample's k values, ``l_i = sum_j f(p_ij - y_ij)``. ``"sum"`` adds every
@@ -33,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, no_type_check
 
 import numpy as np
@@ -40,8 +44,8 @@ import onnx
 import onnxscript
 
 from graphkit._graph import Dim, Shape, compile_function, float_dtype
-from graphkit._reduce import REDUCTIONS, ones_like
-from graphkit.dsl import FLOAT, INT64, op, script
+from graphkit._reduce import REDUCTIONS, ones_like, reduce_sum, scale_rows, total_weight
+from graphkit.dsl import FLOAT, INT64, f64, op, script
 from graphkit.engine.ort_engine import Runner
 from graphkit.errors import DTypeError, ShapeError
 from graphkit.gradient import gradient_model
@@ -293,6 +297,85 @@ def _binary_log_loss(eps: float) -> tuple[Any, Any]:
     return binary_log_loss_loss, binary_log_loss_grad
 
 
+# -- token kernels: classes on the prediction's last axis ----------------------------------
+
+
+@script()
+@no_type_check
+def last_axis_one_hot(label: INT64, prediction: FLOAT) -> FLOAT:
+    """onehot_tk = 1 if label_t == k else 0, k on the prediction's last axis, typed like
+    the prediction (label (N, d1, ...), prediction (N, d1, ..., V)); a label outside
+    [0, V - 1] (an ignored one) gives a row of zeros. Equal against Range, as
+    :func:`one_hot`."""
+    classes = op.Range(
+        op.Constant(value_int=0),
+        op.Squeeze(op.Shape(prediction, start=-1)),
+        op.Constant(value_int=1),
+    )
+    return op.CastLike(
+        op.Equal(op.Unsqueeze(label, op.Constant(value_ints=[-1])), classes), prediction
+    )
+
+
+@script()
+@no_type_check
+def row_sums(x: FLOAT) -> FLOAT:
+    """s_i = sum of every value of row i of x (any rank): shape (N,)."""
+    rows = op.Reshape(x, op.Constant(value_ints=[0, -1]))
+    return op.ReduceSum(rows, op.Constant(value_ints=[1]), keepdims=0)
+
+
+def _token_kernels(ignore_index: int, label_smoothing: float) -> tuple[Any, Any, Any]:
+    """``(loss of each row, gradient of each token, counted tokens of each row)`` of the
+    token cross-entropy with logits z (N, d1, ..., V) and labels y (N, d1, ...).
+
+    A token t is counted when y_t != ignore_index (m_t = 1), else m_t = 0. Its target
+    distribution is the label smoothed by eps: q_tk = m_t ((1 - eps) onehot(y_t)_k + eps / V),
+    so its loss is -sum_k q_tk log p_tk = m_t ((1 - eps)(-log p_{t,y_t}) + eps mean_k(-log p_tk))
+    with p_t = softmax(z_t), as ``torch.nn.functional.cross_entropy(label_smoothing=eps)``.
+    """
+    ignored = np.array(ignore_index, dtype=np.int64)
+    eps = f64(label_smoothing)
+    kept = f64(1.0 - label_smoothing)
+
+    @script()
+    @no_type_check
+    def counted(label: INT64, prediction: FLOAT) -> FLOAT:
+        """m_t = 1 if label_t != ignore_index else 0, typed like the prediction."""
+        return op.CastLike(op.Not(op.Equal(label, ignored)), prediction)
+
+    @script()
+    @no_type_check
+    def smoothed_targets(prediction: FLOAT, label: INT64) -> FLOAT:
+        """q_tk = m_t ((1 - eps) onehot(y_t)_k + eps / V): 0 for an ignored token."""
+        classes = op.CastLike(op.Shape(prediction, start=-1), prediction)
+        onehot = last_axis_one_hot(label, prediction)
+        q = op.CastLike(kept, prediction) * onehot + op.CastLike(eps, prediction) / classes
+        return q * op.Unsqueeze(counted(label, prediction), op.Constant(value_ints=[-1]))
+
+    @script()
+    @no_type_check
+    def token_rows_loss(prediction: FLOAT, label: INT64) -> FLOAT:
+        """l_i = -sum_{t,k} q_tk log softmax(z_t)_k over the tokens t of row i."""
+        log_p = op.LogSoftmax(prediction, axis=-1)
+        return op.Neg(row_sums(smoothed_targets(prediction, label) * log_p))
+
+    @script()
+    @no_type_check
+    def token_grad(prediction: FLOAT, label: INT64) -> FLOAT:
+        """g_tk = d l_i / d z_tk = m_t softmax(z_t)_k - q_tk"""
+        m = op.Unsqueeze(counted(label, prediction), op.Constant(value_ints=[-1]))
+        return op.Softmax(prediction, axis=-1) * m - smoothed_targets(prediction, label)
+
+    @script()
+    @no_type_check
+    def token_rows_count(prediction: FLOAT, label: INT64) -> FLOAT:
+        """c_i = sum_t m_t: the counted tokens of row i."""
+        return row_sums(counted(label, prediction))
+
+    return token_rows_loss, token_grad, token_rows_count
+
+
 # -- composing kernels into loss functions ------------------------------------------------
 
 
@@ -409,6 +492,84 @@ def _divided_value_and_grad_function(
     return loss_and_grad
 
 
+# -- the token cross-entropy's functions: a mean over the counted tokens -----------------
+
+
+def _token_mean_function(
+    rows_loss: Any, rows_count: Any, weighted: bool
+) -> onnxscript.OnnxFunction:
+    """``(prediction, label[, weight]) -> sum_i w_i l_i / sum_i w_i c_i``: the mean over
+    every counted token of the batch (0 when none is counted: :func:`total_weight`)."""
+    if weighted:
+
+        @script()
+        @no_type_check
+        def loss(prediction: FLOAT, label: INT64, weight: FLOAT) -> FLOAT:
+            w = op.Reshape(weight, op.Constant(value_ints=[-1]))
+            tokens = total_weight(w * rows_count(prediction, label))
+            return reduce_sum(rows_loss(prediction, label), w) / tokens
+
+    else:
+
+        @script()
+        @no_type_check
+        def loss(prediction: FLOAT, label: INT64) -> FLOAT:
+            tokens = total_weight(rows_count(prediction, label))
+            return op.ReduceSum(rows_loss(prediction, label), keepdims=0) / tokens
+
+    return loss
+
+
+def _token_mean_and_grad_function(
+    rows_loss: Any, token_grad: Any, rows_count: Any, weighted: bool
+) -> onnxscript.OnnxFunction:
+    """``(prediction, label[, weight]) -> (loss, g)``: the mean of
+    :func:`_token_mean_function` and g_itk = w_i (m_it softmax(z_it)_k - q_itk) / sum_j w_j c_j."""
+    if weighted:
+
+        @script()
+        @no_type_check
+        def loss_and_grad(prediction: FLOAT, label: INT64, weight: FLOAT) -> tuple[FLOAT, FLOAT]:
+            w = op.Reshape(weight, op.Constant(value_ints=[-1]))
+            tokens = total_weight(w * rows_count(prediction, label))
+            loss = reduce_sum(rows_loss(prediction, label), w) / tokens
+            prediction_grad = scale_rows(token_grad(prediction, label), w) / tokens
+            return loss, prediction_grad
+
+    else:
+
+        @script()
+        @no_type_check
+        def loss_and_grad(prediction: FLOAT, label: INT64) -> tuple[FLOAT, FLOAT]:
+            tokens = total_weight(rows_count(prediction, label))
+            loss = op.ReduceSum(rows_loss(prediction, label), keepdims=0) / tokens
+            prediction_grad = token_grad(prediction, label) / tokens
+            return loss, prediction_grad
+
+    return loss_and_grad
+
+
+def _token_functions(ignore_index: int, label_smoothing: float, reduction: str) -> LossFunctions:
+    """The token cross-entropy's functions for ``reduction``: ``"mean"`` divides by the
+    counted tokens (its own functions); ``"sum"`` and ``"none"`` reduce the rows' losses
+    as every built-in loss does (:data:`REDUCTIONS`)."""
+    rows_loss, token_grad, rows_count = _token_kernels(ignore_index, label_smoothing)
+    if reduction == "mean":
+        return LossFunctions(
+            value=functools.partial(_token_mean_function, rows_loss, rows_count),
+            value_and_grad=functools.partial(
+                _token_mean_and_grad_function, rows_loss, token_grad, rows_count
+            ),
+        )
+    reduce, scale = REDUCTIONS[reduction]
+    return LossFunctions(
+        value=lambda weighted: _value_function(rows_loss, reduce, weighted),
+        value_and_grad=lambda weighted: _value_and_grad_function(
+            rows_loss, token_grad, reduce, scale, weighted
+        ),
+    )
+
+
 def check_class_labels(y: np.ndarray, n_classes: int, binary: bool, what: str = "y") -> None:
     """Refuse class labels outside ``[0, n_classes - 1]`` (``{0, 1}`` for a binary loss).
 
@@ -432,6 +593,18 @@ def check_class_labels(y: np.ndarray, n_classes: int, binary: bool, what: str = 
     )
 
 
+@dataclass(frozen=True)
+class LossFunctions:
+    """The scripted functions of a built-in loss that reduces its values itself, where
+    per-sample kernels and :data:`REDUCTIONS` do not say it (the token cross-entropy's
+    mean divides by the counted tokens, not by the samples). Each takes ``weighted``."""
+
+    value: Callable[[bool], onnxscript.OnnxFunction]
+    """``(prediction, label[, weight]) -> loss``"""
+    value_and_grad: Callable[[bool], onnxscript.OnnxFunction]
+    """``(prediction, label[, weight]) -> (loss, prediction_grad)``"""
+
+
 class Loss:
     """A loss and its gradient with respect to the prediction, as ONNX graphs.
 
@@ -451,6 +624,9 @@ class Loss:
         prediction: what a classification loss reads from the model: ``"probabilities"``,
             ``"logits"`` or a raw ``"score"`` (None for regression and custom losses);
             :meth:`labels` and :meth:`probabilities` follow it.
+        token_labels: the classes are on the prediction's last axis and the labels are
+            the prediction's shape without it, one class per position (``(N, T)`` labels
+            for ``(N, T, V)`` logits): ``token_cross_entropy``.
     """
 
     def __init__(
@@ -461,23 +637,30 @@ class Loss:
         kernels: tuple[Any, Any] | None = None,
         reduction: str | None = "mean",
         function: onnxscript.OnnxFunction | None = None,
+        functions: LossFunctions | None = None,
         params: dict[str, Any] | None = None,
         multiclass: bool = False,
         resolve: Callable[[Shape], Loss] | None = None,
         prediction: str | None = None,
+        token_labels: bool = False,
     ) -> None:
         if function is None and reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, not {reduction!r}.")
-        if (kernels is None) == (function is None):
-            raise ValueError("give either kernels (built-in loss) or function (custom loss)")
+        if sum(x is not None for x in (kernels, functions, function)) != 1:
+            raise ValueError(
+                "give one of kernels or functions (built-in loss) or function (custom loss)"
+            )
         self.name = name
         self.task = task
         self.reduction = reduction
         self.kernels = kernels
+        self.functions = functions
         self.custom = function
         self.params = dict(params or {})
         self.multiclass = multiclass
         self.prediction = prediction
+        self.token_labels = token_labels
+        self._declared_label = _declared_label_dims(function) if function is not None else None
         self._resolve = resolve
         self._runners: dict[tuple[Any, ...], Runner] = {}
 
@@ -506,7 +689,10 @@ class Loss:
 
     def labels(self, output: np.ndarray) -> np.ndarray:
         """Class labels from the model's output: the argmax of (N, K) columns; for one
-        column, probability > 0.5 or score > 0."""
+        column, probability > 0.5 or score > 0; for token labels (or any output of rank
+        > 2), the argmax over the last axis ((N, T) from (N, T, V) logits)."""
+        if self.token_labels or (output.ndim > 2 and output.shape[-1] > 1):
+            return output.argmax(axis=-1)
         if output.ndim == 2 and output.shape[1] > 1:
             return output.argmax(axis=1)
         threshold = 0.5 if self.prediction == "probabilities" else 0.0
@@ -517,6 +703,9 @@ class Loss:
         softmax (logits), or ``[1 - sigmoid(s), sigmoid(s)]`` (one score column)."""
         if self.prediction is None:
             raise TypeError(f"Loss {self.name!r} does not say what its prediction is.")
+        if self.token_labels:  # (N, ..., V): the softmax over the last axis
+            shifted = np.exp(output - output.max(axis=-1, keepdims=True))
+            return shifted / shifted.sum(axis=-1, keepdims=True)
         if output.ndim == 2 and output.shape[1] > 1:
             if self.prediction == "logits":
                 shifted = np.exp(output - output.max(axis=1, keepdims=True))
@@ -560,6 +749,8 @@ class Loss:
                     + " sample weights."
                 )
             return self.custom
+        if self.functions is not None:
+            return self.functions.value(weighted)
         kernels, reduction = self.kernels, self.reduction
         assert kernels is not None and reduction is not None  # a built-in loss has both
         reduce, _ = REDUCTIONS[reduction]
@@ -577,12 +768,14 @@ class Loss:
         Raises:
             TypeError: a custom loss.
         """
-        if self.kernels is None:
+        if self.custom is not None:
             raise TypeError(
                 f"{self.name!r} is a custom loss: its gradient is derived by the "
                 "backend's gradient source, use gradient_model()."
             )
-        assert self.reduction is not None  # a built-in loss has one
+        if self.functions is not None:
+            return self.functions.value_and_grad(weighted)
+        assert self.kernels is not None and self.reduction is not None  # a built-in loss has one
         reduce, scale = REDUCTIONS[self.reduction]
         divisor = self._divisor(prediction_shape)
         return _value_and_grad_function(*self.kernels, reduce, scale, weighted, divisor)
@@ -606,12 +799,35 @@ class Loss:
         if not p:
             raise ShapeError("A prediction needs at least one (batch) dimension.")
         shapes: dict[str, Shape] = {"prediction": p, "prediction_grad": p}
-        shapes["label"] = p if self.task == REGRESSION else p[:1]
+        shapes["label"] = self.label_shape(p)
         if weighted:
             shapes["weight"] = p[:1]
         if self.reduction is not None:
             shapes["loss"] = p[:1] if self.reduction == "none" else ()
         return shapes
+
+    def label_shape(self, prediction_shape: Sequence[Dim]) -> Shape:
+        """The labels' shape for a prediction of ``prediction_shape`` (the label input a
+        training graph declares, the labels a trainer takes):
+
+        * regression: the prediction's shape (float labels);
+        * classification: ``(N,)``, one class per row;
+        * token labels: the prediction's shape without its last (class) axis;
+        * a custom loss with int64 labels: the rank its function declares for ``label``
+          (``INT64["N", "T"]``: ``(N, T)``; its int dims kept), or, undeclared, the
+          prediction's shape without its last axis (``(N,)`` for an ``(N, K)``
+          prediction, ``(N, T)`` for ``(N, T, V)`` logits).
+        """
+        p = tuple(prediction_shape)
+        if self.task == REGRESSION:
+            return p
+        if self.token_labels:
+            return p[:-1]
+        if self.custom is None or len(p) < 2:
+            return p[:1]
+        if not self._declared_label:
+            return p[:-1]
+        return _custom_label_shape(self._declared_label, p)
 
     def value_model(
         self,
@@ -622,8 +838,9 @@ class Loss:
         """``(prediction, label[, weight]) -> loss`` as an ONNX model.
 
         ``prediction_shape`` fixes the declared shapes (``onnx.checker`` needs ranks):
-        regression labels are declared with the prediction's shape, class labels as
-        ``(N,)`` int64, weights as ``(N,)``.
+        labels as :meth:`label_shape` says (regression labels with the prediction's
+        shape, class labels ``(N,)`` int64, token labels the prediction's shape without
+        its last axis), weights as ``(N,)``.
         """
         if self._resolve is not None:
             return self.for_prediction(prediction_shape).value_model(
@@ -726,23 +943,12 @@ class Loss:
                     f"labels, got {label.dtype}; pass y.astype(numpy.int64) (or use a "
                     "regression loss for real-valued targets)."
                 )
-            if label.size != n:
-                raise ShapeError(
-                    f"Label shape {label.shape} does not match prediction shape "
-                    f"{prediction.shape}: a classification loss needs one class per row."
-                )
-            columns = prediction.shape[1] if prediction.ndim == 2 else 1
-            if self.multiclass and (prediction.ndim != 2 or columns < 2):
-                raise ShapeError(
-                    f"Loss {self.name!r} needs a (N, K) prediction with K >= 2 classes, "
-                    f"got shape {prediction.shape}."
-                )
-            if not self.is_custom:  # a custom loss says nothing of its classes
-                n_classes = columns if self.multiclass else 2
-                check_class_labels(label, n_classes, not self.multiclass, "the label")
-            elif label.size and label.min() < 0:
-                raise ValueError(f"Class labels must be >= 0, got {label.min()}.")
-            label = label.astype(np.int64, copy=False).reshape(n)
+            if self.token_labels:
+                label = self._checked_token_labels(prediction, label)
+            elif len(self.label_shape(prediction.shape)) > 1:  # a custom loss's, rank kept
+                label = _checked_label_shape(label, self.label_shape(prediction.shape))
+            else:
+                label = self._checked_row_labels(prediction, label)
         feeds = {"prediction": prediction, "label": label}
         if weight is not None:
             weight = np.asarray(weight, dtype=dtype)
@@ -750,6 +956,117 @@ class Loss:
                 raise ShapeError(f"Got {weight.size} sample weights for {n} samples.")
             feeds["weight"] = weight.reshape(-1)
         return feeds
+
+    def _checked_row_labels(self, prediction: np.ndarray, label: np.ndarray) -> np.ndarray:
+        """One class label per row, as int64 (N,)."""
+        n = prediction.shape[0]
+        if label.size != n:
+            raise ShapeError(
+                f"Label shape {label.shape} does not match prediction shape "
+                f"{prediction.shape}: a classification loss needs one class per row."
+            )
+        columns = prediction.shape[1] if prediction.ndim == 2 else 1
+        if self.multiclass and (prediction.ndim != 2 or columns < 2):
+            raise ShapeError(
+                f"Loss {self.name!r} needs a (N, K) prediction with K >= 2 classes, "
+                f"got shape {prediction.shape}."
+            )
+        if not self.is_custom:  # a custom loss says nothing of its classes
+            n_classes = columns if self.multiclass else 2
+            check_class_labels(label, n_classes, not self.multiclass, "the label")
+        elif label.size and label.min() < 0:
+            raise ValueError(f"Class labels must be >= 0, got {label.min()}.")
+        return label.astype(np.int64, copy=False).reshape(n)
+
+    def _checked_token_labels(self, prediction: np.ndarray, label: np.ndarray) -> np.ndarray:
+        """One class label per position, as int64 shaped like the prediction without its
+        last (class) axis; each in [0, V - 1] or ignore_index."""
+        if prediction.ndim < 2:
+            raise ShapeError(
+                f"Loss {self.name!r} needs logits (N, ..., V), the classes on the last axis; "
+                f"got shape {prediction.shape}."
+            )
+        expected = prediction.shape[:-1]
+        if label.shape != expected:
+            raise ShapeError(
+                f"Label shape {label.shape} does not match prediction shape "
+                f"{prediction.shape}: loss {self.name!r} takes one class label per position, "
+                f"labels of shape {expected} (the prediction's shape without its last, "
+                "class, axis)."
+            )
+        self.check_classes(label, prediction.shape[-1], "the label")
+        return label.astype(np.int64, copy=False)
+
+    def check_classes(self, y: np.ndarray, n_classes: int, what: str = "y") -> None:
+        """Refuse class labels ``y`` outside the ``n_classes`` classes of the model (see
+        :func:`check_class_labels`); token labels may also be ``ignore_index``. A custom
+        loss says nothing of its classes: only negative labels of one class per row are
+        refused, as :meth:`check_inputs` does.
+
+        Raises:
+            ValueError: naming the range of the labels, the valid one and, for token
+                labels, the ignore_index.
+        """
+        if self.is_custom:  # it says nothing of its classes: as check_inputs
+            if y.ndim == 1 and y.size and y.min() < 0:
+                raise ValueError(f"{what}: class labels must be >= 0, got {y.min()}.")
+            return
+        if not self.token_labels:
+            check_class_labels(y, n_classes, not self.multiclass, what)
+            return
+        ignore_index = self.params["ignore_index"]
+        scored = y[y != ignore_index]
+        if not scored.size:
+            return
+        low, high = int(scored.min()), int(scored.max())
+        if low >= 0 and high < n_classes:
+            return
+        raise ValueError(
+            f"{what} holds token labels from {low} to {high} (besides ignore_index="
+            f"{ignore_index}); the model predicts {n_classes} classes on its last axis, so "
+            f"labels must be integers in [0, {n_classes - 1}], or {ignore_index} "
+            "(ignore_index) for a position that is not scored, such as padding."
+        )
+
+
+def _declared_label_dims(fn: onnxscript.OnnxFunction) -> tuple[Dim, ...] | None:
+    """The dims a custom loss declares for its int64 ``label`` (``INT64["N", "T"]``:
+    ``("N", "T")``); None for float labels, or int64 ones declared without a shape."""
+    label = fn.to_model_proto().graph.input[1].type.tensor_type
+    if label.elem_type != onnx.TensorProto.INT64 or not label.shape.dim:
+        return None
+    return tuple(d.dim_value if d.HasField("dim_value") else d.dim_param for d in label.shape.dim)
+
+
+def _custom_label_shape(declared: tuple[Dim, ...], prediction: Shape) -> Shape:
+    """A custom loss's labels of the declared rank for a ``prediction`` shape: the
+    prediction's batch dim, then the declared int dims; a symbolic one is the
+    prediction's dim there when the labels are the prediction's shape without its last
+    axis (tokens), a dim of the labels' own otherwise."""
+    tokens = len(declared) == len(prediction) - 1
+    dims: list[Dim] = [prediction[0]]
+    for i, d in enumerate(declared[1:], 1):
+        if isinstance(d, int) and d > 0:
+            dims.append(d)
+        elif tokens:
+            dims.append(prediction[i])
+        else:
+            dims.append(f"label_{i}")
+    return tuple(dims)
+
+
+def _checked_label_shape(label: np.ndarray, expected: Shape) -> np.ndarray:
+    """int64 labels of rank > 1 (a custom loss's), their shape kept: their rank and known
+    dims must be ``expected``'s."""
+    fits = label.ndim == len(expected) and all(
+        not isinstance(d, int) or d == got for d, got in zip(expected, label.shape)
+    )
+    if not fits:
+        raise ShapeError(
+            f"Label shape {label.shape} does not match the labels the loss declares, "
+            f"{tuple(expected)}: pass labels of that rank, one row per sample."
+        )
+    return label.astype(np.int64, copy=False)
 
 
 def _takes_weight(fn: onnxscript.OnnxFunction) -> bool:
@@ -900,6 +1217,46 @@ def cross_entropy(reduction: str = "mean") -> Loss:
         reduction=reduction,
         multiclass=True,
         prediction="logits",
+    )
+
+
+@LOSSES.register("token_cross_entropy", "causal_lm", "lm_cross_entropy")
+def token_cross_entropy(
+    ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> Loss:
+    """Softmax cross-entropy of every token, from logits z (N, T, V) (or (N, d1, ..., V),
+    the classes on the last axis, as a causal language model's) and int64 labels
+    (N, T) (the prediction's shape without its last axis; (N, V) logits take (N,)).
+
+    A token's loss is ``torch.nn.functional.cross_entropy``'s: with label smoothing
+    eps, (1 - eps)(-log p_y) + eps mean_k(-log p_k), p = softmax(z); a token labelled
+    ``ignore_index`` adds 0 and is not counted. ``"mean"`` is the sum over the counted
+    tokens divided by their number in the whole batch (not a mean of the rows' means),
+    as ``F.cross_entropy(z.reshape(-1, V), y.reshape(-1))``; with sample weights w_i,
+    sum_i w_i sum_t l_it / sum_i w_i c_i, c_i the row's counted tokens (0 when no token
+    is counted). ``"sum"``: the sum over every token (weighted). ``"none"``: one value
+    per sample, the sum of its tokens' losses (graphkit's ``"none"``, one value per
+    sample; its gradient is that of their sum).
+
+    Gradient (m_t = 1 for a counted token): m_t softmax(z_t) - m_t ((1 - eps)
+    onehot(y_t) + eps / V), divided as the reduction says; computed with LogSoftmax and
+    Softmax, stable for any logits.
+    """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}.")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, not {reduction!r}.")
+    ignore_index = int(ignore_index)
+    label_smoothing = float(label_smoothing)
+    return Loss(
+        "token_cross_entropy",
+        CLASSIFICATION,
+        functions=_token_functions(ignore_index, label_smoothing, reduction),
+        reduction=reduction,
+        params={"ignore_index": ignore_index, "label_smoothing": label_smoothing},
+        multiclass=True,
+        prediction="logits",
+        token_labels=True,
     )
 
 

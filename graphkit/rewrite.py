@@ -185,14 +185,19 @@ def add_loss_output(
             ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
             on a single probability column), ``"cross_entropy"`` (softmax from logits),
+            ``"token_cross_entropy"`` (softmax from (N, T, V) logits, a class label per
+            token: ``ignore_index``, ``label_smoothing``),
             ``"sigmoid_log_loss"`` (binary, from a raw score), a :class:`~graphkit.losses.Loss`
             or a user onnxscript function of ``(prediction, label[, weight])``; or a dict
             ``{output name: any of these}`` for a loss per output.
         loss_name: name of the loss output.
         label_name: name of the label input (for regression, float and shaped like the
             prediction: ``(N, k)`` for a model predicting k values per sample; int64
-            class indices of shape (N,) for classification). With a loss per output, a
-            dict ``{output name: label input name}`` (``label_<output>`` for the others).
+            class indices of shape (N,) for classification; int64 of the prediction's
+            shape without its last axis for ``token_cross_entropy``, ``(N, T)`` for
+            ``(N, T, V)`` logits; a custom loss's int64 labels: see
+            :meth:`~graphkit.losses.Loss.label_shape`). With a loss per output, a dict
+            ``{output name: label input name}`` (``label_<output>`` for the others).
         weight_name: name of a sample-weight input (N,), or None for no weights.
         penalty: ``{"coef": {"l1": a, "l2": b}}`` or ``{"coef": b}`` (an l2
             coefficient), or a :class:`~graphkit.penalties.Penalty`; penalized names must be
@@ -650,6 +655,13 @@ def _make_loss(score: Any, kwargs: dict[str, Any]) -> _losses.Loss:
 
 
 def _check_prediction_shape(loss: _losses.Loss, shape: tuple[int | str, ...], name: str) -> None:
+    if loss.token_labels:
+        if len(shape) < 2:
+            raise ShapeError(
+                f"Loss {loss.name!r} needs logits (N, ..., V), the classes on the last axis; "
+                f"output {name!r} has rank {len(shape)}."
+            )
+        return
     if loss.multiclass:
         if len(shape) != 2:
             raise ShapeError(

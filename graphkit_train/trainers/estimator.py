@@ -181,20 +181,21 @@ class EstimatorMixin:
         return np.arange(self._n_classes())
 
     def _n_classes(self, head: Head | None = None) -> int:
-        """Columns of the prediction (2 for one probability or score column); of the
-        output of ``head`` for a graph with a loss per output."""
+        """Classes on the prediction's last axis: its columns (2 for one probability or
+        score column), the vocabulary of (N, T, V) token logits; of the output of
+        ``head`` for a graph with a loss per output."""
         loss = self.loss_ if head is None else head.loss
         if loss is None or not loss.multiclass:
             return 2
         shape = self._prediction_shape if head is None else head.prediction_shape
-        columns = shape[1] if len(shape) == 2 else None
+        columns = shape[-1] if len(shape) >= 2 else None
         if isinstance(columns, int):
             return columns
         # a dynamic class axis: one forward, once per build
         if head is not None:
-            return int(self._probe(self._zero_row(), every_output=True)[head.output].shape[1])
+            return int(self._probe(self._zero_row(), every_output=True)[head.output].shape[-1])
         if self._probed_classes is None:
-            self._probed_classes = int(self._probe(self._zero_row()).shape[1])
+            self._probed_classes = int(self._probe(self._zero_row()).shape[-1])
         return self._probed_classes
 
     def _probe(self, X: Rows, every_output: bool = False) -> Any:
@@ -226,7 +227,8 @@ class EstimatorMixin:
 
     def score(self, X: Any, y: Any, sample_weight: Any = None) -> float:
         """scikit-learn's score: the coefficient of determination R^2 for a regression
-        graph (averaged over outputs), the accuracy for a classification graph; weighted
+        graph (averaged over outputs), the accuracy for a classification graph (for
+        ``token_cross_entropy``, over the tokens not labelled ``ignore_index``); weighted
         by ``sample_weight``. The loss itself is :meth:`compute_loss`.
 
         A graph with a loss per output has no single score (an R^2 and an accuracy do not
@@ -249,6 +251,8 @@ class EstimatorMixin:
         w = None if sample_weight is None else check_sample_weight(sample_weight, len(X), float)
         prediction = self._predict_checked(X)
         if self._is_classifier():
+            if self.loss_ is not None and self.loss_.token_labels:
+                return _token_accuracy(prediction, y, w, self.loss_.params["ignore_index"])
             return float(np.average(prediction.reshape(-1) == y.reshape(-1), weights=w))
         return _r2(y.reshape(len(y), -1), prediction.reshape(len(y), -1), w)
 
@@ -257,6 +261,19 @@ class EstimatorMixin:
         a loss per output, ``y = {output name: labels}`` and the weighted total."""
         self._build()
         return self._loss(*self._check(self._features(X), y, sample_weight))
+
+
+def _token_accuracy(
+    prediction: np.ndarray, y: np.ndarray, w: np.ndarray | None, ignore_index: int
+) -> float:
+    """sum_i w_i sum_t m_it [p_it = y_it] / sum_i w_i sum_t m_it, m_it = [y_it != ignore_index]:
+    the accuracy over the counted tokens (0 when none is)."""
+    y = y.reshape(prediction.shape)
+    counted = (y != ignore_index).reshape(len(y), -1)
+    right = ((prediction == y).reshape(len(y), -1) & counted).sum(axis=1)
+    weights = np.ones(len(y)) if w is None else w.astype(np.float64)
+    total = float(weights @ counted.sum(axis=1))
+    return float(weights @ right) / total if total else 0.0
 
 
 def _r2(y: np.ndarray, prediction: np.ndarray, w: np.ndarray | None) -> float:

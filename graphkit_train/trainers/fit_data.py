@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from graphkit.compat import load_model
-from graphkit.losses import REGRESSION, Loss, check_class_labels
+from graphkit.losses import REGRESSION, Loss
 from graphkit.training.batches import NamedRows, Rows
 from graphkit.update_step import UpdateStep
 from graphkit_train.distributed import ProcessGroup, digest
@@ -25,6 +25,7 @@ from graphkit_train.trainers.heads import Head, check_head_labels
 from graphkit_train.trainers.held_out import hold_out
 from graphkit_train.trainers.params import (
     check_inputs,
+    check_label_positions,
     check_label_width,
     check_labels,
     check_sample_weight,
@@ -200,7 +201,8 @@ class FitData:
         labels): a log loss on
         probabilities refuses outputs that are not probabilities (logits or scores would
         be clipped at eps silently); a regression loss on an output whose declared shape
-        does not say its values per sample refuses labels of another width."""
+        does not say its values per sample refuses labels of another width; token labels
+        must have the prediction's positions (its shape without the class axis)."""
         if not len(X):
             return
         checks: list[tuple[Loss | None, tuple[int | str, ...], Any, str | None, str]]
@@ -225,6 +227,9 @@ class FitData:
             if loss.task == REGRESSION:
                 check_label_width(what, labels, value)
                 continue
+            if loss.token_labels:
+                check_label_positions(what, labels, value)
+                continue
             low, high = float(value.min()), float(value.max())
             if low < -1e-6 or high > 1 + 1e-6:
                 of = "the model's output" if output is None else f"output {output!r}"
@@ -245,7 +250,7 @@ class FitData:
         else:
             y = check_labels(y, self._label_value, len(X), y_name)
             if self._is_classifier() and self.loss_ is not None:
-                check_class_labels(y, self._n_classes(), not self.loss_.multiclass, y_name)
+                self.loss_.check_classes(y, self._n_classes(), y_name)
         if sample_weight is None:
             if not self._requires_sample_weight:
                 return X, y, None
@@ -260,8 +265,10 @@ class FitData:
 
 def needs_output(loss: Loss | None, shape: tuple[int | str, ...]) -> bool:
     """Whether checking labels for ``loss`` needs the model's output: a log loss on
-    probabilities (refusing logits), a regression on an output of undeclared width."""
+    probabilities (refusing logits), a regression on an output of undeclared width,
+    token labels on an output of undeclared positions."""
     if loss is None:
         return False
     unknown_width = loss.task == REGRESSION and not all(isinstance(d, int) for d in shape[1:])
-    return unknown_width or loss.prediction == "probabilities"
+    unknown_positions = loss.token_labels and not all(isinstance(d, int) for d in shape[1:-1])
+    return unknown_width or unknown_positions or loss.prediction == "probabilities"

@@ -19,7 +19,7 @@ import onnx
 
 from graphkit import losses
 from graphkit.errors import ShapeError, UnknownNameError
-from graphkit.losses import CLASSIFICATION, LOSSES, Loss, check_class_labels
+from graphkit.losses import CLASSIFICATION, LOSSES, Loss
 from graphkit.rewrite import META_HEADS, loss_heads, metadata
 from graphkit.shapes import named_shape
 from graphkit.training.batches import NamedRows
@@ -136,8 +136,7 @@ def check_head_labels(
         name = f"{what}[{head.output!r}]"
         labels = check_labels(y[head.output], head.label_value, n, name)
         if head.classifies:
-            binary = not head.loss.multiclass  # type: ignore[union-attr]
-            check_class_labels(labels, n_classes(head), binary, name)
+            head.loss.check_classes(labels, n_classes(head), name)  # type: ignore[union-attr]
         arrays[head.label] = labels
     return NamedRows(arrays)
 

@@ -507,7 +507,12 @@ def check_inputs(
 
 
 def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") -> np.ndarray:
-    """y shaped and typed as the label input; clear errors otherwise."""
+    """y shaped and typed as the label input; clear errors otherwise.
+
+    Labels of one value per sample, or shaped like the prediction, are reshaped to the
+    input's declared shape; int64 labels declared with rank > 1 (a class per token:
+    ``token_cross_entropy``, a custom loss's) keep their shape, which must be the input's.
+    """
     if y is None:
         raise ValueError(
             "This estimator requires y to be passed, but the target y is None: fit(X, y)."
@@ -540,6 +545,8 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
         if y.dtype.kind == "f" and not np.isfinite(y).all():
             raise ValueError(f"{what} contains NaN or infinity; clean it before training.")
     dims = static_shape(value) or []
+    if dtype.kind == "i" and len(dims) > 1:
+        return _labels_by_position(y, value.name, dims, n, what)
     target = [n if i == 0 else d for i, d in enumerate(dims)]
     if all(isinstance(d, int) for d in target):
         if math.prod(target) != y.size:  # type: ignore[arg-type]
@@ -548,6 +555,23 @@ def check_labels(y: Any, value: onnx.ValueInfoProto, n: int, what: str = "y") ->
     elif len(dims) == 2 and y.ndim == 1:
         y = y.reshape(-1, 1)
     return np.ascontiguousarray(y, dtype=dtype)
+
+
+def _labels_by_position(y: np.ndarray, name: str, dims: list[Any], n: int, what: str) -> np.ndarray:
+    """int64 labels of rank > 1, their shape kept: their rank and the known dims of the
+    label input ``name`` (declared ``dims``) must match."""
+    expected = (n, *dims[1:])
+    fits = y.ndim == len(dims) and all(
+        not isinstance(d, int) or d == got for d, got in zip(expected, y.shape)
+    )
+    if not fits:
+        shown = "(" + ", ".join(str(d) if isinstance(d, int) else d or "?" for d in expected)
+        raise ShapeError(
+            f"{what} has shape {y.shape}, but the label input {name!r} is {dims}: one class "
+            f"label per position (token labels (N, T) for (N, T, V) logits); pass {what} of "
+            f"shape {shown})."
+        )
+    return np.ascontiguousarray(y, dtype=np.int64)
 
 
 def _label_shape_message(
@@ -583,6 +607,23 @@ def check_label_width(what: str, y: np.ndarray, prediction: np.ndarray) -> None:
             f"{what} has shape {y.shape}, but the model predicts shape "
             f"{(len(y), *prediction.shape[1:])} for {len(y)} samples: a regression loss "
             f"needs one label per predicted value; pass {what} shaped like the prediction."
+        )
+
+
+def check_label_positions(what: str, y: np.ndarray, prediction: np.ndarray) -> None:
+    """Refuse token labels ``y`` whose positions differ from the prediction's, its shape
+    without the last (class) axis (``prediction`` computed on a few rows: the declared
+    output does not say its sequence length).
+
+    Raises:
+        ShapeError: naming both shapes and the one to pass.
+    """
+    if y.shape[1:] != prediction.shape[1:-1]:
+        raise ShapeError(
+            f"{what} has shape {y.shape}, but the model predicts shape "
+            f"{(len(y), *prediction.shape[1:])} for {len(y)} samples: token labels are the "
+            f"prediction's shape without its last (class) axis; pass {what} of shape "
+            f"{(len(y), *prediction.shape[1:-1])}."
         )
 
 
