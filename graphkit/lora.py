@@ -38,6 +38,7 @@ format="peft")`` only.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import math
@@ -102,6 +103,7 @@ class Adapter:
     layout: str
     sites: tuple[Site, ...]
     chain: tuple[str, ...] = ()
+    module: str | None = None
 
     @property
     def scale(self) -> float:
@@ -280,9 +282,10 @@ def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
 def _match(
     targets: str | Iterable[str] | Callable[[str], bool],
     names: Sequence[str],
-    candidates: Mapping[str, Any],
+    candidates: Mapping[str, tuple[_Weight, list[_Reader]]],
 ) -> list[str]:
     """The initializer names ``targets`` chooses, in graph order, each read by a product."""
+    modules = {n: module_of(n, readers[0].node) for n, (_, readers) in candidates.items()}
     if callable(targets):
         chosen = [n for n in names if targets(n)]
         asked = "the predicate"
@@ -293,39 +296,61 @@ def _match(
                 "targets must be a name, a glob pattern, a list of them or a predicate, "
                 f"got {targets!r}."
             )
-        chosen = [n for n in names if any(_matches(n, p) for p in patterns)]
+        chosen = [n for n in names if any(_matches(n, modules.get(n), p) for p in patterns)]
         asked = f"targets {patterns}"
+    listing = _listing(f"{n!r} ({modules[n]})" if modules[n] else repr(n) for n in candidates)
     if not chosen:
         raise LoraError(
             f"{asked} match no weight of the model. Weights read by a product (MatMul, "
-            f"Gemm): {_listing(candidates)}."
+            f"Gemm), with the torch module they came from where the graph says: {listing}."
         )
     unread = [n for n in chosen if n not in candidates]
-    if (
-        unread
-        and not callable(targets)
-        and all(not any(_matches(c, p) for c in candidates) for p in patterns)
-    ):
+    if unread and not any(n in candidates for n in chosen):
         raise LoraError(
-            f"{asked} match {_listing(unread)}, which no product (MatMul, Gemm) reads as "
-            "its weight: LoRA adapts the weights of linear layers. Weights read by a "
-            f"product: {_listing(candidates)}."
+            f"{asked} match {_listing(map(repr, unread))}, which no product (MatMul, Gemm) "
+            "reads as its weight: LoRA adapts the weights of linear layers. Weights read "
+            f"by a product: {listing}."
         )
     return [n for n in chosen if n in candidates]
 
 
-def _matches(name: str, pattern: str) -> bool:
-    """An exact name, a glob, or a module name (PEFT's ``target_modules``): the weight's
-    name without ``.weight`` equal to the pattern or ending with ``.pattern``."""
+def _matches(name: str, module: str | None, pattern: str) -> bool:
+    """An exact name or a glob of the weight's, or a module name (PEFT's
+    ``target_modules``): the weight's module (:func:`module_of`) equal to the pattern,
+    ending with ``.pattern``, or matching it as a glob."""
     if name == pattern or fnmatch.fnmatchcase(name, pattern):
         return True
-    module = name.removesuffix(_WEIGHT_SUFFIX)
-    return module != name and (module == pattern or module.endswith("." + pattern))
+    return module is not None and (
+        module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
+    )
+
+
+def module_of(weight: str, product: onnx.NodeProto) -> str | None:
+    """The torch module a weight came from: its name without ``.weight``; else, for a
+    weight an exporter renamed (``onnx::MatMul_644``, ``val_23``: a transpose folded),
+    the module of the product that reads it, from the dynamo exporter's name scopes
+    (``pkg.torch.onnx.name_scopes``) or the TorchScript exporter's node name
+    (``/m/model/layers.0/self_attn/q_proj/MatMul``); None where neither says."""
+    if weight.endswith(_WEIGHT_SUFFIX):
+        return weight.removesuffix(_WEIGHT_SUFFIX)
+    meta = {p.key: p.value for p in product.metadata_props}
+    if "pkg.torch.onnx.name_scopes" in meta and "pkg.torch.onnx.class_hierarchy" in meta:
+        try:
+            scopes = ast.literal_eval(meta["pkg.torch.onnx.name_scopes"])
+            classes = ast.literal_eval(meta["pkg.torch.onnx.class_hierarchy"])
+        except (ValueError, SyntaxError):
+            return None
+        modules = [s for s, c in zip(scopes, classes, strict=False) if s and "aten." not in c]
+        return modules[-1] if modules else None
+    parts = product.name.split("/")
+    if product.name.startswith("/") and len(parts) > 2:
+        return ".".join(parts[1:-1])
+    return None
 
 
 def _listing(names: Iterable[str], most: int = 12) -> str:
     names = list(names)
-    shown = ", ".join(repr(n) for n in names[:most])
+    shown = ", ".join(names[:most])
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return (shown + more) if names else "none"
 
@@ -341,7 +366,8 @@ def _add_adapter(
     taken: set[str],
 ) -> Adapter:
     """``A``, ``B`` of ``weight`` and the nodes that add ``(alpha / rank) (x A) B`` to
-    each product reading it."""
+    each product reading it; the adapters are named after the weight's torch module
+    where the graph says it (``<module>.lora_A.weight``), else after the weight."""
     layout = readers[0].layout
     if any(r.layout != layout for r in readers):
         raise LoraError(
@@ -356,8 +382,9 @@ def _add_adapter(
             f"outputs): the rank must be at most {min(fan_in, fan_out)}."
         )
     dtype = weight.dtype
-    stem = weight.name.removesuffix(_WEIGHT_SUFFIX)
-    suffix = _WEIGHT_SUFFIX if stem != weight.name else ""
+    module = module_of(weight.name, readers[0].node)
+    stem = module or weight.name
+    suffix = _WEIGHT_SUFFIX if module else ""
     a_name = fresh_name(f"{stem}.lora_A{suffix}", taken)
     b_name = fresh_name(f"{stem}.lora_B{suffix}", taken)
     a = _draw_a(init, fan_in, rank, rng).astype(dtype)
@@ -369,7 +396,7 @@ def _add_adapter(
     )
     sites = [_add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken) for r in readers]
     return Adapter(
-        weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites), weight.chain
+        weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites), weight.chain, module
     )
 
 
@@ -688,14 +715,13 @@ def _save_peft(
 ) -> str:
     """PEFT's ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``
     ``[rank, in]``, ``lora_B.weight`` ``[out, rank]``) and ``adapter_config.json``."""
-    untraceable = [a.weight for a in found if not a.weight.endswith(_WEIGHT_SUFFIX)]
+    untraceable = [repr(a.weight) for a in found if a.module is None]
     if untraceable:
         raise LoraError(
-            f"PEFT's format names adapters by torch module, but {_listing(untraceable)} did "
-            "not come from a module's '.weight' (an exporter's constant folding renamed "
-            "it). Export with torch.onnx.export(..., dynamo=False, do_constant_folding="
-            "False) or dynamo=True, optimize=False to keep the names, or save "
-            "format='onnxruntime'."
+            f"PEFT's format names adapters by torch module, but the graph does not say "
+            f"which module {_listing(untraceable)} came from (neither its name, "
+            "'<module>.weight', nor its product's name or metadata, as torch's exporters "
+            "write them). Save format='onnxruntime' instead."
         )
     ranks = {a.rank for a in found}
     alphas = {a.alpha for a in found}
@@ -714,7 +740,7 @@ def _save_peft(
     tensors: dict[str, np.ndarray] = {}
     modules = []
     for a in found:
-        module = a.weight.removesuffix(_WEIGHT_SUFFIX)
+        module = a.module or ""
         if module_prefix and not module.startswith(module_prefix):
             raise LoraError(f"{a.weight!r} does not start with module_prefix {module_prefix!r}.")
         module = module.removeprefix(module_prefix)

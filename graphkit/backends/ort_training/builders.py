@@ -126,6 +126,7 @@ def gradient_graph(model: onnx.ModelProto, output: str, wrt: Sequence[str]) -> o
     """
     wrt = list(wrt)
     refuse_control_flow(model, wrt, [output])
+    model = _frozen_reads_apart(model, wrt, [])
     model, target = _float32_target(_isolate(model, wrt), output)
     grad = _build_gradient(model, target, wrt)
     if target != output:
@@ -229,10 +230,11 @@ def _frozen_reads_apart(
 ) -> onnx.ModelProto:
     """``model`` where no frozen float initializer is read twice on the gradient path.
 
-    ``OrtModuleGraphBuilder`` defines the gradient of such a tensor once per reader
-    ("Duplicate definition of name (...weight_grad)") when a weight before it trains: a
-    Llama exported by TorchScript, whose equal RMSNorm weights the exporter merged into
-    one initializer read through an ``Identity`` per layer, failed so. Each ``Identity``
+    Both builders define the gradient of such a tensor once per reader ("Duplicate
+    definition of name (...weight_grad)") when a weight before it trains: a Llama
+    exported by TorchScript, whose equal RMSNorm weights the exporter merged into one
+    initializer read through an ``Identity`` per layer, failed so, and GPT-2 exported by
+    dynamo with LoRA adapters (its frozen LayerNorm weights). Each ``Identity``
     of a frozen initializer is bypassed, and each further reader on the gradient path
     gets a tensor of its own: the same bytes under another name (a mapped tensor stays
     one mapping; an inline one is copied). A trained initializer is never read so:
