@@ -30,7 +30,7 @@ class Data:
     y_train: np.ndarray
     X_test: np.ndarray
     y_test: np.ndarray
-    task: str  # "regression" | "binary" | "multiclass"
+    task: str  # "regression" | "binary" | "multiclass" | "language model"
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class Case:
     threshold: float = 0.0  # held-out R^2 or accuracy to reach after training
     # (backend, trainer, operator its error must name)
     refused: tuple[tuple[str, str, str], ...] = ()
+    # LoRA targets (graphkit.lora.add_lora, rank 4): the adapters train, the base is frozen
+    lora: tuple[str, ...] = ()
 
     def refusal(self, trainer: str, backend: str = "ort_training") -> str | None:
         """The operator the error of ``trainer`` on ``backend`` must name, or None when it
@@ -108,6 +110,29 @@ def tokens() -> Data:
     for i, label in enumerate(y):
         X[i, rng.choice(12, size=4, replace=False)] = label
     return _split(X.astype(np.int64), y.astype(np.int64), "multiclass")
+
+
+IGNORE = -100  # a label the token loss skips (torch's and Hugging Face's ignore_index)
+
+
+@functools.cache
+def next_tokens() -> Data:
+    """Language modelling: 600 sequences of 12 tokens out of 24, each counting up (mod
+    24) from a random start by a step of 1 or 2; ``y`` holds the token that follows each
+    position, ``IGNORE`` where none does (the last position, and the padding after a
+    sequence of 8 to 12 tokens, which reads token 0)."""
+    rng = np.random.default_rng(0)
+    rows, length, vocab = 600, 12, 24
+    start = rng.integers(0, vocab, size=(rows, 1))
+    step = rng.integers(1, 3, size=(rows, 1))
+    X = (start + step * np.arange(length)) % vocab
+    y = np.full((rows, length), IGNORE)
+    y[:, :-1] = X[:, 1:]
+    ends = rng.integers(8, length + 1, size=rows)
+    for row, end in enumerate(ends):
+        X[row, end:] = 0
+        y[row, end - 1 :] = IGNORE
+    return _split(X.astype(np.int64), y.astype(np.int64), "language model")
 
 
 # -- scikit-learn models (skl2onnx) ------------------------------------------------------
@@ -282,6 +307,9 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
     elif kind == "einsum":
         data = digits()
         net = _module_classes()[3]()
+    elif kind in ("gpt2", "llama"):
+        data = next_tokens()
+        net = _causal_lm(kind)
     elif kind == "if":
         data = digits()
         net = _module_classes()[4](dynamo)
@@ -444,6 +472,54 @@ def _module_classes():
     return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet
 
 
+def _causal_lm(kind: str):
+    """A one-layer GPT-2 (its output projection tied to the embedding) or a two-layer
+    Llama from transformers configs, random weights, returning the logits [N, T, V]; the
+    causal mask is the module's own (transformers' is built with vmap, which the
+    TorchScript exporter cannot trace)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=1, n_head=2, n_embd=32, vocab_size=24, n_positions=16
+        )
+        model = transformers.GPT2LMHeadModel(config)
+        with torch.no_grad():  # dynamo's optimizer drops a zero bias: it would not train
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") and ".ln_" not in name:
+                    p.normal_(0.0, 0.02)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=24,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            attn_implementation="eager",
+            tie_word_embeddings=False,
+        )
+        model = transformers.LlamaForCausalLM(config)
+
+    class CausalLM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            t = ids.shape[1]
+            if kind == "gpt2":
+                mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+            else:
+                mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
+            return self.m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    return CausalLM()
+
+
 def _Transformer():  # noqa: N802
     return _module_classes()[2]()
 
@@ -464,6 +540,24 @@ def _torch(name: str, kind: str, loss: str, **kw) -> list[Case]:
     """The same torch model through both exporters."""
     return [
         Case(name, exporter, functools.partial(torch_model, kind, dynamo), loss, **kw)
+        for exporter, dynamo in (("torch-script", False), ("torch-dynamo", True))
+    ]
+
+
+def _llama(name: str, **kw) -> list[Case]:
+    """The Llama causal LM through both exporters; native refuses TorchScript's."""
+    native_refuses = (("native", FULL, "Concat"), ("native", FORWARD_BACKWARD, "Concat"))
+    build = functools.partial(torch_model, "llama")
+    return [
+        Case(
+            name,
+            exporter,
+            functools.partial(build, dynamo),
+            "token_cross_entropy",
+            epochs=5,
+            refused=() if dynamo else native_refuses,
+            **kw,
+        )
         for exporter, dynamo in (("torch-script", False), ("torch-dynamo", True))
     ]
 
@@ -594,6 +688,41 @@ CASES: list[Case] = [
         threshold=0.92,
         epochs=3,
         refused=_ort_refuses("If"),
+    ),
+    # causal language models built from transformers' configs: next-token cross-entropy
+    # of [N, T, V] logits against [N, T] labels, positions with nothing to predict
+    # ignored; every weight, then LoRA adapters on a frozen base (GPT-2's embedding and
+    # output projection are one weight, as torch ties them)
+    # (momentum, not Adam: as for TransformerEncoderLayer, a key projection's bias has a
+    # zero gradient up to rounding, which Adam would turn into full-size updates)
+    *_torch(
+        "GPT-2 (causal LM)",
+        "gpt2",
+        "token_cross_entropy",
+        threshold=0.6,
+        epochs=5,
+        optimizer="momentum",
+        lr=0.1,
+    ),
+    *_torch(
+        "GPT-2 + LoRA(c_attn)",
+        "gpt2",
+        "token_cross_entropy",
+        threshold=0.2,
+        epochs=5,
+        optimizer="momentum",
+        lr=0.5,
+        lora=("c_attn",),
+    ),
+    # TorchScript writes Llama's rotary embedding with a Concat whose operands' extents
+    # it leaves undeclared at a symbolic batch, which onnx-ad 0.3.0 cannot reverse
+    *_llama("Llama (causal LM)", threshold=0.6, optimizer="momentum", lr=0.1),
+    *_llama(
+        "Llama + LoRA(q_proj, v_proj)",
+        threshold=0.2,
+        optimizer="momentum",
+        lr=0.5,
+        lora=("q_proj", "v_proj"),
     ),
     *_torch(
         "Loop (a recurrence over the rows)",

@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 
 import graphkit as gk
-from graphkit import backends
+from graphkit import backends, lora
 from graphkit.rewrite import select_prediction
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
-from .models import CASES, FORWARD_BACKWARD, FULL, Case, Data
+from .models import CASES, FORWARD_BACKWARD, FULL, IGNORE, Case, Data
 
 SUPPORT_TABLE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "zoo.md"
 """The page that holds the support table, between :data:`START` and :data:`END`."""
@@ -74,8 +74,12 @@ def built(case: Case):
 
 
 def metric(data: Data, output: np.ndarray, case: Case) -> float:
-    """Held-out R^2 (regression) or accuracy (classification) of a raw model output."""
+    """Held-out R^2 (regression), accuracy (classification) or next-token accuracy over
+    the labelled positions (language model) of a raw model output."""
     y = data.y_test
+    if data.task == "language model":
+        labelled = y != IGNORE
+        return float((output.argmax(axis=-1)[labelled] == y[labelled]).mean())
     if data.task == "regression":
         p = output.reshape(-1).astype(np.float64)
         return float(1 - ((p - y) ** 2).sum() / ((y - y.mean()) ** 2).sum())
@@ -95,9 +99,11 @@ def initial_metric(onx, data: Data, case: Case) -> float:
 def run_case(case: Case, trainer: str, backend: str) -> Outcome:
     """Train ``case`` with ``trainer`` (``FULL`` or ``FORWARD_BACKWARD``) on ``backend``."""
     onx, data = built(case)
-    name = "R2" if data.task == "regression" else "accuracy"
-    outcome = Outcome(case, trainer, backend, "trains", name)
+    names = {"regression": "R2", "language model": "token accuracy"}
+    outcome = Outcome(case, trainer, backend, "trains", names.get(data.task, "accuracy"))
     try:
+        if case.lora:
+            onx = lora.add_lora(onx, case.lora, rank=4, alpha=8, random_state=0)
         outcome.before = initial_metric(onx, data, case)
         settings = dict(
             max_iter=case.epochs,
