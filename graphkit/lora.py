@@ -129,8 +129,9 @@ def add_lora(
         model: a ModelProto or a path (large external weights stay mapped, not copied).
         targets: which weights: a name, a glob pattern (``"*.q_proj.weight"``), a module
             name as PEFT's ``target_modules`` takes it (``"q_proj"`` matches the weight
-            ``...self_attn.q_proj.weight``), a list of these, or a predicate of the
-            initializer's name.
+            ``...self_attn.q_proj.weight``, and a weight an exporter renamed that a
+            ``q_proj`` module's product reads: :func:`module_of`), a list of these, or a
+            predicate of the initializer's name.
         rank: the adapters' rank r, 1 <= r <= min(in, out) of every target.
         alpha: the scale's numerator: the adapters add ``(alpha / rank) (x A) B``.
         dropout: PEFT's ``lora_dropout``; only 0 is supported (graphkit does not train
@@ -776,6 +777,7 @@ __all__ = [
     "add_lora",
     "lora_state",
     "merge_lora",
+    "module_of",
     "save_adapter",
     "serving_model",
 ]

@@ -445,3 +445,31 @@ def test_adapters_on_matmul_nbits_equal_those_on_the_float_weights(backend):
     for name in states[0]:
         np.testing.assert_allclose(states[0][name], states[1][name], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(predictions[0], predictions[1], rtol=1e-4, atol=1e-5)
+
+
+def test_an_adapted_model_resumes_from_its_checkpoint_and_trains_exported(tmp_path):
+    """Checkpoints and the portable exports see an ordinary graph: 2 epochs then 2 more
+    from the checkpoint equal 4 at once; the exported step, run by PortableTrainer on
+    onnx and numpy alone, continues as the trainer does and moves only the adapters."""
+    from graphkit.portable_trainer import PortableTrainer
+
+    adapted = lora.add_lora(_linear_graph("transpose"), "lin", rank=2, random_state=0)
+    rng = np.random.default_rng(10)
+    x, y = rng.normal(size=(16, 3)), rng.normal(size=(16, 5))
+    settings = dict(optimizer="adam", loss="squared_error", batch_size=4, shuffle=False)
+    path = tmp_path / "adapted.ckpt"
+    Trainer(adapted, max_iter=2, **settings).fit(x, y, checkpoint=path)
+    resumed = Trainer(adapted, max_iter=4, **settings).fit(x, y, checkpoint=path)
+    straight = Trainer(adapted, max_iter=4, **settings).fit(x, y)
+    for name, value in straight.lora_state().items():
+        np.testing.assert_allclose(resumed.lora_state()[name], value, rtol=1e-12)
+
+    step = Trainer(adapted, max_iter=2, **settings).fit(x, y)
+    exported = step.export_training_step()  # run by onnx.reference, as anywhere
+    portable = PortableTrainer(exported, batch_size=4, shuffle=False, runtime="reference")
+    portable.fit(x, y, epochs=2)
+    state = portable.state()
+    for name, value in straight.lora_state().items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-10)
+    base = {t.name: numpy_helper.to_array(t) for t in adapted.graph.initializer}
+    np.testing.assert_array_equal(state.get("lin.weight", base["lin.weight"]), base["lin.weight"])
