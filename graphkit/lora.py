@@ -8,7 +8,9 @@
 
     y = x W + (alpha / rank) ((x A) B)
 
-with ``A`` (``[in, rank]``) and ``B`` (``[rank, out]``) new float initializers: the only
+(for a ``Conv`` without groups: ``A`` a kernel like ``W``'s to ``rank`` channels, then
+``B`` a 1 x 1 kernel to ``W``'s, as PEFT's ``Conv2d`` adapters) with ``A`` (``[in,
+rank]``) and ``B`` (``[rank, out]``) new float initializers: the only
 weights a trainer trains by default (:func:`graphkit.prepare.trainable_weights` reads
 them from the model's metadata); ``W`` stays frozen (a memory-mapped base stays in its
 file, stored once). ``A`` is drawn as PEFT's default (Kaiming-uniform: ``U(-1/sqrt(in),
@@ -90,7 +92,9 @@ class Site:
 class Adapter:
     """The adapters of one weight: ``W`` (``layout`` ``"in_out"``: ``[in, out]`` as the
     product reads it; ``"out_in"``: torch's ``[out, in]``, read through ``Transpose`` or
-    by a ``Gemm`` with ``transB``), ``A`` ``[in, rank]``, ``B`` ``[rank, out]``. For a
+    by a ``Gemm`` with ``transB``), ``A`` ``[in, rank]``, ``B`` ``[rank, out]``; or a
+    ``Conv``'s kernel (``"conv"``: ``W`` ``[out, in, k...]``, ``A`` ``[rank, in, k...]``
+    convolving as the product does, ``B`` ``[out, rank, 1...]``, as PEFT's ``Conv2d``). For a
     quantized base, ``weight`` is the quantized initializer and ``chain`` the outputs of
     the nodes that make it float (its ``DequantizeLinear``, then a ``Slice`` where
     :mod:`graphkit.quantized` cut a block's padding)."""
@@ -246,7 +250,8 @@ def _sliced(dims: tuple[int, ...], bounds: list[onnx.TensorProto | None]) -> tup
 def _product_weights(graph: onnx.GraphProto) -> dict[str, tuple[_Weight, list[_Reader]]]:
     """Each weight (:func:`_weights`) read as the right operand of a product, by its
     initializer's name: ``MatMul(x, W)``, ``MatMul(x, Transpose(W))``, ``Gemm(x, W)``
-    (``transA=0``; ``transB`` says the layout)."""
+    (``transA=0``; ``transB`` says the layout); and each kernel of a ``Conv`` without
+    groups (layout ``"conv"``)."""
     weights = _weights(graph)
     transposed = {
         n.output[0]: weights[n.input[0]]
@@ -256,7 +261,18 @@ def _product_weights(graph: onnx.GraphProto) -> dict[str, tuple[_Weight, list[_R
         and list(_attr(n, "perm", [1, 0])) == [1, 0]
     }
     found: dict[str, tuple[_Weight, list[_Reader]]] = {}
+    kernels = {
+        t.name: _Weight(t.name, tuple(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type))
+        for t in graph.initializer
+        if len(t.dims) >= 3 and t.data_type in FLOAT_ELEM_TYPES
+    }
     for node in graph.node:
+        if node.op_type == "Conv" and node.input[1] in kernels and _attr(node, "group", 1) == 1:
+            weight = kernels[node.input[1]]
+            found.setdefault(weight.name, (weight, []))[1].append(
+                _Reader(node, node.input[0], "conv")
+            )
+            continue
         if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
             continue
         if node.op_type == "Gemm" and _attr(node, "transA", 0):
@@ -375,8 +391,11 @@ def _add_adapter(
             f"{weight.name!r} is read in two layouts (directly and transposed); adapt one "
             "product at a time is not supported."
         )
-    rows, cols = weight.dims
-    fan_in, fan_out = (rows, cols) if layout == "in_out" else (cols, rows)
+    if layout == "conv":  # W [out, in, k...]: A [rank, in, k...], B [out, rank, 1...]
+        fan_in, fan_out = math.prod(weight.dims[1:]), weight.dims[0]
+    else:
+        rows, cols = weight.dims
+        fan_in, fan_out = (rows, cols) if layout == "in_out" else (cols, rows)
     if rank > min(fan_in, fan_out):
         raise LoraError(
             f"rank={rank} exceeds {weight.name!r}'s dimensions ({fan_in} inputs, {fan_out} "
@@ -389,11 +408,13 @@ def _add_adapter(
     a_name = fresh_name(f"{stem}.lora_A{suffix}", taken)
     b_name = fresh_name(f"{stem}.lora_B{suffix}", taken)
     a = _draw_a(init, fan_in, rank, rng).astype(dtype)
+    b = np.zeros((rank, fan_out), dtype)
+    if layout == "conv":  # PEFT's Conv adapters: a kernel like W's to rank, then 1 x 1
+        spatial = len(weight.dims) - 2
+        a = np.ascontiguousarray(a.T).reshape(rank, *weight.dims[1:])
+        b = np.zeros((fan_out, rank, *[1] * spatial), dtype)
     graph.initializer.extend(
-        [
-            numpy_helper.from_array(a, a_name),
-            numpy_helper.from_array(np.zeros((rank, fan_out), dtype), b_name),
-        ]
+        [numpy_helper.from_array(a, a_name), numpy_helper.from_array(b, b_name)]
     )
     sites = [_add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken) for r in readers]
     return Adapter(
@@ -433,9 +454,21 @@ def _add_site(
     xa, xab, scale_name, scaled = (
         fresh_name(f"{prefix}/{v}", taken) for v in ("xA", "xAB", "s", "sxAB")
     )
+    if reader.layout == "conv":  # A convolves as the product does; B is 1 x 1
+        geometry = [
+            attr
+            for attr in product.attribute
+            if attr.name in ("auto_pad", "dilations", "pads", "strides")
+        ]
+        first = helper.make_node("Conv", [reader.x, a], [xa], name=names[0])
+        first.attribute.extend(geometry)
+        second = helper.make_node("Conv", [xa, b], [xab], name=names[1])
+    else:
+        first = helper.make_node("MatMul", [reader.x, a], [xa], name=names[0])
+        second = helper.make_node("MatMul", [xa, b], [xab], name=names[1])
     nodes = [
-        helper.make_node("MatMul", [reader.x, a], [xa], name=names[0]),
-        helper.make_node("MatMul", [xa, b], [xab], name=names[1]),
+        first,
+        second,
         helper.make_node(
             "Constant",
             [],
@@ -594,7 +627,12 @@ def _merged_weight(
     """W + (alpha / rank) A B, transposed for a weight stored ``[out, in]``; a quantized
     weight is dequantized first (the merged weight is float)."""
     w = _dequantized(graph, adapter) if adapter.chain else _initializer(graph, adapter.weight)
-    delta = (values[adapter.a] @ values[adapter.b]) * np.asarray(adapter.scale, dtype=w.dtype)
+    a, b = values[adapter.a], values[adapter.b]
+    if adapter.layout == "conv":  # B [out, rank, 1...] A [rank, in, k...] -> [out, in, k...]
+        delta = (b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1)).reshape(w.shape)
+    else:
+        delta = a @ b
+    delta = delta * np.asarray(adapter.scale, dtype=w.dtype)
     if adapter.layout == "out_in":
         delta = delta.T
     return (w + delta.astype(w.dtype)).astype(w.dtype)
@@ -746,8 +784,11 @@ def _save_peft(
             raise LoraError(f"{a.weight!r} does not start with module_prefix {module_prefix!r}.")
         module = module.removeprefix(module_prefix)
         modules.append(module)
-        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(values[a.a].T)
-        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(values[a.b].T)
+        a_value, b_value = values[a.a], values[a.b]
+        if a.layout != "conv":  # torch's Linear layout: lora_A [rank, in], lora_B [out, rank]
+            a_value, b_value = a_value.T, b_value.T
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a_value)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b_value)
     os.makedirs(folder, exist_ok=True)
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
     config = {

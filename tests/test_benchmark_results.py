@@ -40,6 +40,7 @@ def test_every_script_has_a_results_file_and_no_result_lies_elsewhere():
         "gradient_sources",
         "web",
         "finetune",
+        "lora",
     }
     names = {p.stem.split("-")[0] for p in RESULTS}
     assert names == scripts

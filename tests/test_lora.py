@@ -473,3 +473,18 @@ def test_an_adapted_model_resumes_from_its_checkpoint_and_trains_exported(tmp_pa
         np.testing.assert_allclose(state[name], value, rtol=1e-10)
     base = {t.name: numpy_helper.to_array(t) for t in adapted.graph.initializer}
     np.testing.assert_array_equal(state.get("lin.weight", base["lin.weight"]), base["lin.weight"])
+
+
+def test_a_session_that_dequantizes_runs_the_graph_as_written():
+    """onnxruntime's rewrites would quantize each dequantized weight again at every step
+    (a QuantizeLinear after its Transpose): such a session has none of them."""
+    ort = ort_engine.onnxruntime()
+    quantized = ort_engine.inference_session(_quantized_mlp(False))
+    floating = ort_engine.inference_session(_quantized_mlp(True))
+    disabled = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert quantized.get_session_options().graph_optimization_level == disabled
+    assert floating.get_session_options().graph_optimization_level != disabled
+    x = np.random.default_rng(11).normal(size=(3, 16)).astype(np.float32)
+    (got,) = quantized.run(None, {"x": x})
+    (expected,) = floating.run(None, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -257,3 +257,60 @@ def test_onnx_module_parameters_are_the_adapters(exported):
     _peft_adamw(twin, X, y)
     state = {module.parameter_names[k]: v.detach().numpy() for k, v in module.named_parameters()}
     _assert_adapters_equal(state, twin, adapted)
+
+
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_conv_adapters_after_10_adamw_steps_equal_pefts(backend, tmp_path):
+    """A small CNN's convolution with PEFT's Conv2d adapters (a 3 x 3 kernel to the rank,
+    then 1 x 1), exported by TorchScript: adapters, merged model and saved format."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 6, 3, padding=1, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(6 * 4 * 4, 3),
+    ).eval()
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(ROWS, 2, 8, 8)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net, (torch.from_numpy(X[:BATCH]),), f, dynamo=False, opset_version=18,
+            input_names=["X"], output_names=["Y"], dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+        )  # fmt: skip
+    onx = onnx.load_from_string(f.getvalue())
+    adapted = lora.add_lora(onx, "0", rank=RANK, alpha=ALPHA, random_state=0)
+    (adapter,) = lora.adapters(adapted)
+    assert adapter.layout == "conv" and adapter.module == "0"
+    trainer = Trainer(
+        adapted,
+        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
+        loss="squared_error",
+        batch_size=BATCH,
+        max_iter=1,
+        shuffle=False,
+        backend=backend,
+    ).fit(X, y)
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0"], lora_dropout=0.0)
+    twin = peft.get_peft_model(copy.deepcopy(net), config)
+    initial = lora.lora_state(adapted)
+    layer = twin.get_submodule("base_model.model.0")
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(torch.from_numpy(initial[adapter.a]))
+        layer.lora_B["default"].weight.copy_(torch.from_numpy(initial[adapter.b]))
+    _peft_adamw(twin, X, y)
+    state = trainer.get_state()
+    for name, theirs in [(adapter.a, layer.lora_A), (adapter.b, layer.lora_B)]:
+        reference = theirs["default"].weight.detach().numpy()
+        np.testing.assert_allclose(state[name], reference, atol=1e-5 * np.abs(reference).max())
+    merged = lora.merge_lora(trainer.get_trained_onnx())
+    onnx.checker.check_model(merged, full_check=True)
+    (ours,) = ort_engine.run(merged, {"X": X[:BATCH]}).values()
+    theirs = copy.deepcopy(twin).merge_and_unload()(torch.from_numpy(X[:BATCH])).detach().numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-5 * np.abs(theirs).max())
+    folder = trainer.save_adapter(tmp_path / "peft", format="peft")
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(net), folder)
+    predicted = loaded(torch.from_numpy(X[:BATCH])).detach().numpy()
+    np.testing.assert_allclose(predicted, theirs, atol=1e-5 * np.abs(theirs).max())

@@ -19,8 +19,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit._graph import copy_model
-from graphkit.engine import ort_engine
-from graphkit.engine.ort_engine import RECOMPUTED
 from graphkit.static_shapes import (
     GEMV_FUSED_UP_TO,
     RESHAPE_SCALARS_FROM,
@@ -36,7 +34,6 @@ from graphkit.static_shapes import (
     specialize_scan_bodies,
     static_shapes,
 )
-from graphkit.static_shapes.recomputed_weights import recompute_dequantized_weights
 
 ELEM = {
     np.dtype(np.float32): TensorProto.FLOAT,
@@ -736,59 +733,3 @@ def test_onnxruntime_trainings_gather_grad_update_scatters_into_the_table():
         expected[index] += -0.5 * rows
     (got,) = run(out, feeds)  # standard operators only: any onnxruntime runs it
     np.testing.assert_allclose(got, expected, rtol=1e-6)
-
-
-# -- recomputed_weights -----------------------------------------------------------------
-
-
-def _dequantized_twice(readers: int = 2, constant: bool = True) -> onnx.ModelProto:
-    """y_k = x Transpose(DequantizeLinear(q, s, z)) for ``readers`` products (a forward and
-    a backward, say); with ``constant=False``, q is a graph input."""
-    rng = np.random.default_rng(0)
-    q = numpy_helper.from_array(rng.integers(-100, 100, (6, 4)).astype(np.int8), "q")
-    s = numpy_helper.from_array(rng.uniform(0.01, 0.02, 6).astype(np.float32), "s")
-    z = numpy_helper.from_array(np.zeros(6, np.int8), "z")
-    nodes = [
-        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["w"], axis=0, name="dq"),
-        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0], name="t"),
-    ]
-    nodes += [helper.make_node("MatMul", ["x", "wt"], [f"y{k}"]) for k in range(readers)]
-    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])]
-    if not constant:
-        inputs.append(helper.make_tensor_value_info("q", TensorProto.INT8, [6, 4]))
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        inputs,
-        [helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, [3, 6]) for k in range(readers)],
-        [s, z] + ([q] if constant else []),
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-
-
-def test_a_dequantized_weight_is_dequantized_again_for_its_second_reader():
-    model = _dequantized_twice()
-    rewritten = copy_model(model)
-    assert recompute_dequantized_weights(rewritten)
-    onnx.checker.check_model(rewritten, full_check=True)
-    ops = [n.op_type for n in rewritten.graph.node]
-    assert ops == ["DequantizeLinear", "Transpose", "MatMul"] + [
-        "DequantizeLinear",
-        "Transpose",
-        "MatMul",
-    ]
-    second = rewritten.graph.node[-1]
-    assert second.input[1].startswith(RECOMPUTED) and second.input[1] != "wt"
-    x = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    q, s = values["q"], values["s"]
-    expected = x @ (q.astype(np.float32) * s[:, None]).T  # the formula, zero point 0
-    got = ort_engine.run(rewritten, {"x": x})
-    for k in range(2):
-        np.testing.assert_allclose(got[f"y{k}"], expected, rtol=1e-6)
-    assert "CommonSubexpressionElimination" in ort_engine._broken_optimizers(rewritten)
-
-
-def test_a_weight_read_once_or_not_constant_is_not_recomputed():
-    for model in (_dequantized_twice(readers=1), _dequantized_twice(constant=False)):
-        assert not recompute_dequantized_weights(copy_model(model))

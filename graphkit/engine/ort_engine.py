@@ -251,37 +251,27 @@ for its gradient, costs the table's size again in every session), and graphkit h
 folded the shape arithmetic that matters already (:mod:`graphkit.static_shapes`)."""
 
 
-RECOMPUTED = "recompute/"
-"""The name prefix of nodes that compute again, on purpose, a value the graph computes
-already (:mod:`graphkit.static_shapes.recomputed_weights`: a dequantized weight, so that
-it is not kept from the forward to the backward). A session on such a graph runs without
-onnxruntime's common-subexpression elimination, which would merge them back."""
-
-
-NO_QDQ_REWRITES = "session.disable_quant_qdq"
-"""onnxruntime's session option that turns off its rewrites of quantized graphs, which
-graphkit's graphs of a quantized base (a frozen weight behind a ``DequantizeLinear``,
-a ``Transpose`` after it) do not want: they move the ``DequantizeLinear`` past the
-``Transpose`` by inserting a ``QuantizeLinear`` of the float weight, which then runs at
-every step (12 of them took 1.17 s of a 1.46 s step on 12 layers of 2048 x 2048; 0.45 s
-without), and, after an int8 weight without a zero point, is typed uint8 and fails to
-load. Set for a session whose graph dequantizes (:func:`inference_session`)."""
+def _without_graph_rewrites(options: Any) -> None:
+    """Turn off onnxruntime's graph rewrites for a session whose graph dequantizes a
+    frozen weight (a quantized base: ``DequantizeLinear`` of an initializer, a
+    ``Transpose`` after it). Its rewrites of quantized graphs, from the basic level on
+    and whatever ``session.disable_quant_qdq`` or the optimizers disabled by name say,
+    move each ``DequantizeLinear`` past its ``Transpose`` by inserting a
+    ``QuantizeLinear`` of the float weight, which then runs at every step: on 12 layers
+    of 2048 x 2048 in int8, 2.6 s a step on ort_training's graph (23 of them: 2.2 s),
+    0.32 s without any rewrite; an int8 weight without a zero point even got a uint8
+    one and failed to load. graphkit's graphs need none of the rewrites to be right."""
+    options.graph_optimization_level = onnxruntime().GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 def _dequantizes(model: onnx.ModelProto) -> bool:
     return any(n.op_type == "DequantizeLinear" for g in all_graphs(model.graph) for n in g.node)
 
 
-def _recomputes(model: onnx.ModelProto) -> bool:
-    return any(n.name.startswith(RECOMPUTED) for g in all_graphs(model.graph) for n in g.node)
-
-
 def _broken_optimizers(model: onnx.ModelProto | bytes) -> tuple[str, ...]:
     if not isinstance(model, onnx.ModelProto):
         return BROKEN_OPTIMIZERS
     disabled: tuple[str, ...] = BROKEN_OPTIMIZERS
-    if _recomputes(model):
-        disabled += ("CommonSubexpressionElimination",)
     if lacks_float64_kernels() and is_float64(model):
         disabled += FLOAT64_BROKEN_OPTIMIZERS
     # a stored initializer is shared, not the session's: folding it would read its
@@ -338,7 +328,7 @@ def inference_session(
     disabled = list(_broken_optimizers(model))
     options = session_options(threads)  # outside the try: a bad setting is not the model's
     if isinstance(model, onnx.ModelProto) and _dequantizes(model):
-        options.add_session_config_entry(NO_QDQ_REWRITES, "1")
+        _without_graph_rewrites(options)
     shared = share_stored_initializers(model, options)
     if is_large(model):
         options.enable_cpu_mem_arena = False

@@ -12,7 +12,6 @@ from graphkit.decay_factors import gather_decay
 from graphkit.static_shapes.folding import Fold, fold
 from graphkit.static_shapes.gemms import fuse_gemms
 from graphkit.static_shapes.kernels import fewer_kernels
-from graphkit.static_shapes.recomputed_weights import recompute_dequantized_weights
 from graphkit.static_shapes.reductions import simplify_reductions
 from graphkit.static_shapes.scan_bodies import specialize_scan_bodies
 from graphkit.static_shapes.shape_constants import shapes_as_constants
@@ -79,7 +78,6 @@ def specialize(
     fewer_kernels(fixed, shapes)
     fuse_gemms(fixed, shapes)
     gather_decay(fixed, shapes)  # reads no name fuse_gemms rewrites
-    recompute_dequantized_weights(fixed)
     specialize_scan_bodies(fixed, folds, specialize)
     return fixed
 
