@@ -117,12 +117,12 @@ IGNORE = -100  # a label the token loss skips (torch's and Hugging Face's ignore
 
 @functools.cache
 def next_tokens() -> Data:
-    """Language modelling: 600 sequences of 12 tokens out of 24, each counting up (mod
+    """Language modelling: 400 sequences of 12 tokens out of 24, each counting up (mod
     24) from a random start by a step of 1 or 2; ``y`` holds the token that follows each
     position, ``IGNORE`` where none does (the last position, and the padding after a
     sequence of 8 to 12 tokens, which reads token 0)."""
     rng = np.random.default_rng(0)
-    rows, length, vocab = 600, 12, 24
+    rows, length, vocab = 400, 12, 24
     start = rng.integers(0, vocab, size=(rows, 1))
     step = rng.integers(1, 3, size=(rows, 1))
     X = (start + step * np.arange(length)) % vocab
@@ -473,7 +473,7 @@ def _module_classes():
 
 
 def _causal_lm(kind: str):
-    """A one-layer GPT-2 (its output projection tied to the embedding) or a two-layer
+    """A one-layer GPT-2 (its output projection tied to the embedding) or a one-layer
     Llama from transformers configs, random weights, returning the logits [N, T, V]; the
     causal mask is the module's own (transformers' is built with vmap, which the
     TorchScript exporter cannot trace)."""
@@ -495,7 +495,7 @@ def _causal_lm(kind: str):
             vocab_size=24,
             hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=1,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=16,
@@ -708,7 +708,7 @@ CASES: list[Case] = [
         "GPT-2 + LoRA(c_attn)",
         "gpt2",
         "token_cross_entropy",
-        threshold=0.15,  # reaches 0.20 from 0.007 (chance: 0.04)
+        threshold=0.1,  # reaches 0.15 from 0.006 (chance: 0.04): rank 4 on a random base
         epochs=5,
         optimizer="momentum",
         lr=0.5,
@@ -719,7 +719,7 @@ CASES: list[Case] = [
     *_llama("Llama (causal LM)", threshold=0.6, optimizer="momentum", lr=0.1),
     *_llama(
         "Llama + LoRA(q_proj, v_proj)",
-        threshold=0.2,
+        threshold=0.15,  # reaches 0.25 from 0.02
         optimizer="momentum",
         lr=0.5,
         lora=("q_proj", "v_proj"),
