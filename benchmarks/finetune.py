@@ -585,6 +585,12 @@ def run_contender(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [str(python), __file__, "--contender", c.kind, "--folder", str(model.folder)]
     command += ["--variant", variant, "--warmup", str(warmup), "--batches", str(batches)]
+    return contender_result(command, env, log)
+
+
+def contender_result(command: list[str], env: dict, log: Path) -> dict:
+    """Run a contender's process (its stderr to ``log``) and read the JSON line it prints
+    last; ``{"error": ...}`` when it printed none or ran past the timeout."""
     with open(log, "w") as stderr:
         try:
             done = subprocess.run(

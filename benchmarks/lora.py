@@ -98,7 +98,6 @@ TOLERANCE = 1e-4  # relative, on the first timed run's mean loss
 MEMORY_TARGET = 1.2  # peak / (base weights + adapters' state)
 MEMORY_FACTOR = 2.0  # a LoRA row of the Llama decoder needs about weights x this
 MEMORY_SHARE = 0.8  # of MemAvailable
-CONTENDER_TIMEOUT = 2 * 3600  # seconds
 
 TINY_BATCH, TINY_SEQ, TINY_VOCAB = 8, 32, 64
 
@@ -541,23 +540,7 @@ def run_contender(
     command += ["--folder", str(model.folder), "--variant", variant, "--warmup", str(warmup)]
     command += ["--steps", str(steps), "--repeats", str(repeats)]
     log = model.folder / f"lora-{c.kind}-{variant.replace(' ', '-')}.log"
-    with open(log, "w") as stderr:
-        try:
-            done = subprocess.run(
-                command,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                env=env,
-                timeout=CONTENDER_TIMEOUT,
-            )
-        except subprocess.TimeoutExpired:
-            return {"error": f"no answer within {CONTENDER_TIMEOUT} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if lines:
-        return json.loads(lines[-1])
-    tail = log.read_text().strip().splitlines()[-1:]
-    return {"error": f"exit {done.returncode}: {' '.join(tail)[:500]}"}
+    return finetune.contender_result(command, env, log)
 
 
 # -- the report ------------------------------------------------------------------------
