@@ -13,14 +13,18 @@ JAX ``jax.jit`` of one step and ``jax.jit`` of a ``lax.scan`` over the epoch's b
 (optax's ``sgd`` and ``adamw``). None of them is a dependency of graphkit.
 
 Workloads: those of ``run.py`` (on its data: synthetic regression, scikit-learn's digits)
-and four that users train, 100 batches an epoch of synthetic data (fixed seeds; labels
+and six that users train, 100 batches an epoch of synthetic data (fixed seeds; labels
 from a random linear teacher, 10 classes, cross-entropy): the MLP 784-512-512-10 at
 batch 128; a CNN (Conv 3x3 1->16 and 16->32, each + ReLU + MaxPool 2, then Linear; 28x28
 single-channel inputs, batch 64); a transformer encoder (input Linear 16->64 + learned
 positions, 2 post-norm layers of d_model 64, 4 heads, feed-forward 128, dropout 0; mean
 over the sequence of 32, Linear head; batch 32) exported by torch.onnx.export; an LSTM
 classifier (16 -> 64, sequence 32, last hidden state, Linear head; batch 32), exported
-the same way. ``--quick`` trains 3.5 batches an epoch instead (a smoke run).
+the same way; a GRU classifier of the same shape (16 -> 64, sequence 32, last hidden
+state, Linear head; batch 32); a bidirectional LSTM tagger (16 -> 2 x 32, sequence 32,
+a Linear head 64 -> 10 at every step; batch 32), a label per token (the teacher on the
+step's features) and the mean cross-entropy over the batch's tokens. ``--quick`` trains
+3.5 batches an epoch instead (a smoke run).
 
 ``--device cuda`` trains every contender on the GPU (graphkit needs a CUDA build of
 onnxruntime: ``onnxruntime-gpu`` for the native backend), in float32 throughout (TF32 off
@@ -125,9 +129,11 @@ class Workload:
 
     name: str
     X: np.ndarray
-    y: np.ndarray  # float targets (n, outputs) for "mse", int64 classes (n,) for "ce"
+    # float targets (n, outputs) for "mse", int64 classes (n,) for "ce", int64 classes
+    # (n, seq) for "token_ce"
+    y: np.ndarray
     batch_size: int
-    loss: str  # "mse" or "ce"
+    loss: str  # "mse", "ce" or "token_ce" (a label per token): see contenders/spec.py
     arch: dict  # {"kind": "sequential", "layers": [...]}, or a torch_models module's config
     weights: dict[str, np.ndarray]
     model: onnx.ModelProto = field(repr=False)
@@ -266,10 +272,13 @@ def cnn28(quick: bool) -> Workload:
     )
 
 
-def exported(name: str, arch: dict, X: np.ndarray, y: np.ndarray, batch_size: int) -> Workload:
+def exported(
+    name: str, arch: dict, X: np.ndarray, y: np.ndarray, batch_size: int, loss: str = "ce"
+) -> Workload:
     """A torch_models module's initial weights (seed 0) and its ONNX export (TorchScript
     exporter, opset 17, no constant folding, so the initializers keep their state_dict
-    names, which the JAX contender reads)."""
+    names, which the JAX contender reads: an LSTM's or a GRU's, either direction, stay
+    whole initializers that Slice + Concat nodes reorder into ONNX's gate order)."""
     import torch
     from torch_models import build
 
@@ -299,7 +308,7 @@ def exported(name: str, arch: dict, X: np.ndarray, y: np.ndarray, batch_size: in
     model.ir_version = min(model.ir_version, 9)
     names = {i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT}
     assert names == set(weights), f"export renamed weights: {sorted(names ^ set(weights))}"
-    return Workload(name, X, y, batch_size, "ce", arch, weights, model)
+    return Workload(name, X, y, batch_size, loss, arch, weights, model)
 
 
 def transformer(quick: bool) -> Workload:
@@ -312,6 +321,14 @@ def transformer(quick: bool) -> Workload:
     return exported(name, arch, X, _classes(rng, X.mean(axis=1)), 32)
 
 
+def _no_gradient(op: str) -> str:
+    """Why full training on ort_training does not train a recurrent workload."""
+    return (
+        f"onnxruntime-training 1.19.2's gradient builder has no gradient for {op} "
+        "(MissingGradientError; forward/backward training uses its other builder, which has)"
+    )
+
+
 def lstm(quick: bool) -> Workload:
     rng = np.random.default_rng(32)
     arch = dict(kind="lstm", d_in=16, hidden=64, classes=10)
@@ -319,15 +336,49 @@ def lstm(quick: bool) -> Workload:
     w = exported(
         "LSTM 16->64, seq 32, batch 32", arch, X, _classes(rng, X[:, -8:].mean(axis=1)), 32
     )
+    w.skip["graphkit full, ort_training"] = _no_gradient("LSTM")
+    return w
+
+
+def gru(quick: bool) -> Workload:
+    rng = np.random.default_rng(33)
+    arch = dict(kind="gru", d_in=16, hidden=64, classes=10)
+    X = rng.normal(size=(_rows(32, 100, quick), 32, 16)).astype(np.float32)
+    w = exported("GRU 16->64, seq 32, batch 32", arch, X, _classes(rng, X[:, -8:].mean(axis=1)), 32)
+    w.skip["graphkit full, ort_training"] = _no_gradient("GRU")
+    return w
+
+
+def bilstm_tagger(quick: bool) -> Workload:
+    rng = np.random.default_rng(34)
+    arch = dict(kind="bilstm_tagger", d_in=16, hidden=32, classes=10)
+    X = rng.normal(size=(_rows(32, 100, quick), 32, 16)).astype(np.float32)
+    y = _classes(rng, X.reshape(-1, 16)).reshape(X.shape[:2])  # a label per token
+    name = "bidirectional LSTM tagger 16->2x32, seq 32, batch 32"
+    w = exported(name, arch, X, y, 32, loss="token_ce")
     w.skip["graphkit full, ort_training"] = (
         "onnxruntime-training 1.19.2's gradient builder has no gradient for LSTM "
-        "(MissingGradientError; forward/backward training uses its other builder, which has)"
+        "(MissingGradientError)"
+    )
+    # its other builder differentiates LSTM, but its LSTMGrad kernel refuses the graph
+    w.skip["graphkit fwd/bwd, ort_training"] = (
+        "onnxruntime-training 1.19.2's LSTMGrad kernel takes the forward direction only "
+        "(IncompatibleModelError: 'LSTM and LSTMGrad kernel only supports the forward "
+        "direction for now. Provided direction: 2')"
     )
     return w
 
 
 def workloads(quick: bool) -> list[Workload]:
-    return [*from_run_py(quick), mlp784(quick), cnn28(quick), transformer(quick), lstm(quick)]
+    return [
+        *from_run_py(quick),
+        mlp784(quick),
+        cnn28(quick),
+        transformer(quick),
+        lstm(quick),
+        gru(quick),
+        bilstm_tagger(quick),
+    ]
 
 
 # -- running the contenders ------------------------------------------------------------

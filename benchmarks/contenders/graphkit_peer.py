@@ -14,7 +14,8 @@ batch's loss; the epoch returns the mean of the last epoch's batch losses.
 The weights to train are named (the workload's weights, those the peers train):
 graphkit's default rule (``graphkit.parameters``) takes an initializer read by ``Add``
 input 1 (the transformer's learned positions) or by ``Slice`` (torch's export of an LSTM
-reorders its gate weights with Slice + Concat) for a constant, and would leave them out.
+or a GRU, either direction, reorders its gate weights with Slice + Concat) for a
+constant, and would leave them out.
 """
 
 from __future__ import annotations
@@ -41,12 +42,15 @@ def _version() -> str:
 
 VERSION = _version()
 
+# the workload's loss (spec.py) -> graphkit's registered loss computing the same mean
+LOSSES = {"mse": "squared_error", "ce": "cross_entropy", "token_ce": "token_cross_entropy"}
+
 
 def make(kind: str, spec: Spec):
     mode, backend = kind.split(":")
     model = onnx.load(spec.model_path)
     weights = list(spec.weights)
-    loss = "squared_error" if spec.loss == "mse" else "cross_entropy"
+    loss = LOSSES[spec.loss]
     if spec.optimizer == "sgd":
         rate = optimizers.sgd(learning_rate=spec.lr)
     else:

@@ -52,6 +52,8 @@ def make(kind: str, spec: Spec):
         out = forward(params, x)
         if spec.loss == "mse":
             return jnp.mean((out - y) ** 2)
+        if spec.loss == "token_ce":  # every token a row: the mean over the batch's tokens
+            out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
         picked = jnp.take_along_axis(out, y[:, None], axis=1)[:, 0]
         return jnp.mean(jax.nn.logsumexp(out, axis=1) - picked)
 
@@ -166,27 +168,85 @@ def transformer(arch: dict):
     return forward
 
 
+def _lstm(p, name: str, x, hidden: int, reverse: bool = False, sequence: bool = False):
+    """torch's LSTM layer ``name`` (weights ``name.weight_ih_l0`` ..., gates i, f, g, o)
+    over x (batch, seq, features): the last hidden state (batch, hidden), or with
+    ``sequence`` every step's (seq, batch, hidden). ``reverse``: torch's reverse direction
+    (its ``*_l0_reverse`` weights), run from the last step to the first;
+    ``lax.scan(reverse=True)`` returns its outputs in the sequence's order, as torch
+    re-reverses them (step t's output has read steps t to the end)."""
+    suffix = "_reverse" if reverse else ""
+    W_ih, W_hh = p[f"{name}.weight_ih_l0{suffix}"], p[f"{name}.weight_hh_l0{suffix}"]
+    bias = p[f"{name}.bias_ih_l0{suffix}"] + p[f"{name}.bias_hh_l0{suffix}"]
+    inputs = x.transpose(1, 0, 2) @ W_ih.T + bias  # (seq, batch, 4 hidden)
+
+    def cell(state, gates_x):
+        h, c = state
+        gates = gates_x + h @ W_hh.T
+        i, f, g, o = (gates[:, j * hidden : (j + 1) * hidden] for j in range(4))
+        c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+        h = jax.nn.sigmoid(o) * jnp.tanh(c)
+        # the classifier keeps no step's output: the scan stacks none
+        return (h, c), (h if sequence else None)
+
+    zeros = jnp.zeros((x.shape[0], hidden), x.dtype)
+    (h, _), outputs = lax.scan(cell, (zeros, zeros), inputs, reverse=reverse)
+    return outputs if sequence else h
+
+
 def lstm(arch: dict):
     hidden = arch["hidden"]
 
     def forward(p, x):
-        W_ih, W_hh = p["lstm.weight_ih_l0"], p["lstm.weight_hh_l0"]
-        bias = p["lstm.bias_ih_l0"] + p["lstm.bias_hh_l0"]
-        inputs = x.transpose(1, 0, 2) @ W_ih.T + bias  # (seq, batch, 4 hidden)
+        return _linear(p, "head", _lstm(p, "lstm", x, hidden))
 
-        def cell(state, gates_x):
-            h, c = state
-            gates = gates_x + h @ W_hh.T
-            i, f, g, o = (gates[:, j * hidden : (j + 1) * hidden] for j in range(4))
-            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
-            h = jax.nn.sigmoid(o) * jnp.tanh(c)
-            return (h, c), None
+    return forward
 
-        zeros = jnp.zeros((x.shape[0], hidden), x.dtype)
-        (h, _), _ = lax.scan(cell, (zeros, zeros), inputs)
+
+def bilstm_tagger(arch: dict):
+    """torch's bidirectional LSTM: each step's output is the forward direction's hidden
+    state followed by the reverse direction's; the head reads every step."""
+    hidden = arch["hidden"]
+
+    def forward(p, x):
+        forward_states = _lstm(p, "lstm", x, hidden, sequence=True)
+        backward_states = _lstm(p, "lstm", x, hidden, reverse=True, sequence=True)
+        h = jnp.concatenate([forward_states, backward_states], axis=-1)  # (seq, batch, 2 h)
+        return _linear(p, "head", h.transpose(1, 0, 2))
+
+    return forward
+
+
+def gru(arch: dict):
+    """torch's GRU (gates r, z, n in its weights' order; the reset gate applied after
+    the recurrent product, as ONNX's ``linear_before_reset=1`` that torch exports):
+    r = s(W_ir x + b_ir + W_hr h + b_hr), z = s(W_iz x + b_iz + W_hz h + b_hz),
+    n = tanh(W_in x + b_in + r (W_hn h + b_hn)), h' = (1 - z) n + z h."""
+    hidden = arch["hidden"]
+
+    def forward(p, x):
+        W_ih, W_hh = p["gru.weight_ih_l0"], p["gru.weight_hh_l0"]
+        b_hh = p["gru.bias_hh_l0"]  # apart: r multiplies its n part
+        inputs = x.transpose(1, 0, 2) @ W_ih.T + p["gru.bias_ih_l0"]  # (seq, batch, 3 h)
+
+        def cell(h, gates_x):
+            gates_h = h @ W_hh.T + b_hh
+            x_r, x_z, x_n = (gates_x[:, j * hidden : (j + 1) * hidden] for j in range(3))
+            h_r, h_z, h_n = (gates_h[:, j * hidden : (j + 1) * hidden] for j in range(3))
+            r, z = jax.nn.sigmoid(x_r + h_r), jax.nn.sigmoid(x_z + h_z)
+            n = jnp.tanh(x_n + r * h_n)
+            return (1 - z) * n + z * h, None
+
+        h, _ = lax.scan(cell, jnp.zeros((x.shape[0], hidden), x.dtype), inputs)
         return _linear(p, "head", h)
 
     return forward
 
 
-FORWARD = {"sequential": sequential, "transformer": transformer, "lstm": lstm}
+FORWARD = {
+    "sequential": sequential,
+    "transformer": transformer,
+    "lstm": lstm,
+    "gru": gru,
+    "bilstm_tagger": bilstm_tagger,
+}

@@ -26,11 +26,17 @@ class Spec:
     folder: Path
     name: str
     X: np.ndarray
-    y: np.ndarray  # float targets (n, outputs) for "mse", int64 classes (n,) for "ce"
+    # float targets (n, outputs) for "mse", int64 classes (n,) for "ce", int64 classes
+    # (n, seq) for "token_ce"
+    y: np.ndarray
     weights: dict[str, np.ndarray]  # initial weights, by name
     batch_size: int
-    loss: str  # "mse" or "ce"
-    arch: dict  # "sequential" (layers), "transformer" or "lstm": see peers.py
+    # "mse", "ce" (softmax cross-entropy of (n, classes) logits, mean over the batch) or
+    # "token_ce" (that of every token of (n, seq, classes) logits, mean over the batch's
+    # tokens, as torch's F.cross_entropy(logits.reshape(-1, classes), y.reshape(-1)))
+    loss: str
+    # "sequential" (layers), "transformer", "lstm", "gru" or "bilstm_tagger": see peers.py
+    arch: dict
     optimizer: str  # "sgd" or "adamw"
     lr: float
     weight_decay: float

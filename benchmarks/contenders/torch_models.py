@@ -1,7 +1,7 @@
 """The torch modules of the workloads, shared by the torch contenders and by
-``peers.py`` (which exports the transformer and the LSTM to ONNX from them). Weights are
-named as in ``state_dict()``; the JAX contenders compute the same functions from the
-same names (``jax_peer.py``)."""
+``peers.py`` (which exports the transformer and the recurrent networks to ONNX from
+them). Weights are named as in ``state_dict()``; the JAX contenders compute the same
+functions from the same names (``jax_peer.py``)."""
 
 from __future__ import annotations
 
@@ -104,12 +104,47 @@ class LSTMClassifier(nn.Module):
         return self.head(h[-1])
 
 
+class GRUClassifier(nn.Module):
+    """One GRU layer (batch first), the last hidden state, a linear classifier."""
+
+    def __init__(self, d_in, hidden, classes) -> None:
+        super().__init__()
+        self.gru = nn.GRU(d_in, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, h = self.gru(x)
+        return self.head(h[-1])
+
+
+class LSTMTagger(nn.Module):
+    """One bidirectional LSTM layer (batch first) and a linear classifier applied at
+    every step to the two directions' hidden states: logits (batch, seq, classes)."""
+
+    def __init__(self, d_in, hidden, classes) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(d_in, hidden, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out)
+
+
+MODULES = {
+    "transformer": Transformer,
+    "lstm": LSTMClassifier,
+    "gru": GRUClassifier,
+    "bilstm_tagger": LSTMTagger,
+}
+
+
 def build(arch: dict, weights: dict[str, np.ndarray] | None) -> nn.Module:
     """The workload's module, holding the given initial weights (None: torch's own)."""
     if arch["kind"] == "sequential":
         return sequential(arch["layers"], weights)
     config = {k: v for k, v in arch.items() if k != "kind"}
-    module = {"transformer": Transformer, "lstm": LSTMClassifier}[arch["kind"]](**config)
+    module = MODULES[arch["kind"]](**config)
     if weights is not None:
         module.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
     return module

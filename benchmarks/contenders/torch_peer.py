@@ -19,6 +19,7 @@ import sys
 import types
 
 import torch
+import torch.nn.functional as F
 from spec import NotApplicable, Spec
 
 VERSION = f"torch {torch.__version__}" + (
@@ -46,7 +47,7 @@ def make(kind: str, spec: Spec):
         opt = torch.optim.SGD(parameters, lr=spec.lr)
     else:
         opt = torch.optim.AdamW(parameters, lr=spec.lr, weight_decay=spec.weight_decay)
-    criterion = torch.nn.MSELoss() if spec.loss == "mse" else torch.nn.CrossEntropyLoss()
+    criterion = CRITERIA[spec.loss]
     forward, update = net, opt.step
     if kind == "compile":
         forward = torch.compile(net)
@@ -64,6 +65,19 @@ def make(kind: str, spec: Spec):
         return total / spec.batches
 
     return epoch
+
+
+def _token_cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean over every token of (batch, seq, classes) logits: CrossEntropyLoss
+    takes the classes on axis 1, so the tokens are flattened into rows first."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+CRITERIA = {
+    "mse": torch.nn.MSELoss(),
+    "ce": torch.nn.CrossEntropyLoss(),
+    "token_ce": _token_cross_entropy,
+}
 
 
 def onnx2torch_module(spec: Spec) -> torch.nn.Module:
