@@ -41,10 +41,11 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
+import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from graphkit._graph import _subgraphs, all_graphs, fresh_name, graph_names
+from graphkit._graph import _subgraphs, all_graphs, constant_tensors, fresh_name, graph_names
 from graphkit.tensor_store import tensor_value
 
 FLOAT_ELEM_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
@@ -403,6 +404,7 @@ def untie_shared_parameters(
     model.CopyFrom(onx)
     taken = graph_names(model.graph)
     values = {i.name: i for i in model.graph.initializer}
+    constants = {name: tensor_value(t) for name, t in constant_tensors(model.graph)}
     weights: list[str] = []
     for name in trained:
         weights.append(name)
@@ -413,6 +415,8 @@ def untie_shared_parameters(
             and any(role == "parameter" for role, _, _ in uses.edge_roles(node, position))
         ]
         if name not in values or len(slots) < 2 or name in kept:
+            continue
+        if _parts_of_one_tensor([node for node, _ in slots], constants):
             continue
         # the name stays with a slot that reads it directly; readers through an alias
         # (TorchScript writes the merged tensor as "4.weight = Identity(1.weight)") copy
@@ -425,6 +429,30 @@ def untie_shared_parameters(
             model.graph.node[uses.index[id(node)]].input[position] = copy
             weights.append(copy)
     return model, weights
+
+
+def _parts_of_one_tensor(readers: list[onnx.NodeProto], constants: dict) -> bool:
+    """Whether ``readers`` are ``Slice`` s of one tensor along one axis, with constant
+    bounds, no two of which overlap: the parts of one parameter, not copies of a merged
+    initializer. torch's export of an ``nn.LSTM`` or ``nn.GRU`` reorders its gates so;
+    untying the parts would train each in a copy of its own, leaving the weight's own
+    name with one part trained (the model's function is the same, its state is not)."""
+    ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for node in readers:
+        inputs = list(node.input) + [""] * (5 - len(node.input))
+        if node.op_type != "Slice" or not all(i in constants for i in inputs[1:4]):
+            return False
+        if inputs[4] and not np.all(constants[inputs[4]] == 1):
+            return False
+        starts, ends, axes = (constants[i].reshape(-1) for i in inputs[1:4])
+        if len(axes) != 1 or min(starts[0], ends[0]) < 0:
+            return False  # negative bounds need the tensor's extent: not worth it here
+        ranges[int(axes[0])].append((int(starts[0]), int(ends[0])))
+    if len(ranges) != 1:
+        return False
+    (spans,) = ranges.values()
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
 __all__ = [

@@ -16,7 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 from zoo.models import torch_export
 
 import graphkit as gk
-from graphkit.parameters import explain, parameter_names, untie_constants
+from graphkit.parameters import (
+    explain,
+    parameter_names,
+    untie_constants,
+    untie_shared_parameters,
+)
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 
@@ -173,6 +178,53 @@ def test_untie_keeps_tied_parameters_tied():
         output=("Y", [None, 3]),
     )
     assert untie_constants(onx, ["W"]).SerializeToString() == onx.SerializeToString()
+
+
+def _sliced_weight(bounds: list[tuple[int, int]]) -> onnx.ModelProto:
+    """W [6, 3] read in parts by Slices along axis 0, put back together by a Concat
+    (torch's export of an LSTM or GRU reorders its gates so), then a product."""
+    nodes, parts, inits = [], [], {"W": np.arange(18.0).reshape(6, 3)}
+    for k in range(len(bounds)):
+        nodes.append(helper.make_node("Slice", ["W", f"s{k}", f"e{k}", "axis"], [f"W{k}"]))
+        parts.append(f"W{k}")
+    nodes += [
+        helper.make_node("Concat", parts, ["Wc"], axis=0),
+        helper.make_node("Transpose", ["Wc"], ["Wt"]),
+        helper.make_node("MatMul", ["X", "Wt"], ["Y"]),
+    ]
+    width = sum(end - start for start, end in bounds)
+    onx = _model(nodes, inits, output=("Y", [None, width]))
+    ints = {"axis": [0]}
+    for k, (start, end) in enumerate(bounds):
+        ints.update({f"s{k}": [start], f"e{k}": [end]})
+    for name, value in ints.items():
+        onx.graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64), name))
+    return onx
+
+
+def test_the_parts_of_one_weight_stay_one_weight():
+    """Disjoint Slices of a weight are its parts: untying them would train each in a
+    copy, and the weight's own name would keep one part trained."""
+    onx = _sliced_weight([(2, 4), (0, 2), (4, 6)])
+    untied, weights = untie_shared_parameters(onx, ["W"])
+    assert weights == ["W"]
+    assert untied.SerializeToString() == onx.SerializeToString()
+
+
+def test_overlapping_slices_and_merged_copies_are_untied():
+    """Slices that overlap read one value twice (nothing says it is one parameter), and
+    two products of an exporter's merged initializer are two parameters: untied."""
+    _, weights = untie_shared_parameters(_sliced_weight([(0, 4), (2, 6)]), ["W"])
+    assert weights == ["W", "W.1"]
+    merged = _model(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["H"]),
+            helper.make_node("MatMul", ["H", "W"], ["Y"]),
+        ],
+        {"W": np.ones((3, 3))},
+        output=("Y", [None, 3]),
+    )
+    assert untie_shared_parameters(merged, ["W"])[1] == ["W", "W.1"]
 
 
 def test_negative_log_loss_stops_training_and_restores_the_weights(binary_mlp):
