@@ -24,7 +24,7 @@ import onnx
 
 from graphkit.backends import activations
 from graphkit.backends.base import Backend, ForwardBackwardGraphs
-from graphkit.backends.native import adapter, agent, fused_step, lstm, simplify, split
+from graphkit.backends.native import adapter, agent, fused_step, simplify, split
 from graphkit.backends.onnxruntime_backend import OnnxruntimeBackend
 from graphkit.engine import ort_engine
 
@@ -43,11 +43,9 @@ class NativeBackend(OnnxruntimeBackend):
     # -- gradient source --------------------------------------------------------------
 
     def prepare(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """``model`` with its common LSTMs written with their gates in one product
-        (:mod:`.lstm`; onnx-ad expands the others), and for a float64 model on an
-        onnxruntime older than 1.30, its activations without a float64 kernel there
-        written out (:mod:`graphkit.backends.activations`)."""
-        model = lstm.lstms_as_scans(model)
+        """``model``, and for a float64 model on an onnxruntime older than 1.30, with its
+        activations without a float64 kernel there written out
+        (:mod:`graphkit.backends.activations`)."""
         if ort_engine.is_float64(model) and ort_engine.lacks_float64_kernels():
             present = {n.op_type for n in model.graph.node}
             if present & set(activations.ACTIVATIONS):

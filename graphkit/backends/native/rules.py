@@ -34,6 +34,7 @@ directions) and use its helpers, which is why ``pyproject.toml`` pins its versio
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from graphkit.backends import conv_adjoints, pool_adjoints
+from graphkit.backends.native import recurrent
 
 Rule = Callable[[Any, Any, list], list]
 
@@ -454,6 +456,8 @@ REVERSE: dict[str, Rule] = {
     "MaxPool": max_pool_reverse,
     "Relu": relu_reverse,
     "Slice": slice_reverse,
+    "LSTM": recurrent.lstm_reverse,
+    "GRU": recurrent.gru_reverse,
 }
 """graphkit's reverse rules by operator, consulted before onnx-ad's."""
 
@@ -477,21 +481,29 @@ def naming_the_node(rule: Rule) -> Rule:
 @contextmanager
 def consulted_first() -> Iterator[None]:
     """graphkit's rules in onnx-ad's table for the duration of one differentiation, every
-    rule's refusal naming its node, and :func:`window_spread` for its helper (onnx-ad
-    reads its module-level table; the originals are put back afterwards)."""
+    rule's refusal naming its node, :func:`window_spread` for its helper, and the
+    recurrent nodes :mod:`.recurrent` differentiates kept from onnx-ad's expansion into a
+    ``Scan`` (onnx-ad reads its module-level table and functions; the originals are put
+    back afterwards)."""
     from onnx_ad import rules as ad
 
+    # the module, which the package's ``reverse`` function hides as an attribute
+    ad_reverse = importlib.import_module("onnx_ad.reverse")
+
     saved, spread = dict(ad.REVERSE), ad._window_spread
+    expand = ad_reverse.expand_recurrent
     ad.REVERSE.update(REVERSE)
     for op, rule in list(ad.REVERSE.items()):
         ad.REVERSE[op] = naming_the_node(rule)
     ad._window_spread = window_spread
+    ad_reverse.expand_recurrent = recurrent.expanding_the_others(expand)
     try:
         yield
     finally:
         ad.REVERSE.clear()
         ad.REVERSE.update(saved)
         ad._window_spread = spread
+        ad_reverse.expand_recurrent = expand
 
 
 __all__ = ["REVERSE", "consulted_first", "naming_the_node"]
