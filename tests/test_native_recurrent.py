@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import requires_torch
+from conftest import INSTALLED_BACKENDS, requires_torch
 from onnx import TensorProto, helper, numpy_helper
 from test_native import native_gradient
 
@@ -17,6 +17,7 @@ import graphkit as gk
 from graphkit.backends import native
 from graphkit.backends.native import recurrent
 from graphkit.engine.ort_engine import Runner
+from graphkit.errors import MissingGradientError
 from graphkit.static_shapes import specialize
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
@@ -310,3 +311,39 @@ def test_twenty_steps_equal_torch(kind, optimizer, trainer, tmp_path):
         scale = max(float(np.abs(expected[name]).max()), 1e-3)
         difference = float(np.abs(state[name] - expected[name]).max())
         assert difference <= 1e-5 * scale, (name, difference)
+
+
+@pytest.mark.skipif(
+    "ort_training" not in INSTALLED_BACKENDS, reason="onnxruntime-training is not installed"
+)
+@pytest.mark.parametrize("direction", ["bidirectional", "reverse"])
+def test_ort_training_refuses_what_its_kernels_cannot_naming_native(direction, rng):
+    """onnxruntime-training's LSTMGrad runs the forward direction only: forward/backward
+    training there is refused before onnxruntime fails to load the session, naming the
+    node and the native backend (which trains it: test_twenty_steps_equal_torch)."""
+    directions = 2 if direction == "bidirectional" else 1
+    weights = {
+        "W": rng.normal(size=(directions, 4 * H, I)),
+        "R": rng.normal(size=(directions, 4 * H, H)),
+    }
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["X"], ["steps"], perm=[1, 0, 2]),
+            helper.make_node(
+                "LSTM", ["steps", "W", "R"], ["Y"], hidden_size=H, direction=direction
+            ),
+            helper.make_node("Transpose", ["Y"], ["out"], perm=[2, 0, 1, 3]),
+        ],
+        "tagger",
+        [helper.make_tensor_value_info("X", F32, ["N", T, I])],
+        [helper.make_tensor_value_info("out", F32, ["N", T, directions, H])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    X = rng.normal(size=(4, T, I)).astype(np.float32)
+    y = rng.normal(size=(4, T, directions, H)).astype(np.float32)
+    trainer = OrtGradientForwardBackwardOptimizer(
+        model, ["W", "R"], learning_loss="squared_error", backend="ort_training"
+    )
+    with pytest.raises(MissingGradientError, match=r"forward direction only.*backend='native'"):
+        trainer.fit(X, y)

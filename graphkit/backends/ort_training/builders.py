@@ -114,6 +114,39 @@ def refuse_control_flow(model: onnx.ModelProto, wrt: Sequence[str], outputs: Seq
             )
 
 
+def refuse_recurrent_beyond_kernels(
+    model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]
+) -> None:
+    """Raise :class:`MissingGradientError` naming the first ``LSTM`` or ``GRU`` between
+    ``wrt`` and ``outputs`` that onnxruntime-training's gradient kernels cannot take:
+    ``LSTMGrad`` and ``GRUGrad`` run the forward direction only, without
+    ``sequence_lens`` or ``clip`` (onnxruntime fails to load the session otherwise, naming
+    its kernel's assertion)."""
+    layers = [
+        node
+        for node in model.graph.node
+        if node.op_type in MODULE_BUILDER_ONLY and node.domain in ("", "ai.onnx")
+    ]
+    if not layers:
+        return
+    reached = descendants(model.graph, wrt)
+    needed = ancestors(model.graph, outputs)
+    for node in layers:
+        if not (reached & set(node.input) and needed.intersection(node.output)):
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        direction = attrs.get("direction", b"forward").decode()
+        inputs = list(node.input) + [""] * 5
+        found = [f"direction={direction!r}"] if direction != "forward" else []
+        found += ["sequence_lens"] * bool(inputs[4]) + ["clip"] * ("clip" in attrs)
+        if found:
+            raise MissingGradientError(
+                f"{NAME}'s {node.op_type}Grad kernel takes the forward direction only, "
+                f"without sequence_lens or clip: {node.op_type} node "
+                f"{node.name or node.output[0]!r} has {', '.join(found)}." + NATIVE_HINT
+            )
+
+
 # -- gradient graphs -------------------------------------------------------------------------
 
 
@@ -212,6 +245,7 @@ def module_graphs(
     """
     outputs = [o.name for o in model.graph.output]
     refuse_control_flow(model, [*weights, *inputs_requiring_grad], outputs)
+    refuse_recurrent_beyond_kernels(model, [*weights, *inputs_requiring_grad], outputs)
     model = _frozen_reads_apart(model, weights, inputs_requiring_grad)
     model, internal = _alphabetical_weights(model, weights)
     original = {v: k for k, v in internal.items()}
