@@ -126,8 +126,12 @@ def test_gradients_equal_onnx_ads_expansion(op, direction, full, outputs, rng):
         np.testing.assert_allclose(value, reference, rtol=1e-5, atol=1e-5)
 
 
-def finite_differences(model: onnx.ModelProto, wrt: list[str], X: np.ndarray) -> list:
-    """Central differences of the loss in float64 arithmetic over float32 runs."""
+def finite_differences(
+    model: onnx.ModelProto, wrt: list[str], X: np.ndarray, extra: dict | None = None
+) -> list:
+    """Central differences of the loss in float64 arithmetic over float32 runs
+    (``extra``: other feeds, the sequence lengths)."""
+    extra = extra or {}
     inits = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
     values = {**{n: inits[n] for n in wrt if n != "X"}, "X": X.astype(np.float64)}
     names = [n for n in wrt if n != "X"]
@@ -141,7 +145,7 @@ def finite_differences(model: onnx.ModelProto, wrt: list[str], X: np.ndarray) ->
                     numpy_helper.from_array(changed[init.name].astype(np.float32), init.name)
                 )
         feed = changed.get("X", values["X"]).astype(np.float32)
-        return float(Runner(trial)({"X": feed})[0])
+        return float(Runner(trial)({"X": feed, **extra})[0])
 
     grads = []
     for name in [*names, "X"]:
@@ -166,8 +170,30 @@ def test_onnx_ad_expands_a_gru_without_bias_wrongly(rng):
     assert abs(kernel - expanded) > 1e-3 * abs(kernel)
 
 
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_sequence_lengths_equal_finite_differences(op, direction, rng):
+    """Rows of lengths 5, 3 and 1 (of 5 steps): beyond its length a row's state passes
+    through and its outputs are zeros; the reverse direction starts at each row's own
+    last step. onnx-ad cannot take lengths that differ, so finite differences judge."""
+    attrs = {"direction": direction}
+    if op == "GRU":
+        attrs["linear_before_reset"] = 1
+    inputs = ["X", "W", "R", "B", "lens", "h0"] + (["c0"] if op == "LSTM" else [])
+    outputs = list(outputs_of(op)[0])
+    model = recurrent_model(op, inputs, outputs, **attrs)
+    assert recurrent.takes(model.graph.node[0])
+    wrt = [n for n in STATES if n in inputs] + ["X"]
+    gradient = native_gradient(model, "loss", wrt)
+    assert op in {n.op_type for n in gradient.graph.node}
+    X = rng.normal(size=(T, N, I)).astype(np.float32)
+    lengths = {"lens": np.array([5, 3, 1], np.int32)}
+    got = Runner(gradient)({"X": X, **lengths})
+    for value, reference in zip(got[1:], finite_differences(model, wrt, X, lengths)):
+        np.testing.assert_allclose(value, reference, rtol=2e-3, atol=2e-3)
+
+
 LEFT = {
-    "sequence_lens": ("LSTM", ["X", "W", "R", "B", "lens"], {}),
     "peepholes": ("LSTM", ["X", "W", "R", "B", "", "", "", "P"], {}),
     "clip": ("LSTM", ["X", "W", "R"], {"clip": 2.0}),
     "input_forget": ("LSTM", ["X", "W", "R"], {"input_forget": 1}),
@@ -175,6 +201,7 @@ LEFT = {
     "layout 1": ("LSTM", ["X", "W", "R"], {"layout": 1}),
     "GRU linear_before_reset=0": ("GRU", ["X", "W", "R", "B"], {}),
 }
+"""Left to onnx-ad's expansion (sequence lengths are taken: see above)."""
 
 
 @pytest.mark.parametrize("case", sorted(LEFT))

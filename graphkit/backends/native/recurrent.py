@@ -37,9 +37,14 @@ GRU (gates ``z, r, h``; ``linear_before_reset=1``, as torch exports it)::
     dG_h = dh [(h_{t-1} - n) z(1-z), (1-z)(1-n^2) HR_n r(1-r), (1-z)(1-n^2) r]
     dG_x = dG_h with its last block (1-z)(1-n^2);  dh_next <- dh z + dG_h R
 
+With ``sequence_lens``, the steps beyond a row's length pass the state's gradient through
+(the factors masked, ``f`` or ``z`` taken as 1 there), and the reverse direction, which
+walks each row from its own last step, is the forward one on the sequences reversed
+within their lengths (``ReverseSequence``).
+
 Taken: ``forward``, ``reverse`` and ``bidirectional`` (each direction on its own),
-``layout`` 0, the default activations, no ``clip``, no ``sequence_lens``; LSTM without
-peepholes nor ``input_forget``, GRU with ``linear_before_reset=1``. onnx-ad expands any
+``layout`` 0, the default activations, no ``clip``; LSTM without peepholes nor
+``input_forget``, GRU with ``linear_before_reset=1``. onnx-ad expands any
 other recurrent node as before (:func:`expanding_the_others`).
 
 The rules read the derivatives with a seed axis of one (graphkit differentiates one
@@ -79,7 +84,6 @@ def takes(node: onnx.NodeProto) -> bool:
         and activations in ((), defaults * directions)
         and not attrs.get("activation_alpha")
         and not attrs.get("activation_beta")
-        and not inputs[4]  # sequence_lens
     )
     if node.op_type == "LSTM":
         return common and attrs.get("input_forget", 0) == 0 and not inputs[7]
@@ -128,6 +132,44 @@ class _Direction:
             for k in (5, 6)
         )
         self.y = self.b.op("Gather", [y, at], axis=1)  # [T, N, H]
+        self.valid: str | None = None  # [T, N, 1]: 1 where a step is within its row's length
+        self.reversed = False
+        if inputs[4]:
+            self._lengths(inputs[4])
+
+    def _lengths(self, sequence_lens: str) -> None:
+        """With ``sequence_lens``: the mask of the steps within each row's length, and for
+        the reverse direction (which walks each row from its own last step) every
+        sequence reversed within its length, so that it reads as the forward direction
+        (``ReverseSequence``; the input's gradient is reversed back)."""
+        b = self.b
+        lengths = b.op("Cast", [sequence_lens], to=TensorProto.INT64)
+        steps = b.op("Slice", [b.op("Shape", [self.x]), b.ints([0]), b.ints([1])])
+        count = b.op("Squeeze", [steps, b.ints([0])])
+        zero, one = (b.constant(v, TensorProto.INT64, ()) for v in (0, 1))
+        times = b.op("Unsqueeze", [b.op("Range", [zero, count, one]), b.ints([1])])  # [T, 1]
+        within = b.op("Less", [times, b.op("Unsqueeze", [lengths, b.ints([0])])])  # [T, N]
+        mask = b.op("Cast", [within], to=self.dtype)
+        self.valid = b.op("Unsqueeze", [mask, b.ints([2])])
+        if self.backwards:
+            self.lengths = lengths
+            self.x, self.y = (self.reverse_within_lengths(v) for v in (self.x, self.y))
+            self.backwards, self.reversed = False, True
+
+    def reverse_within_lengths(self, sequence: str) -> str:
+        """``sequence`` [T, N, ...] with each row's first ``length`` steps reversed."""
+        return self.b.op("ReverseSequence", [sequence, self.lengths], time_axis=0, batch_axis=1)
+
+    def masked(self, value: str) -> str:
+        """``value`` [T, N, ...] zero at the steps beyond each row's length."""
+        return value if self.valid is None else self.b.op("Mul", [value, self.valid])
+
+    def passing(self, factor: str) -> str:
+        """``factor`` [T, N, H] within each row's length, 1 beyond it (where the state
+        passes through the step unchanged)."""
+        if self.valid is None:
+            return factor
+        return self.one_minus(self.b.op("Mul", [self.valid, self.one_minus(factor)]))
 
     def zeros(self) -> str:
         """A zero state ``[N, H]``, the batch read off ``X``."""
@@ -177,6 +219,9 @@ class _Direction:
         if d_y is None:
             return (d_last_h if d_last_h is not None else self.zeros()), None
         b = self.b
+        d_y = self.masked(d_y)  # beyond a row's length, Y is zeros: constant
+        if self.reversed:
+            d_y = self.reverse_within_lengths(d_y)
         last = b.constant(0 if self.backwards else -1, TensorProto.INT64, ())
         start = b.op("Gather", [d_y, last], axis=0)
         if d_last_h is not None:
@@ -240,6 +285,8 @@ class _Direction:
         grads: dict[str, str] = {}
         if "X" in wanted:
             grads["X"] = b.op("MatMul", [dgx, self.w])
+            if self.reversed:
+                grads["X"] = self.reverse_within_lengths(grads["X"])
         if "W" in wanted:
             features = b.op("Slice", [b.op("Shape", [self.x]), b.ints([2]), b.ints([3])])
             flat_x = b.op("Reshape", [self.x, b.op("Concat", [b.ints([-1]), features], axis=0)])
@@ -345,26 +392,40 @@ def _lstm_one(
     four_i = b.op("Mul", [i, d.ctx.constant(4.0, d.dtype)])
     factors = b.op("Mul", [slopes, b.op("Concat", [z, tc, c_prev, four_i], axis=-1)])
     from_h = b.op("Mul", [o, d.one_minus(b.op("Mul", [tc, tc]))])
+    # beyond a row's length the state passes through: no gate gradient, dc unchanged,
+    # and dh sent back as it came (``keep``, added to the product's addend)
+    factors, from_h, forget = d.masked(factors), d.masked(from_h), d.passing(f)
     start_h, dy_next = d.incoming(d_y, d_last_h)
     n = {k: b.name(k) for k in ("dh", "dc_in", "a_t", "k_t", "f_t", "dy_next_t", "dha", "dc")}
-    n.update({k: b.name(k) for k in ("sel", "dg", "dc_prev", "dh_prev")})
-    dh_prev = [n["dg"], d.r] + ([n["dy_next_t"]] if dy_next else [])
+    n.update({k: b.name(k) for k in ("sel", "dg", "dc_prev", "dh_prev", "keep_t", "kept")})
+    n["addend"] = b.name("addend")
+    nodes = [
+        helper.make_node("Mul", [n["dh"], n["a_t"]], [n["dha"]]),
+        helper.make_node("Add", [n["dc_in"], n["dha"]], [n["dc"]]),
+        helper.make_node("Concat", [n["dc"], n["dh"], n["dc"], n["dc"]], [n["sel"]], axis=-1),
+        helper.make_node("Mul", [n["sel"], n["k_t"]], [n["dg"]]),
+        helper.make_node("Mul", [n["dc"], n["f_t"]], [n["dc_prev"]]),
+    ]
+    addend = n["dy_next_t"] if dy_next else None  # the next step's dY
+    if d.valid is not None:
+        nodes.append(helper.make_node("Mul", [n["dh"], n["keep_t"]], [n["kept"]]))
+        addend = n["kept"]
+        if dy_next:
+            nodes.append(helper.make_node("Add", [n["kept"], n["dy_next_t"]], [n["addend"]]))
+            addend = n["addend"]
+    nodes.append(helper.make_node("Gemm", [n["dg"], d.r] + [addend] * bool(addend), [n["dh_prev"]]))
+    optional = [("dy_next_t", H, dy_next)]
+    keep = None if d.valid is None else d.one_minus(d.valid)
+    optional.append(("keep_t", 1, keep))
     body = helper.make_graph(
-        [
-            helper.make_node("Mul", [n["dh"], n["a_t"]], [n["dha"]]),
-            helper.make_node("Add", [n["dc_in"], n["dha"]], [n["dc"]]),
-            helper.make_node("Concat", [n["dc"], n["dh"], n["dc"], n["dc"]], [n["sel"]], axis=-1),
-            helper.make_node("Mul", [n["sel"], n["k_t"]], [n["dg"]]),
-            helper.make_node("Mul", [n["dc"], n["f_t"]], [n["dc_prev"]]),
-            helper.make_node("Gemm", dh_prev, [n["dh_prev"]]),  # the next step's dY added
-        ],
+        nodes,
         b.name("lstm_reverse_step"),
         [d.value(n[k], 4 * H if k == "k_t" else H) for k in ("dh", "dc_in", "a_t", "k_t", "f_t")]
-        + ([d.value(n["dy_next_t"], H)] if dy_next else []),
+        + [d.value(n[k], width) for k, width, value in optional if value],
         [d.value(n["dh_prev"], H), d.value(n["dc_prev"], H), d.value(n["dg"], 4 * H)],
     )
     start_c = d_last_c if d_last_c is not None else d.zeros()
-    scanned = [from_h, factors, f] + ([dy_next] if dy_next else [])
+    scanned = [from_h, factors, forget] + [v for _, _, v in optional if v]
     # the reverse walks the steps in the other order than the forward did
     dh0, dc0, dg = d.scan(body, [start_h, start_c], scanned, 3, backwards=not d.backwards)
     grads = d.weight_gradients(dg, dg, h_prev, 4, wanted)
@@ -391,6 +452,8 @@ def _gru_one(
     dr = b.op("Mul", [b.op("Mul", [dn, hr_n]), b.op("Mul", [r, d.one_minus(r)])])
     from_h = b.op("Concat", [dz, dr, b.op("Mul", [dn, r])], axis=-1)
     from_x = b.op("Concat", [dz, dr, dn], axis=-1)
+    # beyond a row's length the state passes through: no gate gradient, dh sent back
+    from_h, from_x, z = d.masked(from_h), d.masked(from_x), d.passing(z)
     start_h, dy_next = d.incoming(d_y, d_last_h)
     m = {k: b.name(k) for k in ("dh", "k_t", "z_t", "dy_next_t", "sel", "dgh", "direct")}
     m.update({k: b.name(k) for k in ("addend", "dh_prev")})
