@@ -404,7 +404,7 @@ def untie_shared_parameters(
     model.CopyFrom(onx)
     taken = graph_names(model.graph)
     values = {i.name: i for i in model.graph.initializer}
-    constants = {name: tensor_value(t) for name, t in constant_tensors(model.graph)}
+    bounds = _IntegerConstants(onx)
     weights: list[str] = []
     for name in trained:
         weights.append(name)
@@ -416,7 +416,7 @@ def untie_shared_parameters(
         ]
         if name not in values or len(slots) < 2 or name in kept:
             continue
-        if _parts_of_one_tensor([node for node, _ in slots], constants):
+        if _parts_of_one_tensor([node for node, _ in slots], bounds):
             continue
         # the name stays with a slot that reads it directly; readers through an alias
         # (TorchScript writes the merged tensor as "4.weight = Identity(1.weight)") copy
@@ -431,7 +431,42 @@ def untie_shared_parameters(
     return model, weights
 
 
-def _parts_of_one_tensor(readers: list[onnx.NodeProto], constants: dict) -> bool:
+class _IntegerConstants:
+    """The small integer constants of a graph (``Slice`` bounds), those computed from
+    static axes of symbolic-batch tensors too (dynamo writes an LSTM's gate slices up to
+    ``k * Shape(h0, start=2)``): evaluated once, when first asked for."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.model = model
+        self.values: dict[str, np.ndarray] | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._values()
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._values()[name]
+
+    def _values(self) -> dict[str, np.ndarray]:
+        if self.values is None:
+            from graphkit.static_shapes.shape_constants import (
+                integer_arithmetic_as_constants,
+                known_parts_as_constants,
+            )
+
+            resolved = onnx.ModelProto()
+            resolved.CopyFrom(self.model)
+            known_parts_as_constants(resolved)
+            integer_arithmetic_as_constants(resolved)
+            integers = (TensorProto.INT64, TensorProto.INT32)
+            self.values = {
+                name: tensor_value(t)
+                for name, t in constant_tensors(resolved.graph)
+                if t.data_type in integers and math.prod(t.dims) <= 64
+            }
+        return self.values
+
+
+def _parts_of_one_tensor(readers: list[onnx.NodeProto], constants: _IntegerConstants) -> bool:
     """Whether ``readers`` are ``Slice`` s of one tensor along one axis, with constant
     bounds, no two of which overlap: the parts of one parameter, not copies of a merged
     initializer. torch's export of an ``nn.LSTM`` or ``nn.GRU`` reorders its gates so;

@@ -266,9 +266,23 @@ def torch_network(kind: str):
     return Network()
 
 
-def exported(net, X: np.ndarray, path) -> onnx.ModelProto:
+def exported(net, X: np.ndarray, path, exporter: str = "torchscript") -> onnx.ModelProto:
     import torch
 
+    if exporter == "dynamo":  # the README's recipe: gate slices bounded by shapes
+        batch = torch.export.Dim("N")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                net,
+                (torch.from_numpy(X[:2]),),
+                dynamo=True,
+                optimize=False,
+                input_names=["X"],
+                dynamic_shapes={"x": {0: batch}},
+                verbose=False,
+            )
+        return program.model_proto
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
@@ -305,12 +319,23 @@ def torch_steps(net, X, y, optimizer: str, batch: int, steps: int, token: bool) 
     return {k: v.detach().numpy() for k, v in net.state_dict().items()}
 
 
+TWENTY_STEPS = [
+    pytest.param(kind, optimizer, trainer, "torchscript", id=f"{kind}-{optimizer}-{trainer}")
+    for kind in ("gru", "bilstm_tagger")
+    for optimizer in ("sgd", "adamw")
+    for trainer in ("full", "forward_backward")
+] + [
+    pytest.param(kind, "sgd", trainer, "dynamo", id=f"{kind}-sgd-{trainer}-dynamo")
+    for kind in ("gru", "bilstm_tagger")
+    for trainer in ("full", "forward_backward")
+]
+
+
 @requires_torch
-@pytest.mark.parametrize("trainer", ["full", "forward_backward"])
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("kind", ["gru", "bilstm_tagger"])
-def test_twenty_steps_equal_torch(kind, optimizer, trainer, tmp_path):
-    """A GRU classifier and a bidirectional LSTM tagger (TorchScript export), 20 batches
+@pytest.mark.parametrize("kind, optimizer, trainer, exporter", TWENTY_STEPS)
+def test_twenty_steps_equal_torch(kind, optimizer, trainer, exporter, tmp_path):
+    """A GRU classifier and a bidirectional LSTM tagger (TorchScript export, and the
+    README's dynamo recipe, whose gate slices end at a shape's static axis), 20 batches
     of SGD or AdamW on the native backend: every weight within 1e-5 of torch's."""
     from graphkit import optimizers
 
@@ -320,7 +345,7 @@ def test_twenty_steps_equal_torch(kind, optimizer, trainer, tmp_path):
     token = kind == "bilstm_tagger"
     y = rng.integers(0, 3, size=(batch * steps, 6) if token else batch * steps).astype(np.int64)
     net = torch_network(kind)
-    model = exported(net, X, tmp_path / "net.onnx")
+    model = exported(net, X, tmp_path / "net.onnx", exporter)
     names = list(net.state_dict())
     expected = torch_steps(net, X, y, optimizer, batch, steps, token)
     if optimizer == "sgd":

@@ -27,6 +27,8 @@ from graphkit.static_shapes import (
     fix_batch,
     fold,
     fuse_gemms,
+    integer_arithmetic_as_constants,
+    known_parts_as_constants,
     matmul_transposes,
     shapes_as_constants,
     simplify_reductions,
@@ -159,6 +161,46 @@ def test_shape_of_an_unknown_shape_or_a_graph_output_stays():
     model = build(nodes, {"X": ["N", 4], "W": [2, 2]}, {"s": np.int64, "t": np.int64})
     out = copy_model(model)
     assert not shapes_as_constants(out)
+    assert out == model
+
+
+def test_a_static_part_of_a_symbolic_batch_shape_and_its_arithmetic_become_constants():
+    """dynamo's gate slice of an LSTM weight: ``W[k H : (k + 1) H]`` with ``H`` read off
+    the last axis of a symbolic-batch state: the bounds constants, the slice static."""
+    nodes = [
+        helper.make_node("Shape", ["h"], ["hidden"], start=1),  # [N, 2] -> [2]
+        helper.make_node("Mul", ["hidden", "two"], ["end"]),
+        helper.make_node("Slice", ["W", "hidden", "end", "axis"], ["part"]),
+        helper.make_node("MatMul", ["h", "part"], ["Y"]),
+    ]
+    inits = {
+        "W": np.arange(12, dtype=f32).reshape(6, 2),
+        "two": np.array([2]),
+        "axis": np.array([0]),
+    }
+    model = build(nodes, {"h": ["N", 2]}, ["Y"], inits)
+    out = copy_model(model)
+    assert known_parts_as_constants(out)
+    assert integer_arithmetic_as_constants(out)
+    assert ops(out) == {"Slice": 1, "MatMul": 1}
+    values = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert values["hidden"].tolist() == [2] and values["end"].tolist() == [4]
+    assert static_shapes(fix_batch(out, {"h": 3}))["part"] == (2, 2)
+    same_values(model, out, feeds_for(model, N=3))
+
+
+def test_a_symbolic_part_a_float_computation_or_an_output_stays():
+    nodes = [
+        helper.make_node("Shape", ["h"], ["batch"], end=1),  # N: symbolic
+        helper.make_node("Mul", ["W", "W"], ["W2"]),  # floats: data, never folded
+        helper.make_node("Add", ["one", "one"], ["two"]),  # an output
+        helper.make_node("Identity", ["W2"], ["Y"]),
+    ]
+    inits = {"W": np.ones((2, 2), f32), "one": np.array([1])}
+    model = build(nodes, {"h": ["N", 2]}, {"Y": f32, "two": np.int64, "batch": np.int64}, inits)
+    out = copy_model(model)
+    assert not known_parts_as_constants(out)
+    assert not integer_arithmetic_as_constants(out)
     assert out == model
 
 

@@ -88,7 +88,11 @@ from graphkit.static_shapes.reductions import (
     simplify_reductions,
 )
 from graphkit.static_shapes.scan_bodies import specialize_scan_bodies
-from graphkit.static_shapes.shape_constants import shapes_as_constants
+from graphkit.static_shapes.shape_constants import (
+    integer_arithmetic_as_constants,
+    known_parts_as_constants,
+    shapes_as_constants,
+)
 from graphkit.static_shapes.shapes import (
     last_two_swapped,
     reduce_axes,
@@ -110,6 +114,8 @@ __all__ = [
     "last_two_swapped",
     "matmul_transposes",
     "reduce_axes",
+    "integer_arithmetic_as_constants",
+    "known_parts_as_constants",
     "shapes_as_constants",
     "simplify_reductions",
     "specialize",

@@ -11,7 +11,9 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from graphkit._graph import constant_tensors
 from graphkit.static_shapes.shapes import STANDARD, static_shapes
+from graphkit.tensor_store import tensor_value
 
 
 def shapes_as_constants(model: onnx.ModelProto) -> bool:
@@ -41,4 +43,98 @@ def shapes_as_constants(model: onnx.ModelProto) -> bool:
     return bool(found)
 
 
-__all__ = ["shapes_as_constants"]
+def known_parts_as_constants(model: onnx.ModelProto) -> bool:
+    """Replaces, in place, each ``Shape`` whose part (its ``start`` and ``end``) onnx's
+    inference fixes by that part as an initializer, the other axes of the tensor may be
+    symbolic; whether it replaced any. A graph output stays computed.
+
+    torch's dynamo exporter slices an LSTM's or GRU's gates out of its weights up to
+    ``Shape(h0, start=2)``, the hidden size, of an initial state whose batch axis is
+    symbolic: with the bound a constant, the slices have static shapes, and their
+    gradients need nothing else (``graphkit.backends.native.rules.slice_reverse``)."""
+    graph = model.graph
+    if not any(n.op_type == "Shape" for n in graph.node):
+        return False  # no shape inference to pay for
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    shapes: dict[str, list[int | None]] = {}
+    for value in [*inferred.input, *inferred.value_info]:
+        if value.type.tensor_type.HasField("shape"):
+            dims = value.type.tensor_type.shape.dim
+            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    shapes.update({t.name: list(t.dims) for t in graph.initializer})
+    outputs = {o.name for o in graph.output}
+    replaced = []
+    for node in graph.node:
+        if node.op_type != "Shape" or node.domain not in STANDARD or node.output[0] in outputs:
+            continue
+        shape = shapes.get(node.input[0])
+        if shape is None:
+            continue
+        attrs = {a.name: a.i for a in node.attribute}
+        part = shape[attrs.get("start", 0) : attrs.get("end", len(shape))]
+        if None in part:
+            continue
+        graph.initializer.append(numpy_helper.from_array(np.array(part, np.int64), node.output[0]))
+        replaced.append(node)
+    for node in replaced:
+        graph.node.remove(node)
+    return bool(replaced)
+
+
+SMALL = 64
+"""The most elements of an integer constant :func:`integer_arithmetic_as_constants`
+evaluates from: bounds, axes and shapes, never a tensor of data."""
+
+
+def integer_arithmetic_as_constants(model: onnx.ModelProto) -> bool:
+    """Evaluates, in place, each node of the main graph whose inputs are all small integer
+    constants (at most :data:`SMALL` elements) and whose outputs are too, in order, its
+    outputs becoming initializers; whether it evaluated any. A graph output stays
+    computed, and no float tensor is ever folded: a frozen weight stays one tensor.
+
+    What is left of a bound that :func:`known_parts_as_constants` fixed: dynamo writes an
+    LSTM's gate slices as ``Slice(W, k * hidden, (k + 1) * hidden)``, the products
+    ``Mul`` nodes, and a ``Slice`` of a symbolic-batch tensor with bounds ``Reshape``d
+    from constants."""
+    from onnx.reference import ReferenceEvaluator
+
+    graph = model.graph
+    integers = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
+    known = {
+        name: tensor_value(t)
+        for name, t in constant_tensors(graph)
+        if t.data_type in integers and np.prod(t.dims, dtype=np.int64) <= SMALL
+    }
+    outputs = {o.name for o in graph.output}
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    subgraphs = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    folded = []
+    for node in graph.node:
+        inputs = [i for i in node.input if i]
+        if (
+            node.domain not in STANDARD
+            or any(i not in known for i in inputs)
+            or any(a.type in subgraphs for a in node.attribute)
+            or outputs.intersection(node.output)
+        ):
+            continue
+        try:
+            evaluate = ReferenceEvaluator(node, opsets=opsets)
+            values = evaluate.run(None, {i: known[i] for i in inputs})
+        except Exception:  # an operator the reference cannot run: left to onnxruntime
+            continue
+        arrays = [np.asarray(v) for v in values]
+        if not all(a.dtype in (np.int64, np.int32) and a.size <= SMALL for a in arrays):
+            continue
+        known.update(zip(node.output, arrays))
+        if node.op_type == "Constant":  # value_int(s) too: known, and left as it is
+            continue
+        for name, array in zip(node.output, arrays):
+            graph.initializer.append(numpy_helper.from_array(array, name))
+        folded.append(node)
+    for node in folded:
+        graph.node.remove(node)
+    return bool(folded)
+
+
+__all__ = ["integer_arithmetic_as_constants", "known_parts_as_constants", "shapes_as_constants"]

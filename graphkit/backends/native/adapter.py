@@ -43,6 +43,7 @@ from graphkit._graph import (
 )
 from graphkit.backends.native import rules
 from graphkit.errors import MissingGradientError, UnknownNameError
+from graphkit.static_shapes import integer_arithmetic_as_constants, known_parts_as_constants
 
 PACKAGE = "onnx-ad"
 VERSION = "0.3.0"
@@ -121,6 +122,10 @@ def _reverse(
     initializers = {i.name: i for i in model.graph.initializer if i.name in set(wrt)}
     opened = _initializers_as_inputs(model, initializers)
     _max_pools_with_indices(opened)
+    # a bound read off a symbolic-batch tensor's static axes, and the integer arithmetic
+    # on it (dynamo's LSTM gate slices): the slices get static shapes
+    if known_parts_as_constants(opened):
+        integer_arithmetic_as_constants(opened)
     n_outputs = len(opened.graph.output)
     opened = onnx.shape_inference.infer_shapes(opened, data_prop=True)
     _explicit_same_pads(opened)

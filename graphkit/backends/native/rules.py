@@ -306,6 +306,11 @@ def window_spread(ctx: Any, node: Any, attrs: dict, value: str) -> str:
     return ad._unfold_batch_into_seed(ctx, spread, x, ctx.rank(x))
 
 
+_WHOLE = 2**31 - 1
+"""An end at or past this takes an axis to its end, whatever its extent (exporters write
+``INT64_MAX`` or ``INT32_MAX``)."""
+
+
 def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
     """d/dx of ``y = Slice(x, starts, ends, axes)`` (steps of 1): ``dy`` zero-padded by
     what the slice cut off each sliced axis."""
@@ -324,10 +329,13 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
         return ad._slice_reverse(ctx, node, grads)
     rank = len(shape)
     axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
-    if not _known(shape, axes):
+    # an axis taken whole (0 to the end: dynamo's `x[:, -1]` slices the batch axis so)
+    # needs no padding, its extent unknown or not
+    cut = [(a, s, e) for a, s, e in zip(axes, starts, ends) if not (s == 0 and e >= _WHOLE)]
+    if not _known(shape, [a for a, _, _ in cut]):
         return ad._slice_reverse(ctx, node, grads)
     before, after = [0] * rank, [0] * rank
-    for axis, start, end in zip(axes, starts, ends):
+    for axis, start, end in cut:
         extent = shape[axis]
         start = min(max(start + extent if start < 0 else start, 0), extent)
         end = min(max(end + extent if end < 0 else end, 0), extent)
