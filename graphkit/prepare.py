@@ -9,6 +9,9 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
   own opset and trains in separate sessions (:func:`compatible_for_training`);
 * skl2onnx's linear models become standard operators whose coefficients are
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
+* a ``CastLike`` whose target type is known becomes a ``Cast``
+  (:func:`graphkit.castlike.castlike_as_cast`: torch's dynamo exporter writes them, and
+  onnxruntime-training has no gradient for them);
 * gathers that take a tensor apart along an axis (an attention's queries, keys and
   values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
 * a model exported in training mode is refused (:func:`refuse_training_mode`);
@@ -35,6 +38,7 @@ import onnx
 from graphkit import backends
 from graphkit._graph import copy_model
 from graphkit.backends.base import Backend
+from graphkit.castlike import castlike_as_cast
 from graphkit.compat import (
     DSL_OPSET,
     MAX_IR_VERSION,
@@ -122,7 +126,8 @@ def prepare_standard_model(
 def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` every backend loads, at :data:`~graphkit.compat.DSL_OPSET` where
     onnx can convert it (:func:`compatible_for_training`), its linear models in standard
-    operators (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
+    operators (:func:`graphkit.ml_ops.linear_models_as_standard_ops`), its ``CastLike``
+    nodes of a known type ``Cast`` nodes (:func:`graphkit.castlike.castlike_as_cast`).
 
     A graph :func:`graphkit.add_loss_output` wrote (its loss recorded in the metadata) is
     that already: it is copied, not converted and checked again (a trainer's build
@@ -131,7 +136,8 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if _standard_already(model):
         check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
         return copy_model(model)
-    return linear_models_as_standard_ops(compatible_for_training(quantized_as_standard(model)))
+    compatible = compatible_for_training(quantized_as_standard(model))
+    return linear_models_as_standard_ops(castlike_as_cast(compatible))
 
 
 def _standard_already(model: onnx.ModelProto) -> bool:

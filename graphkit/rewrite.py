@@ -42,6 +42,7 @@ from graphkit._graph import (
     static_shape,
     value_info,
 )
+from graphkit.castlike import castlike_as_cast
 from graphkit.compat import (
     DSL_OPSET,
     check_tensor_sizes,
@@ -180,7 +181,8 @@ def add_loss_output(
 
     Args:
         onx: the prediction graph, a ModelProto, its bytes or a path (converted to a
-            supported IR version / opset if needed).
+            supported IR version / opset if needed; its ``CastLike`` nodes of a known
+            type become ``Cast``, :func:`graphkit.castlike.castlike_as_cast`).
         score_name: ``"squared_error"``/``"l2"``, ``"absolute_error"``/``"l1"``,
             ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
@@ -241,7 +243,7 @@ def add_loss_output(
             "label_name is one input name for one loss; a dict {output: label input} goes "
             "with a loss per output (score_name as a dict)."
         )
-    compatible = make_compatible(load_model(onx), min_opset=DSL_OPSET)
+    compatible = castlike_as_cast(make_compatible(load_model(onx), min_opset=DSL_OPSET))
     model, prediction = select_prediction(linear_models_as_standard_ops(compatible), output_index)
     loss = _head_loss(score_name, kwargs, prediction)
 
@@ -377,7 +379,7 @@ def _add_loss_per_output(
         )
     if not scores:
         raise ValueError("The dict of losses is empty: give a loss for at least one output.")
-    compatible = make_compatible(load_model(onx), min_opset=DSL_OPSET)
+    compatible = castlike_as_cast(make_compatible(load_model(onx), min_opset=DSL_OPSET))
     model = linear_models_as_standard_ops(compatible)
     outputs = [o.name for o in model.graph.output]
     heads = list(scores)

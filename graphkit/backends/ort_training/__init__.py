@@ -10,8 +10,9 @@ Everything graphkit knows about onnxruntime-training lives in this package:
 * :mod:`.agent_step`: the loss and the update spliced around the agent's ``YieldOp``
   (a forward/backward batch in two calls);
 * :mod:`.rewrites`: forward operators its builders cannot differentiate as they are
-  (LayerNorm's optional outputs, inference BatchNorm, AveragePool, and the activations
-  Elu, Selu, PRelu, HardSigmoid, HardSwish, Softplus, Mish), rewritten;
+  (LayerNorm's optional outputs, inference BatchNorm, AveragePool, CastLike, CumSum,
+  and the activations Elu, Selu, PRelu, HardSigmoid, HardSwish, Softplus, Mish),
+  rewritten;
 * :mod:`.folding`: its ``BroadcastGradientArgs`` folded once shapes are static;
 * :mod:`.lowering`: its ``com.microsoft`` gradient operators in standard ONNX, for the
   exports (all of them) and for CPU sessions (those whose kernels are slow).

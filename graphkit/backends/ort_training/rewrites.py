@@ -12,18 +12,25 @@ Each computes the same function as the node it replaces:
   dimensions and divides by zero (SIGFPE, the process dies) on a symbolic batch;
 * the activations its builders have no gradient for (``Elu``, ``Selu``, ``PRelu``,
   ``HardSigmoid``, ``HardSwish``, ``Softplus``, ``Mish``) become the standard operators
-  of their definitions (:mod:`graphkit.backends.activations`).
+  of their definitions (:mod:`graphkit.backends.activations`);
+* a ``CastLike`` of a known type becomes a ``Cast`` (:mod:`graphkit.castlike`; the
+  standard rewrites did it already for a graph a trainer prepares, not for one given to
+  :func:`graphkit.gradient_model` as it is);
+* a float ``CumSum`` becomes a ``MatMul`` by a triangular matrix of ones
+  (:func:`cumsum_as_matmul`): its builders have no gradient for ``CumSum``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from graphkit._graph import (
     GraphInfo,
+    NodeWriter,
     axes_for_opset,
+    constant_tensors,
     copy_model,
     fresh_name,
     graph_names,
@@ -36,9 +43,13 @@ from graphkit.backends.activations import (
     activations_as_standard_ops,
     rewrite_all,
 )
+from graphkit.castlike import castlike_as_cast
 from graphkit.errors import MissingGradientError
+from graphkit.tensor_store import tensor_value
 
-REWRITTEN = frozenset({"LayerNormalization", "BatchNormalization", "AveragePool"})
+REWRITTEN = frozenset(
+    {"LayerNormalization", "BatchNormalization", "AveragePool", "CastLike", "CumSum"}
+)
 """The operators :func:`prepare` rewrites besides :data:`ACTIVATIONS`."""
 
 
@@ -48,7 +59,7 @@ def prepare(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(n.op_type in REWRITTEN or n.op_type in ACTIVATIONS for n in model.graph.node):
         return model
     model = average_pool_as_conv(unfold_batch_norm(declare_layer_norm_outputs(model)))
-    return activations_as_standard_ops(model)
+    return cumsum_as_matmul(activations_as_standard_ops(castlike_as_cast(model)))
 
 
 def declare_layer_norm_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -78,6 +89,96 @@ def average_pool_as_conv(model: onnx.ModelProto) -> onnx.ModelProto:
             such option), naming the node.
     """
     return _rewrite(model, "AveragePool", _one_average_pool_as_conv)
+
+
+def cumsum_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy where every float ``CumSum`` along an axis known here is a ``MatMul`` by a
+    triangular matrix of ones, which onnxruntime-training's builders differentiate (they
+    have no gradient for ``CumSum``).
+
+    Along the last axis, of size ``n`` (read at run time: a symbolic axis is fine),
+
+        CumSum(x, axis)[..., j] = sum_i x[..., i] T[i, j] = MatMul(x, T)[..., j]
+
+    with ``T[i, j] = 1`` where ``i <= j`` (``i < j`` with ``exclusive=1``; ``i >= j``
+    with ``reverse=1``; ``i > j`` with both), else 0; another axis is moved last by a
+    ``Transpose`` and back. The sums are the same terms (times exact ones, plus exact
+    zeros), added in the matrix product's order instead of one after another: equal up
+    to float rounding. The gradient the builders take, ``dY T^T``, is the cumulative sum
+    of ``dY`` in the other direction with the same ``exclusive``: CumSum's own gradient.
+    The product costs ``n`` times the operations of a ``CumSum`` (and a ``n x n`` matrix),
+    which is small beside the layers around it for the axes a model sums along.
+
+    A ``CumSum`` stays as it is (and the builders, if it lies on the gradient's path,
+    refuse it, naming it and the native backend) where its input is not float32, float64
+    or float16, its axis is not a constant, or the axis is not the last one and the
+    input's rank is unknown.
+    """
+    constants = dict(constant_tensors(model.graph))
+
+    def replace(node: onnx.NodeProto, attrs: dict, info: GraphInfo) -> list[onnx.NodeProto] | None:
+        return _one_cumsum_as_matmul(node, attrs, info, constants)
+
+    return rewrite_all(model, {"CumSum": replace})
+
+
+_CUMSUM_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)
+
+_TRIANGLES = {  # (exclusive, reverse) -> how T[i, j] = 1 compares i and j
+    (0, 0): ("Greater", True),  # i <= j: not i > j
+    (1, 0): ("Less", False),  # i < j
+    (0, 1): ("Less", True),  # i >= j: not i < j
+    (1, 1): ("Greater", False),  # i > j
+}
+
+
+def _one_cumsum_as_matmul(
+    node: onnx.NodeProto, attrs: dict, info: GraphInfo, constants: dict[str, onnx.TensorProto]
+) -> list[onnx.NodeProto] | None:
+    x, axis_input = node.input[0], node.input[1]
+    elem = info.elem.get(x)
+    if elem not in _CUMSUM_TYPES or axis_input not in constants:
+        return None
+    axis_value = tensor_value(constants[axis_input])
+    if axis_value.size != 1:
+        return None
+    axis = int(axis_value.ravel()[0])
+    rank = info.rank.get(x)
+    if rank is not None:
+        if not -rank <= axis < rank:
+            return None  # onnxruntime reports the bad axis when it runs the node
+        axis %= rank
+    last = axis == -1 or (rank is not None and axis == rank - 1)
+    if not last and (rank is None or axis < 0):
+        return None
+    compare, negate = _TRIANGLES[(int(attrs.get("exclusive", 0)), int(attrs.get("reverse", 0)))]
+    write = NodeWriter(namer(f"{node.name or node.output[0]}/as_matmul", info.taken))
+    # i along the rows ([n, 1]), j along the columns ([n]): T[i, j] by broadcasting
+    size = write.op("Gather", [write.op("Shape", [x]), _scalar(write, axis)], axis=0)
+    j = write.op("Range", [_scalar(write, 0), size, _scalar(write, 1)])
+    i = write.op("Reshape", [j, write.ints([-1, 1])])
+    mask = write.op(compare, [i, j])
+    if negate:
+        mask = write.op("Not", [mask])
+    triangle = write.op("Cast", [mask], to=elem)
+    if last:
+        write.nodes.append(helper.make_node("MatMul", [x, triangle], [node.output[0]]))
+        return write.nodes
+    assert rank is not None
+    perm = [d for d in range(rank) if d != axis] + [axis]
+    moved = write.op("Transpose", [x], perm=perm)
+    summed = write.op("MatMul", [moved, triangle])
+    back = [perm.index(d) for d in range(rank)]
+    write.nodes.append(helper.make_node("Transpose", [summed], [node.output[0]], perm=back))
+    return write.nodes
+
+
+def _scalar(write: NodeWriter, value: int) -> str:
+    """An int64 scalar Constant."""
+    out = write.fresh("scalar")
+    tensor = numpy_helper.from_array(np.array(value, dtype=np.int64))
+    write.nodes.append(helper.make_node("Constant", [], [out], value=tensor))
+    return out
 
 
 def _rewrite(model: onnx.ModelProto, op_type: str, replace: Replacement) -> onnx.ModelProto:
@@ -178,6 +279,7 @@ __all__ = [
     "ACTIVATIONS",
     "REWRITTEN",
     "average_pool_as_conv",
+    "cumsum_as_matmul",
     "declare_layer_norm_outputs",
     "prepare",
     "unfold_batch_norm",
