@@ -12,6 +12,10 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 * a ``CastLike`` whose target type is known becomes a ``Cast``
   (:func:`graphkit.castlike.castlike_as_cast`: torch's dynamo exporter writes them, and
   onnxruntime-training has no gradient for them);
+* a ``SplitToSequence`` taken apart by ``SequenceAt`` becomes a ``Split``, a
+  ``SequenceConstruct`` read by ``ConcatFromSequence`` a ``Concat``
+  (:func:`graphkit.sequences.sequences_as_tensors`: neither gradient source
+  differentiates sequences; dynamo writes GPT-2's attention split so);
 * gathers that take a tensor apart along an axis (an attention's queries, keys and
   values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
 * a model exported in training mode is refused (:func:`refuse_training_mode`);
@@ -38,7 +42,6 @@ import onnx
 from graphkit import backends
 from graphkit._graph import copy_model
 from graphkit.backends.base import Backend
-from graphkit.castlike import castlike_as_cast
 from graphkit.compat import (
     DSL_OPSET,
     MAX_IR_VERSION,
@@ -50,7 +53,6 @@ from graphkit.compat import (
 from graphkit.errors import IncompatibleModelError, MissingGradientError
 from graphkit.gathers import gathers_as_split
 from graphkit.lora import adapter_names
-from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import explain, untie_constants, untie_shared_parameters
 from graphkit.quantized import quantized_as_standard
 from graphkit.rewrite import (
@@ -60,6 +62,7 @@ from graphkit.rewrite import (
     get_train_initializer,
     metadata,
 )
+from graphkit.standard_ops import as_standard_operators
 from graphkit.tensor_store import tensor_value
 from graphkit.tied_weights import read_transposed, tie_transposed_copies, tied_names
 
@@ -126,8 +129,8 @@ def prepare_standard_model(
 def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` every backend loads, at :data:`~graphkit.compat.DSL_OPSET` where
     onnx can convert it (:func:`compatible_for_training`), its linear models in standard
-    operators (:func:`graphkit.ml_ops.linear_models_as_standard_ops`), its ``CastLike``
-    nodes of a known type ``Cast`` nodes (:func:`graphkit.castlike.castlike_as_cast`).
+    operators, its ``CastLike`` nodes of a known type ``Cast`` nodes, its sequence
+    patterns tensor operators (:func:`graphkit.standard_ops.as_standard_operators`).
 
     A graph :func:`graphkit.add_loss_output` wrote (its loss recorded in the metadata) is
     that already: it is copied, not converted and checked again (a trainer's build
@@ -136,8 +139,7 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     if _standard_already(model):
         check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
         return copy_model(model)
-    compatible = compatible_for_training(quantized_as_standard(model))
-    return linear_models_as_standard_ops(castlike_as_cast(compatible))
+    return as_standard_operators(compatible_for_training(quantized_as_standard(model)))
 
 
 def _standard_already(model: onnx.ModelProto) -> bool:

@@ -42,7 +42,6 @@ from graphkit._graph import (
     static_shape,
     value_info,
 )
-from graphkit.castlike import castlike_as_cast
 from graphkit.compat import (
     DSL_OPSET,
     check_tensor_sizes,
@@ -51,8 +50,9 @@ from graphkit.compat import (
     make_compatible,
 )
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
-from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
+from graphkit.quantized import quantized_as_standard
+from graphkit.standard_ops import as_standard_operators
 from graphkit.tensor_store import tensor_value
 
 # metadata keys of a training graph
@@ -181,8 +181,8 @@ def add_loss_output(
 
     Args:
         onx: the prediction graph, a ModelProto, its bytes or a path (converted to a
-            supported IR version / opset if needed; its ``CastLike`` nodes of a known
-            type become ``Cast``, :func:`graphkit.castlike.castlike_as_cast`).
+            supported IR version / opset if needed; its operators made ones both
+            gradient sources take: :mod:`graphkit.standard_ops`).
         score_name: ``"squared_error"``/``"l2"``, ``"absolute_error"``/``"l1"``,
             ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
@@ -243,8 +243,8 @@ def add_loss_output(
             "label_name is one input name for one loss; a dict {output: label input} goes "
             "with a loss per output (score_name as a dict)."
         )
-    compatible = castlike_as_cast(make_compatible(load_model(onx), min_opset=DSL_OPSET))
-    model, prediction = select_prediction(linear_models_as_standard_ops(compatible), output_index)
+    compatible = make_compatible(quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET)
+    model, prediction = select_prediction(as_standard_operators(compatible), output_index)
     loss = _head_loss(score_name, kwargs, prediction)
 
     weighted = weight_name is not None
@@ -379,8 +379,8 @@ def _add_loss_per_output(
         )
     if not scores:
         raise ValueError("The dict of losses is empty: give a loss for at least one output.")
-    compatible = castlike_as_cast(make_compatible(load_model(onx), min_opset=DSL_OPSET))
-    model = linear_models_as_standard_ops(compatible)
+    compatible = make_compatible(quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET)
+    model = as_standard_operators(compatible)
     outputs = [o.name for o in model.graph.output]
     heads = list(scores)
     _check_outputs_named(heads, outputs, "the dict of losses")

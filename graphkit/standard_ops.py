@@ -1,0 +1,30 @@
+"""The rewrites that leave a user's graph with operators both gradient sources
+differentiate, each computing what the nodes it replaces computed, in this order:
+
+* the common sequence patterns as tensor operators (:func:`graphkit.sequences.sequences_as_tensors`:
+  dynamo's ``SplitToSequence`` + ``SequenceAt``);
+* a ``CastLike`` of a known type as a ``Cast`` (:func:`graphkit.castlike.castlike_as_cast`);
+* skl2onnx's linear models as standard operators
+  (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
+
+Both entry points apply them: :func:`graphkit.add_loss_output` and
+:func:`graphkit.prepare.standard_model` (a trainer's build), after the opset
+conversion.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from graphkit.castlike import castlike_as_cast
+from graphkit.ml_ops import linear_models_as_standard_ops
+from graphkit.sequences import sequences_as_tensors
+
+
+def as_standard_operators(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the rewrites of the module docstring applied (a copy where one
+    applies)."""
+    return linear_models_as_standard_ops(castlike_as_cast(sequences_as_tensors(model)))
+
+
+__all__ = ["as_standard_operators"]

@@ -1,0 +1,191 @@
+"""graphkit/sequences.py: sequence patterns written with tensor operators, against
+onnxruntime's sequence kernels (outputs), numpy (one SGD step) and torch (a dynamo
+export of ``Tensor.split``, trained)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from conftest import INSTALLED_BACKENDS, requires_torch
+from onnx import TensorProto, helper, numpy_helper
+
+import graphkit as gk
+from graphkit.engine.ort_engine import Runner
+from graphkit.sequences import sequences_as_tensors
+from graphkit_train import OrtGradientOptimizer
+
+F32 = TensorProto.FLOAT
+SEQUENCE_OPS = {"SplitToSequence", "SequenceAt", "SequenceConstruct", "ConcatFromSequence"}
+
+
+def model(nodes, inputs, outputs, inits=None, rank=2, opset=18) -> onnx.ModelProto:
+    """``outputs``: names of float outputs of rank ``rank`` (sizes left unnamed)."""
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, F32, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info(n, F32, [None] * rank) for n in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in (inits or {}).items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def assert_same_outputs(before: onnx.ModelProto, after: onnx.ModelProto, feeds) -> None:
+    onnx.checker.check_model(after, full_check=True)
+    assert not SEQUENCE_OPS & {n.op_type for n in after.graph.node}
+    for got, expected in zip(Runner(after)(feeds), Runner(before)(feeds), strict=True):
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+
+
+def split_then_at(split, positions, axis=1, keepdims=1, extent=10):
+    inputs = ["X", "split"] if split is not None else ["X"]
+    nodes = [helper.make_node("SplitToSequence", inputs, ["seq"], axis=axis, keepdims=keepdims)]
+    outputs = [f"Y{k}" for k in range(len(positions))]
+    for k, output in enumerate(outputs):
+        nodes.append(helper.make_node("SequenceAt", ["seq", f"at{k}"], [output]))
+    inits = {f"at{k}": np.array(p, np.int64) for k, p in enumerate(positions)}
+    if split is not None:
+        inits["split"] = np.array(split, np.int64)
+    rank = 3 if split is not None or keepdims else 2
+    return model(nodes, {"X": ["N", extent, 3]}, outputs, inits, rank)
+
+
+@pytest.mark.parametrize(
+    "split, positions, keepdims",
+    [
+        ([3, 3, 4], [0, 1, 2], 1),  # sizes
+        (4, [0, 1, -1], 1),  # chunks of 4 over 10: 4, 4, 2; a negative position
+        (None, [0, 9, 5], 0),  # one step each, squeezed
+        (None, [2], 1),  # one step each, kept; only one part read
+    ],
+)
+def test_a_split_to_sequence_read_at_constant_positions_is_a_split(split, positions, keepdims):
+    original = split_then_at(split, positions, keepdims=keepdims)
+    rewritten = sequences_as_tensors(original)
+    assert "Split" in {n.op_type for n in rewritten.graph.node}
+    feeds = {"X": np.random.default_rng(0).normal(size=(2, 10, 3)).astype(np.float32)}
+    assert_same_outputs(original, rewritten, feeds)
+
+
+@pytest.mark.parametrize("new_axis", [0, 1])
+def test_a_constructed_sequence_concatenated_is_a_concat(new_axis):
+    original = model(
+        [
+            helper.make_node("SequenceConstruct", ["A", "B", "C"], ["seq"]),
+            helper.make_node("ConcatFromSequence", ["seq"], ["Y"], axis=1, new_axis=new_axis),
+        ],
+        {"A": ["N", 3], "B": ["N", 3], "C": ["N", 3]},
+        ["Y"],
+        rank=2 + new_axis,
+    )
+    rewritten = sequences_as_tensors(original)
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.normal(size=(2, 3)).astype(np.float32) for n in "ABC"}
+    assert_same_outputs(original, rewritten, feeds)
+
+
+def test_other_uses_of_a_sequence_stay():
+    """A sequence read by SequenceLength, a chunk size over an axis of unknown extent,
+    and a position that is computed: left as they are."""
+    counted = split_then_at([5, 5], [0])
+    counted.graph.node.append(helper.make_node("SequenceLength", ["seq"], ["n"]))
+    counted.graph.output.append(helper.make_tensor_value_info("n", TensorProto.INT64, []))
+    assert sequences_as_tensors(counted) is counted
+    unknown = split_then_at(4, [0], extent="T")
+    assert sequences_as_tensors(unknown) is unknown
+    computed = split_then_at([5, 5], [0])
+    computed.graph.input.append(helper.make_tensor_value_info("at0", TensorProto.INT64, []))
+    del computed.graph.initializer[[i.name for i in computed.graph.initializer].index("at0")]
+    assert sequences_as_tensors(computed) is computed
+
+
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_one_sgd_step_through_a_split_sequence_equals_numpy(backend):
+    """``Y = q * k + v`` with ``q, k, v`` the thirds of ``X W`` taken apart as a sequence:
+    one SGD step of the squared error on W, against numpy's formula."""
+    rng = np.random.default_rng(2)
+    W = rng.normal(size=(3, 6)).astype(np.float32)
+    onx = model(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["XW"]),
+            helper.make_node("SplitToSequence", ["XW", "two"], ["seq"], axis=1),
+            *[helper.make_node("SequenceAt", ["seq", f"at{k}"], [n]) for k, n in enumerate("qkv")],
+            helper.make_node("Mul", ["q", "k"], ["qk"]),
+            helper.make_node("Add", ["qk", "v"], ["Y"]),
+        ],
+        {"X": ["N", 3]},
+        ["Y"],
+        {"W": W, "two": np.array(2, np.int64), **{f"at{k}": np.array(k) for k in range(3)}},
+    )
+    X = rng.normal(size=(8, 3)).astype(np.float32)
+    y = rng.normal(size=(8, 2)).astype(np.float32)
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(onx, "squared_error"),
+        ["W"],
+        max_iter=1,
+        batch_size=8,
+        learning_rate=0.1,
+        backend=backend,
+    ).fit(X, y)
+    x64, w64 = X.astype(np.float64), W.astype(np.float64)
+    q, k, v = np.split(x64 @ w64, 3, axis=1)
+    residual = 2 * (q * k + v - y) / y.size  # mean squared error's gradient
+    grad = x64.T @ np.concatenate([residual * k, residual * q, residual], axis=1)
+    np.testing.assert_allclose(trainer.get_state()["W"], w64 - 0.1 * grad, rtol=1e-5, atol=1e-7)
+
+
+@requires_torch
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_a_dynamo_export_of_split_trains_as_torch(backend):
+    """``Tensor.split`` as the README's dynamo recipe exports it (SplitToSequence and
+    SequenceAt, GPT-2's attention writes it so): 3 SGD steps equal torch's."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.lin(x).split(2, dim=-1)
+            return q * k + v
+
+    torch.manual_seed(0)
+    net = Net()
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(24, 3)).astype(np.float32)
+    y = rng.normal(size=(24, 2)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        onx = torch.onnx.export(
+            net,
+            (torch.from_numpy(X[:2]),),
+            dynamo=True,
+            optimize=False,
+            input_names=["X"],
+            dynamic_shapes={"x": {0: torch.export.Dim("N")}},
+            verbose=False,
+        ).model_proto
+    assert "SplitToSequence" in {n.op_type for n in onx.graph.node}
+    names = list(net.state_dict())
+    trainer = OrtGradientOptimizer(
+        gk.add_loss_output(onx, "squared_error"),
+        names,
+        max_iter=1,
+        batch_size=8,
+        learning_rate=0.1,
+        shuffle=False,
+        backend=backend,
+    ).fit(X, y)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for start in range(0, 24, 8):
+        optimizer.zero_grad()
+        out = net(torch.from_numpy(X[start : start + 8]))
+        torch.nn.functional.mse_loss(out, torch.from_numpy(y[start : start + 8])).backward()
+        optimizer.step()
+    for name, value in net.state_dict().items():
+        np.testing.assert_allclose(trainer.get_state()[name], value.numpy(), rtol=1e-5, atol=1e-6)
