@@ -189,3 +189,38 @@ def test_a_dynamo_export_of_split_trains_as_torch(backend):
         optimizer.step()
     for name, value in net.state_dict().items():
         np.testing.assert_allclose(trainer.get_state()[name], value.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    "ort_training" not in INSTALLED_BACKENDS, reason="onnxruntime-training is not installed"
+)
+@pytest.mark.parametrize("trainer", ["full", "forward_backward"])
+def test_a_sequence_left_is_refused_in_the_users_names(trainer):
+    """A part taken at a computed position stays a sequence: onnxruntime-training finds
+    the weight "unreachable"; the refusal names the weight as the user knows it (not the
+    forward/backward builder's internal name), the cause, and the native backend."""
+    from graphkit.errors import MissingGradientError
+    from graphkit_train import OrtGradientForwardBackwardOptimizer
+
+    W = np.ones((3, 4), np.float32)
+    onx = model(
+        [
+            helper.make_node("MatMul", ["X", "W"], ["XW"]),
+            helper.make_node("SplitToSequence", ["XW", "two"], ["seq"], axis=1),
+            helper.make_node("ReduceMax", ["position"], ["at"], keepdims=0),  # computed
+            helper.make_node("SequenceAt", ["seq", "at"], ["Y"]),
+        ],
+        {"X": ["N", 3]},
+        ["Y"],
+        {"W": W, "two": np.array(2, np.int64), "position": np.array([0, 1], np.int64)},
+    )
+    X, y = np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)
+    common = dict(max_iter=1, batch_size=4, backend="ort_training")
+    if trainer == "full":
+        fit = OrtGradientOptimizer(gk.add_loss_output(onx, "squared_error"), ["W"], **common)
+    else:
+        fit = OrtGradientForwardBackwardOptimizer(
+            onx, ["W"], learning_loss="squared_error", **common
+        )
+    with pytest.raises(MissingGradientError, match=r"no path from the weight 'W'.*'native'"):
+        fit.fit(X, y)

@@ -41,6 +41,7 @@ from graphkit.errors import MissingGradientError
 NAME = "onnxruntime-training 1.19.2"
 
 _NO_BUILDER = re.compile(r"gradient builder has not been registered: (\S+) for node (\S*)")
+_UNREACHABLE = re.compile(r"partial derivative for '([^']+)' as it's unreachable")
 
 
 def _capi() -> Any:
@@ -68,6 +69,14 @@ NATIVE_HINT = (
 def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradientError:
     """The error to raise when a gradient builder fails (``hint``, the other builder's
     offer, is added where that builder differentiates the operator)."""
+    unreachable = _UNREACHABLE.search(str(exc))
+    if unreachable:
+        return MissingGradientError(
+            f"{NAME} finds no path from the weight {unreachable.group(1)!r} to the outputs "
+            "through operators it differentiates: an operator on the way stops it (a "
+            "sequence operator other than those graphkit rewrites, a Loop...), though the "
+            f"weight reaches the outputs. Its own message: {short_message(exc)}" + NATIVE_HINT
+        )
     found = _NO_BUILDER.search(str(exc))
     if found:
         op_type, node = found.groups()
@@ -249,7 +258,13 @@ def module_graphs(
     model = _frozen_reads_apart(model, weights, inputs_requiring_grad)
     model, internal = _alphabetical_weights(model, weights)
     original = {v: k for k, v in internal.items()}
-    graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
+    try:
+        graphs = _build_module(model, [internal[w] for w in weights], inputs_requiring_grad)
+    except MissingGradientError as exc:  # in the user's names, not the builder's
+        message = str(exc)
+        for name, user in original.items():
+            message = message.replace(f"'{name}'", f"'{user}'")
+        raise MissingGradientError(message) from exc
     for graph in (graphs.forward.graph, graphs.gradient.graph):
         rename_tensors(graph, lambda n: original.get(n, n))
     graphs.initializer_names_to_train = [original[n] for n in graphs.initializer_names_to_train]
