@@ -369,16 +369,29 @@ def ancestors(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
 def constant_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
     """``(name, tensor)`` of every value ``graph`` fixes: its initializers, but those a
     graph input of the same name can override at run time, and its ``Constant`` nodes'
-    ``value`` tensors (not those of its subgraphs)."""
+    values (``value``, and ``value_float(s)`` / ``value_int(s)`` as float32 / int64
+    tensors; not those of its subgraphs)."""
     fed = {i.name for i in graph.input}
     for tensor in graph.initializer:
         if tensor.name not in fed:
             yield tensor.name, tensor
+    lists = {
+        "value_float": (onnx.TensorProto.FLOAT, False),
+        "value_floats": (onnx.TensorProto.FLOAT, True),
+        "value_int": (onnx.TensorProto.INT64, False),
+        "value_ints": (onnx.TensorProto.INT64, True),
+    }
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attribute in node.attribute:
                 if attribute.name == "value":
                     yield node.output[0], attribute.t
+                elif attribute.name in lists:
+                    elem, many = lists[attribute.name]
+                    values = helper.get_attribute_value(attribute)
+                    dims = [len(values)] if many else []
+                    flat = list(values) if many else [values]
+                    yield node.output[0], helper.make_tensor(node.output[0], elem, dims, flat)
 
 
 def fresh_name(base: str, taken: set[str]) -> str:

@@ -43,10 +43,11 @@ def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
     rewritten = copy_model(model)
     graph = rewritten.graph
-    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
+    nodes = list(graph.node)  # held: positions and identities stay valid
+    readers: dict[str, list[int]] = defaultdict(list)
+    for index, node in enumerate(nodes):
         for name in node.input:
-            readers[name].append(node)
+            readers[name].append(index)
     outputs = {o.name for o in graph.output}
     constants = {
         name: tensor_value(t)
@@ -55,12 +56,12 @@ def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
     }
     extents = _static_shapes(rewritten)
     fresh = namer("sequence", graph_names(graph))
-    replaced: dict[int, list[onnx.NodeProto]] = {}  # by id of the node written out
+    replaced: dict[int, list[onnx.NodeProto]] = {}  # by position of the node written out
     dropped: set[int] = set()
-    for node in graph.node:
+    for index, node in enumerate(nodes):
         if node.domain not in ("", "ai.onnx") or node.output[0] in outputs:
             continue
-        users = readers.get(node.output[0], [])
+        users = [nodes[k] for k in readers.get(node.output[0], [])]
         if node.op_type == "SplitToSequence":
             written = _split(node, users, constants, extents, fresh)
         elif node.op_type == "SequenceConstruct":
@@ -68,17 +69,16 @@ def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
         else:
             continue
         if written is not None:
-            replaced[id(node)] = written
-            dropped.update(id(user) for user in users)
+            replaced[index] = written
+            dropped.update(readers.get(node.output[0], []))
     if not replaced:
         return model
-    nodes = []
-    for node in graph.node:
-        if id(node) in dropped:
-            continue
-        nodes.extend(replaced.get(id(node), [node]))
+    kept: list[onnx.NodeProto] = []
+    for index, node in enumerate(nodes):
+        if index not in dropped:
+            kept.extend(replaced.get(index, [node]))
     del graph.node[:]
-    graph.node.extend(nodes)
+    graph.node.extend(kept)
     return rewritten
 
 

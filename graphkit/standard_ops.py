@@ -4,6 +4,8 @@ differentiate, each computing what the nodes it replaces computed, in this order
 * the common sequence patterns as tensor operators (:func:`graphkit.sequences.sequences_as_tensors`:
   dynamo's ``SplitToSequence`` + ``SequenceAt``);
 * a ``CastLike`` of a known type as a ``Cast`` (:func:`graphkit.castlike.castlike_as_cast`);
+* a nearest-neighbour ``Resize`` by whole factors as a broadcast
+  (:func:`graphkit.resize.nearest_resizes_as_broadcasts`: a U-Net's upsampling);
 * skl2onnx's linear models as standard operators
   (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
 
@@ -18,13 +20,15 @@ import onnx
 
 from graphkit.castlike import castlike_as_cast
 from graphkit.ml_ops import linear_models_as_standard_ops
+from graphkit.resize import nearest_resizes_as_broadcasts
 from graphkit.sequences import sequences_as_tensors
 
 
 def as_standard_operators(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites of the module docstring applied (a copy where one
     applies)."""
-    return linear_models_as_standard_ops(castlike_as_cast(sequences_as_tensors(model)))
+    model = castlike_as_cast(sequences_as_tensors(model))
+    return linear_models_as_standard_ops(nearest_resizes_as_broadcasts(model))
 
 
 __all__ = ["as_standard_operators"]
