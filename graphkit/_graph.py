@@ -366,6 +366,23 @@ def ancestors(graph: onnx.GraphProto, outputs: Iterable[str]) -> set[str]:
     return needed
 
 
+def inferred_dims(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Each tensor's dimensions as onnx's shape inference gives them (None for a symbolic
+    or unknown one), the main graph's inputs, initializers and inferred values; where the
+    inference fails, what the graph declares."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # inference is a help: what it cannot give stays unknown
+        inferred = model.graph
+    dims: dict[str, list[int | None]] = {}
+    for value in [*inferred.input, *inferred.value_info]:
+        if value.type.tensor_type.HasField("shape"):
+            found = value.type.tensor_type.shape.dim
+            dims[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in found]
+    dims.update({t.name: list(t.dims) for t in model.graph.initializer})
+    return dims
+
+
 def constant_tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
     """``(name, tensor)`` of every value ``graph`` fixes: its initializers, but those a
     graph input of the same name can override at run time, and its ``Constant`` nodes'

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphkit._graph import constant_tensors, copy_model, graph_names, namer
+from graphkit._graph import constant_tensors, copy_model, graph_names, inferred_dims, namer
 from graphkit.compat import opset_of
 from graphkit.tensor_store import tensor_value
 
@@ -38,7 +38,7 @@ def nearest_resizes_as_broadcasts(model: onnx.ModelProto) -> onnx.ModelProto:
     if not any(n.op_type == "Resize" for n in model.graph.node) or (opset_of(model) or 0) < 13:
         return model  # before opset 13, Unsqueeze took its axes as an attribute
     constants = _scales_and_sizes(model)
-    shapes = _shapes(model)
+    shapes = inferred_dims(model)
     factors = {}  # by position: a protobuf node's Python object is not kept
     for index, node in enumerate(model.graph.node):
         found = _factors(node, constants, shapes)
@@ -102,19 +102,6 @@ def _scales_and_sizes(model: onnx.ModelProto) -> dict[str, np.ndarray]:
         if name
     }
     return {name: v for name in wanted if (v := value(name)) is not None}
-
-
-def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model).graph
-    except Exception:  # inference is a help here: a rank it cannot give is unknown
-        inferred = model.graph
-    shapes: dict[str, list[int | None]] = {}
-    for value in [*inferred.input, *inferred.value_info]:
-        if value.type.tensor_type.HasField("shape"):
-            dims = value.type.tensor_type.shape.dim
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    return shapes
 
 
 def _factors(

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphkit._graph import constant_tensors, copy_model, graph_names, namer
+from graphkit._graph import constant_tensors, copy_model, graph_names, inferred_dims, namer
 from graphkit.tensor_store import tensor_value
 
 
@@ -54,7 +54,7 @@ def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
         for name, t in constant_tensors(graph)
         if t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
     }
-    extents = _static_shapes(rewritten)
+    extents = inferred_dims(rewritten)
     fresh = namer("sequence", graph_names(graph))
     replaced: dict[int, list[onnx.NodeProto]] = {}  # by position of the node written out
     dropped: set[int] = set()
@@ -80,20 +80,6 @@ def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
     del graph.node[:]
     graph.node.extend(kept)
     return rewritten
-
-
-def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model).graph
-    except Exception:  # inference is a help here: an extent it cannot give stays unknown
-        inferred = model.graph
-    shapes: dict[str, list[int | None]] = {}
-    for value in [*inferred.input, *inferred.value_info]:
-        if value.type.tensor_type.HasField("shape"):
-            dims = value.type.tensor_type.shape.dim
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    shapes.update({t.name: list(t.dims) for t in model.graph.initializer})
-    return shapes
 
 
 def _attributes(node: onnx.NodeProto) -> dict:

@@ -210,3 +210,37 @@ def on_both_runtimes(model: onnx.ModelProto, feeds: dict) -> list[list[np.ndarra
         inference_session(model).run(None, feeds),
         onnx.reference.ReferenceEvaluator(model).run(None, feeds),
     ]
+
+
+def assert_sgd_epoch_equals_torch(onx, net, X, y, backend, batch_size=8, lr=0.1) -> None:
+    """One epoch of graphkit's full training (the squared error, SGD at ``lr``, the
+    batches in order) of ``onx``, an export of the torch module ``net``, against torch's
+    SGD of ``net`` on the same batches: every parameter within 1e-5. ``net`` is trained."""
+    import torch
+
+    from graphkit import add_loss_output
+    from graphkit_train import OrtGradientOptimizer
+
+    trainer = OrtGradientOptimizer(
+        add_loss_output(onx, "squared_error"),
+        list(net.state_dict()),
+        max_iter=1,
+        batch_size=batch_size,
+        learning_rate=lr,
+        shuffle=False,
+        backend=backend,
+    ).fit(X, y)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    for start in range(0, len(X), batch_size):
+        optimizer.zero_grad()
+        out = net(torch.from_numpy(X[start : start + batch_size]))
+        torch.nn.functional.mse_loss(
+            out, torch.from_numpy(y[start : start + batch_size])
+        ).backward()
+        optimizer.step()
+    state = trainer.get_state()
+    for name, value in net.state_dict().items():
+        expected = value.numpy()
+        np.testing.assert_allclose(
+            state[name], expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max())
+        )

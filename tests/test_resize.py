@@ -10,13 +10,11 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, requires_torch
+from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires_torch
 from onnx import TensorProto, helper, numpy_helper
 
-import graphkit as gk
 from graphkit.engine.ort_engine import Runner
 from graphkit.resize import nearest_resizes_as_broadcasts
-from graphkit_train import OrtGradientOptimizer
 
 
 def resize(shape, scales=None, sizes=None, **attrs) -> onnx.ModelProto:
@@ -167,7 +165,6 @@ def test_a_nearest_upsampling_trains_as_torch(exporter, backend):
     """Both exporters write ``nn.Upsample(scale_factor=2)`` as a ``Resize`` (the native
     backend needed its whole shape, onnxruntime-training has no CPU ``ResizeGrad``):
     2 SGD steps equal torch's within 1e-5."""
-    import torch
 
     rng = np.random.default_rng(4)
     X = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
@@ -175,24 +172,4 @@ def test_a_nearest_upsampling_trains_as_torch(exporter, backend):
     net = _Decoder.build()
     onx = _export(net, X, exporter)
     assert "Resize" in {n.op_type for n in onx.graph.node}
-    names = list(net.state_dict())
-    trainer = OrtGradientOptimizer(
-        gk.add_loss_output(onx, "squared_error"),
-        names,
-        max_iter=1,
-        batch_size=8,
-        learning_rate=0.1,
-        shuffle=False,
-        backend=backend,
-    ).fit(X, y)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for start in (0, 8):
-        optimizer.zero_grad()
-        out = net(torch.from_numpy(X[start : start + 8]))
-        torch.nn.functional.mse_loss(out, torch.from_numpy(y[start : start + 8])).backward()
-        optimizer.step()
-    for name, value in net.state_dict().items():
-        expected = value.numpy()
-        np.testing.assert_allclose(
-            trainer.get_state()[name], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max()
-        )
+    assert_sgd_epoch_equals_torch(onx, net, X, y, backend)

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, requires_torch
+from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires_torch
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -171,24 +171,7 @@ def test_a_dynamo_export_of_split_trains_as_torch(backend):
             verbose=False,
         ).model_proto
     assert "SplitToSequence" in {n.op_type for n in onx.graph.node}
-    names = list(net.state_dict())
-    trainer = OrtGradientOptimizer(
-        gk.add_loss_output(onx, "squared_error"),
-        names,
-        max_iter=1,
-        batch_size=8,
-        learning_rate=0.1,
-        shuffle=False,
-        backend=backend,
-    ).fit(X, y)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    for start in range(0, 24, 8):
-        optimizer.zero_grad()
-        out = net(torch.from_numpy(X[start : start + 8]))
-        torch.nn.functional.mse_loss(out, torch.from_numpy(y[start : start + 8])).backward()
-        optimizer.step()
-    for name, value in net.state_dict().items():
-        np.testing.assert_allclose(trainer.get_state()[name], value.numpy(), rtol=1e-5, atol=1e-6)
+    assert_sgd_epoch_equals_torch(onx, net, X, y, backend)
 
 
 @pytest.mark.skipif(

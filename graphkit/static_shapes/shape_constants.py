@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from graphkit._graph import constant_tensors
+from graphkit._graph import constant_tensors, inferred_dims
 from graphkit.static_shapes.shapes import STANDARD, static_shapes
 from graphkit.tensor_store import tensor_value
 
@@ -55,13 +55,7 @@ def known_parts_as_constants(model: onnx.ModelProto) -> bool:
     graph = model.graph
     if not any(n.op_type == "Shape" for n in graph.node):
         return False  # no shape inference to pay for
-    inferred = onnx.shape_inference.infer_shapes(model).graph
-    shapes: dict[str, list[int | None]] = {}
-    for value in [*inferred.input, *inferred.value_info]:
-        if value.type.tensor_type.HasField("shape"):
-            dims = value.type.tensor_type.shape.dim
-            shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    shapes.update({t.name: list(t.dims) for t in graph.initializer})
+    shapes = inferred_dims(model)
     outputs = {o.name for o in graph.output}
     replaced = []
     for node in graph.node:

@@ -96,31 +96,38 @@ CONTROL_FLOW = frozenset({"If", "Loop", "Scan"})
 tensors and the outputs."""
 
 
+def _on_the_path(
+    model: onnx.ModelProto, kinds: frozenset[str], wrt: Sequence[str], outputs: Sequence[str]
+) -> list[tuple[onnx.NodeProto, set[str]]]:
+    """The main graph's standard nodes of ``kinds`` between ``wrt`` and ``outputs``, each
+    with the names it reads that depend on ``wrt`` (what a subgraph reads from the outer
+    graph counts as its node's input)."""
+    found = [n for n in model.graph.node if n.op_type in kinds and n.domain in ("", "ai.onnx")]
+    if not found:
+        return []
+    reached = descendants(model.graph, wrt)
+    needed = ancestors(model.graph, outputs)
+    return [
+        (node, outer_reads(node) & reached)
+        for node in found
+        if outer_reads(node) & reached and needed.intersection(node.output)
+    ]
+
+
 def refuse_control_flow(model: onnx.ModelProto, wrt: Sequence[str], outputs: Sequence[str]) -> None:
     """Raise :class:`MissingGradientError` naming the first control-flow node between
     ``wrt`` and ``outputs`` (what its subgraphs read from the outer graph counts as its
     input), before a builder sees it.
     """
-    flow = [
-        node
-        for node in model.graph.node
-        if node.op_type in CONTROL_FLOW and node.domain in ("", "ai.onnx")
-    ]
-    if not flow:
-        return
-    reached = descendants(model.graph, wrt)
-    needed = ancestors(model.graph, outputs)
-    for node in flow:
-        names = outer_reads(node)
-        if names & reached and needed.intersection(node.output):
-            raise MissingGradientError(
-                f"{NAME} has no gradient for control flow: {node.op_type} node "
-                f"{node.name or node.output[0]!r} lies between the trained weights and the "
-                f"loss (through {sorted(names & reached)[:3]}), and its gradient builders "
-                "abort the process on it. Keep the weights off the branch or loop (export "
-                "the model with the branch taken, e.g. torch.jit.trace), or name other "
-                "weights_to_train."
-            )
+    for node, reads in _on_the_path(model, CONTROL_FLOW, wrt, outputs):
+        raise MissingGradientError(
+            f"{NAME} has no gradient for control flow: {node.op_type} node "
+            f"{node.name or node.output[0]!r} lies between the trained weights and the "
+            f"loss (through {sorted(reads)[:3]}), and its gradient builders "
+            "abort the process on it. Keep the weights off the branch or loop (export "
+            "the model with the branch taken, e.g. torch.jit.trace), or name other "
+            "weights_to_train."
+        )
 
 
 def refuse_recurrent_beyond_kernels(
@@ -131,18 +138,7 @@ def refuse_recurrent_beyond_kernels(
     ``LSTMGrad`` and ``GRUGrad`` run the forward direction only, without
     ``sequence_lens`` or ``clip`` (onnxruntime fails to load the session otherwise, naming
     its kernel's assertion)."""
-    layers = [
-        node
-        for node in model.graph.node
-        if node.op_type in MODULE_BUILDER_ONLY and node.domain in ("", "ai.onnx")
-    ]
-    if not layers:
-        return
-    reached = descendants(model.graph, wrt)
-    needed = ancestors(model.graph, outputs)
-    for node in layers:
-        if not (reached & set(node.input) and needed.intersection(node.output)):
-            continue
+    for node, _ in _on_the_path(model, MODULE_BUILDER_ONLY, wrt, outputs):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         direction = attrs.get("direction", b"forward").decode()
         inputs = list(node.input) + [""] * 5
