@@ -120,7 +120,7 @@ class _Direction:
         attrs = _attributes(node)
         self.hidden = int(attrs["hidden_size"])
         direction = attrs.get("direction", b"forward")
-        self.backwards = direction == b"reverse" or (direction == b"bidirectional" and index)
+        self.backwards = direction == b"reverse" or (direction == b"bidirectional" and index == 1)
         self.dtype = ctx.dtype(node.input[0], node.input[1])
         inputs = list(node.input) + [""] * (8 - len(node.input))
         self.x = inputs[0]

@@ -496,7 +496,7 @@ def consulted_first() -> Iterator[None]:
     from onnx_ad import rules as ad
 
     # the module, which the package's ``reverse`` function hides as an attribute
-    ad_reverse = importlib.import_module("onnx_ad.reverse")
+    ad_reverse: Any = importlib.import_module("onnx_ad.reverse")
 
     saved, spread = dict(ad.REVERSE), ad._window_spread
     expand = ad_reverse.expand_recurrent
