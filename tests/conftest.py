@@ -244,3 +244,25 @@ def assert_sgd_epoch_equals_torch(onx, net, X, y, backend, batch_size=8, lr=0.1)
         np.testing.assert_allclose(
             state[name], expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max())
         )
+
+
+def export_dynamo(net, example: np.ndarray) -> onnx.ModelProto:
+    """``net`` exported by the README's dynamo recipe (``optimize=False``), its first
+    input's batch symbolic (``N``), quietly; ``example``: rows of that input."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            net,
+            (torch.from_numpy(example[:2]),),
+            dynamo=True,
+            optimize=False,
+            input_names=["X"],
+            dynamic_shapes=({0: torch.export.Dim("N", min=1)},),
+        )
+    return program.model_proto

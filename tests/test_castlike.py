@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx.reference
 import pytest
-from conftest import INSTALLED_BACKENDS, requires_ort_training
+from conftest import INSTALLED_BACKENDS, export_dynamo, requires_ort_training
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -216,28 +216,12 @@ def _rms_norm_net():
     return net
 
 
-def _dynamo_export(net) -> onnx.ModelProto:
-    import contextlib
-    import io
-
-    torch = pytest.importorskip("torch")
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            net,
-            (torch.randn(2, 4),),
-            dynamo=True,
-            optimize=False,
-            input_names=["X"],
-            dynamic_shapes=({0: torch.export.Dim("N", min=1)},),
-        )
-    return program.model_proto
-
-
 @pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
 def test_a_dynamo_rms_norm_export_trains_like_torch(backend):
     torch = pytest.importorskip("torch")
-    onx = _dynamo_export(_rms_norm_net())
+    onx = export_dynamo(
+        _rms_norm_net(), np.random.default_rng(0).normal(size=(2, 4)).astype(np.float32)
+    )
     assert "CastLike" in _ops(onx), "the dynamo export is expected to hold a CastLike"
     rng = np.random.default_rng(2)
     X = rng.normal(size=(8, 4)).astype(np.float32)

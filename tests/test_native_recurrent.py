@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, requires_torch
+from conftest import INSTALLED_BACKENDS, export_dynamo, requires_torch
 from onnx import TensorProto, helper, numpy_helper
 from test_native import native_gradient
 
@@ -270,19 +270,7 @@ def exported(net, X: np.ndarray, path, exporter: str = "torchscript") -> onnx.Mo
     import torch
 
     if exporter == "dynamo":  # the README's recipe: gate slices bounded by shapes
-        batch = torch.export.Dim("N")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                net,
-                (torch.from_numpy(X[:2]),),
-                dynamo=True,
-                optimize=False,
-                input_names=["X"],
-                dynamic_shapes={"x": {0: batch}},
-                verbose=False,
-            )
-        return program.model_proto
+        return export_dynamo(net, X)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(

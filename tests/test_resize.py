@@ -10,7 +10,12 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires_torch
+from conftest import (
+    INSTALLED_BACKENDS,
+    assert_sgd_epoch_equals_torch,
+    export_dynamo,
+    requires_torch,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit.engine.ort_engine import Runner
@@ -131,18 +136,10 @@ class _Decoder:
 def _export(net, X: np.ndarray, exporter: str) -> onnx.ModelProto:
     import torch
 
+    if exporter == "dynamo":
+        return export_dynamo(net, X)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            return torch.onnx.export(
-                net,
-                (torch.from_numpy(X[:2]),),
-                dynamo=True,
-                optimize=False,
-                input_names=["X"],
-                dynamic_shapes={"x": {0: torch.export.Dim("N")}},
-                verbose=False,
-            ).model_proto
         buffer = io.BytesIO()
         torch.onnx.export(
             net,

@@ -4,12 +4,15 @@ export of ``Tensor.split``, trained)."""
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires_torch
+from conftest import (
+    INSTALLED_BACKENDS,
+    assert_sgd_epoch_equals_torch,
+    export_dynamo,
+    requires_torch,
+)
 from onnx import TensorProto, helper, numpy_helper
 
 import graphkit as gk
@@ -159,17 +162,7 @@ def test_a_dynamo_export_of_split_trains_as_torch(backend):
     rng = np.random.default_rng(3)
     X = rng.normal(size=(24, 3)).astype(np.float32)
     y = rng.normal(size=(24, 2)).astype(np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        onx = torch.onnx.export(
-            net,
-            (torch.from_numpy(X[:2]),),
-            dynamo=True,
-            optimize=False,
-            input_names=["X"],
-            dynamic_shapes={"x": {0: torch.export.Dim("N")}},
-            verbose=False,
-        ).model_proto
+    onx = export_dynamo(net, X)
     assert "SplitToSequence" in {n.op_type for n in onx.graph.node}
     assert_sgd_epoch_equals_torch(onx, net, X, y, backend)
 
