@@ -18,7 +18,9 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
   differentiates sequences; dynamo writes GPT-2's attention split so);
 * gathers that take a tensor apart along an axis (an attention's queries, keys and
   values) become one ``Split`` (:func:`graphkit.gathers.gathers_as_split`);
-* a model exported in training mode is refused (:func:`refuse_training_mode`);
+* BatchNormalization and Dropout in their inference form, the layers that train in
+  training mode marked (:func:`graphkit.train_mode.marked_for_training`, by
+  :func:`standard_model`);
 * a weight's transposed copy an exporter folded (a tied embedding's output projection)
   is read as a ``Transpose`` of the weight, so that both train as one
   (:func:`graphkit.tied_weights.tie_transposed_copies`);
@@ -33,10 +35,8 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
-import numpy as np
 import onnx
 
 from graphkit import backends
@@ -63,8 +63,8 @@ from graphkit.rewrite import (
     metadata,
 )
 from graphkit.standard_ops import as_standard_operators
-from graphkit.tensor_store import tensor_value
 from graphkit.tied_weights import read_transposed, tie_transposed_copies, tied_names
+from graphkit.train_mode import marked_for_training
 
 
 def prepare_for_training(
@@ -75,6 +75,7 @@ def prepare_for_training(
     loss_output_name: str | None = None,
     *,
     tie_weights: bool = True,
+    train_mode: bool | None = None,
 ) -> tuple[onnx.ModelProto, list[str]]:
     """``(rewritten model, weights to train)`` for a user's prediction or training graph.
 
@@ -90,9 +91,10 @@ def prepare_for_training(
     (:func:`graphkit.parameters.untie_shared_parameters`). ``loss_output_name`` (None:
     the one :func:`graphkit.add_loss_output` recorded, if any) names a training graph's
     loss, whose own terms on a weight (a penalty) keep reading the trained weight.
+    ``train_mode`` is :func:`standard_model`'s.
     """
     return prepare_standard_model(
-        standard_model(model),
+        standard_model(model, train_mode),
         weights_to_train,
         backend,
         untie_shared_weights,
@@ -113,7 +115,6 @@ def prepare_standard_model(
     """:func:`prepare_for_training` of a model :func:`standard_model` gave (left as it
     is), which is not converted again."""
     model = gathers_as_split(copy_model(standard))
-    refuse_training_mode(model)
     if tie_weights:
         model, ties = tie_transposed_copies(model)
         weights_to_train = tied_names(weights_to_train, ties)
@@ -126,11 +127,16 @@ def prepare_standard_model(
     return backends.get(backend).prepare(model), weights
 
 
-def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
+def standard_model(model: onnx.ModelProto, train_mode: bool | None = None) -> onnx.ModelProto:
     """A copy of ``model`` every backend loads, at :data:`~graphkit.compat.DSL_OPSET` where
     onnx can convert it (:func:`compatible_for_training`), its linear models in standard
     operators, its ``CastLike`` nodes of a known type ``Cast`` nodes, its sequence
-    patterns tensor operators (:func:`graphkit.standard_ops.as_standard_operators`).
+    patterns tensor operators, its BatchNormalization and Dropout in their inference
+    form (:func:`graphkit.standard_ops.as_standard_operators`).
+
+    ``train_mode`` says which BatchNormalization and Dropout layers train in training
+    mode (:func:`graphkit.train_mode.marked_for_training`): None, those the graph was
+    exported so; True, all; False, none.
 
     A graph :func:`graphkit.add_loss_output` wrote (its loss recorded in the metadata) is
     that already: it is copied, not converted and checked again (a trainer's build
@@ -138,8 +144,10 @@ def standard_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     if _standard_already(model):
         check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
-        return copy_model(model)
-    return as_standard_operators(compatible_for_training(quantized_as_standard(model)))
+        standard = copy_model(model)
+    else:
+        standard = as_standard_operators(compatible_for_training(quantized_as_standard(model)))
+    return standard if train_mode is None else marked_for_training(standard, train_mode)
 
 
 def _standard_already(model: onnx.ModelProto) -> bool:
@@ -179,91 +187,6 @@ def trainable_weights(
     if not weights:
         _no_weights(onx)
     return weights
-
-
-EXPORT_RECIPE = (
-    "Export the model in eval mode instead: net.eval(), then torch.onnx.export(net, "
-    "args, f, dynamo=False, training=torch.onnx.TrainingMode.PRESERVE) (or "
-    "do_constant_folding=False, which also keeps BatchNorm apart from the Conv before it), "
-    "or torch.onnx.export(net, args, dynamo=True, optimize=False) (see the README, "
-    "'Exporting a model for training')."
-)
-
-
-TRAINING_BATCH_NORMS = ("_native_batch_norm_legit_functional", "_native_batch_norm_legit.")
-"""The aten operators torch's dynamo exporter records (in a node's name and its
-``pkg.torch.onnx.*`` metadata) for a BatchNorm of a network left in ``train()``; in
-``eval()`` it records ``_native_batch_norm_legit_no_training``. Its translation is an
-inference ``BatchNormalization`` (no ``training_mode``), or, with ``optimize=True``, a
-``Gemm`` or ``Conv`` it was folded into: nothing else in the graph tells."""
-
-RUNNING_STATISTICS = re.compile(r"running_(mean|var)")
-
-
-def refuse_training_mode(model: onnx.ModelProto) -> None:
-    """Raise :class:`~graphkit.errors.IncompatibleModelError` naming the first node
-    exported in training mode: a ``BatchNormalization`` with ``training_mode=1`` (or,
-    before opset 14, with its running statistics as outputs)
-    normalizes with each batch's statistics (its predictions would change with the
-    batch) and never updates its running ones here; a ``Dropout`` whose
-    ``training_mode`` input is a constant true drops units at prediction time too; a
-    node torch's dynamo exporter wrote for a BatchNorm in ``train()`` mode
-    (:data:`TRAINING_BATCH_NORMS`, in its name or metadata), and a graph output holding
-    running statistics, are refused the same way."""
-    constants = _constant_values(model)
-    for output in model.graph.output:
-        if RUNNING_STATISTICS.search(output.name):
-            raise IncompatibleModelError(
-                f"The graph's output {output.name!r} holds a BatchNorm's running statistics: "
-                "the model was exported in training mode, and graphkit trains the inference "
-                "graph (it would never update them). " + EXPORT_RECIPE
-            )
-    for node in model.graph.node:
-        exported_as = _dynamo_training_batch_norm(node)
-        if exported_as:
-            raise IncompatibleModelError(
-                f"{node.op_type} node {node.name or node.output[0]!r} is torch's "
-                f"{exported_as} of a BatchNorm in train() mode (dynamo exported the network "
-                "without net.eval()): graphkit trains the inference graph, and this one "
-                "holds no running statistics it would use. " + EXPORT_RECIPE
-            )
-        if node.domain not in ("", "ai.onnx"):
-            continue
-        training = False
-        if node.op_type == "BatchNormalization":
-            # training_mode=1 from opset 14; before, the running statistics as outputs
-            training = any(a.name == "training_mode" and a.i for a in node.attribute)
-            training = training or len([o for o in node.output if o]) > 1
-        elif node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
-            value = constants.get(node.input[2])
-            training = value is not None and bool(value.all())
-        if training:
-            raise IncompatibleModelError(
-                f"{node.op_type} node {node.name or node.output[0]!r} was exported in "
-                "training mode, and graphkit trains the inference graph (batch statistics "
-                "and dropout at prediction time would change every prediction). " + EXPORT_RECIPE
-            )
-
-
-def _dynamo_training_batch_norm(node: onnx.NodeProto) -> str | None:
-    """The aten operator of :data:`TRAINING_BATCH_NORMS` that dynamo recorded for
-    ``node`` (its name or its metadata), or None."""
-    texts = [node.name, *(p.value for p in node.metadata_props if p.key.startswith("pkg.torch"))]
-    for text in texts:
-        for aten in TRAINING_BATCH_NORMS:
-            if aten in text:
-                return aten.rstrip(".")
-    return None
-
-
-def _constant_values(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    values: dict[str, np.ndarray] = {
-        t.name: tensor_value(t) for t in model.graph.initializer if t.dims in ([], [1])
-    }
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            values[node.output[0]] = tensor_value(node.attribute[0].t)
-    return values
 
 
 def _no_weights(onx: onnx.ModelProto) -> None:

@@ -7,7 +7,9 @@ differentiate, each computing what the nodes it replaces computed, in this order
 * a nearest-neighbour ``Resize`` by whole factors as a broadcast
   (:func:`graphkit.resize.nearest_resizes_as_broadcasts`: a U-Net's upsampling);
 * skl2onnx's linear models as standard operators
-  (:func:`graphkit.ml_ops.linear_models_as_standard_ops`).
+  (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
+* BatchNormalization and Dropout in their inference form, those exported in training
+  mode marked to train so (:func:`graphkit.train_mode.marked_for_training`).
 
 Both entry points apply them: :func:`graphkit.add_loss_output` and
 :func:`graphkit.prepare.standard_model` (a trainer's build), after the opset
@@ -22,13 +24,15 @@ from graphkit.castlike import castlike_as_cast
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.resize import nearest_resizes_as_broadcasts
 from graphkit.sequences import sequences_as_tensors
+from graphkit.train_mode import marked_for_training
 
 
 def as_standard_operators(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites of the module docstring applied (a copy where one
     applies)."""
     model = castlike_as_cast(sequences_as_tensors(model))
-    return linear_models_as_standard_ops(nearest_resizes_as_broadcasts(model))
+    model = linear_models_as_standard_ops(nearest_resizes_as_broadcasts(model))
+    return marked_for_training(model)
 
 
 __all__ = ["as_standard_operators"]

@@ -173,6 +173,15 @@ class UpdateStep:
     """Initial values of the resident inputs (weights, zero state, step 0, loss_sum 0)."""
     packing: Packing | None = None
     """How the weights are laid end to end for the optimizer (None: one by one)."""
+    buffers: list[str] = field(default_factory=list)
+    """The model's values the step updates without a gradient (torch's buffers: the
+    running statistics of a BatchNormalization that trains with batch statistics, see
+    :mod:`graphkit.train_mode`); they are also in ``state``."""
+
+    @property
+    def model_state(self) -> list[str]:
+        """What the prediction graph reads from training: the weights and the buffers."""
+        return [*self.weights, *self.buffers]
 
     @property
     def resident(self) -> list[str]:
@@ -185,7 +194,9 @@ class UpdateStep:
 
     def internal(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Values named per weight (as :meth:`public` gives them) as the graph holds them."""
-        return dict(values) if self.packing is None else self.packing.pack(values, self.state)
+        if self.packing is None:
+            return dict(values)
+        return self.packing.pack(values, [s for s in self.state if s.startswith(PACKED + ".")])
 
     @property
     def public_state(self) -> list[str]:

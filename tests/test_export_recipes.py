@@ -5,7 +5,7 @@ torch's exporters fold what a user may want to train: TorchScript's default expo
 ``optimize=True`` merge an eval-mode BatchNorm into the Conv before it, so BatchNorm's
 scale and shift are no longer weights (and nothing in the graph says so). Each recipe
 keeps them; graphkit then trains the network as torch trains it in eval mode. A model
-exported in training mode (batch statistics, dropout) is refused, naming the node.
+exported in training mode trains as torch's train() (tests/test_train_mode.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 import graphkit as gk
+from graphkit.prepare import prepare_for_training
+from graphkit.train_mode import BATCH_STATISTICS, is_marked
 
 torch = pytest.importorskip("torch")
 
@@ -153,16 +155,6 @@ def test_the_default_exports_fold_batch_norm_into_the_conv(recipe):
     assert not any("bn." in i.name for i in onx.graph.initializer)
 
 
-@pytest.mark.parametrize("trainer", ["full", "forward_backward"])
-def test_a_training_mode_export_is_refused_naming_the_node(trainer):
-    onx = _export(_net(), "torchscript TRAINING")
-    with pytest.raises(gk.IncompatibleModelError, match="BatchNormalization node .* training mode"):
-        if trainer == "full":
-            Trainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
-        else:
-            ForwardBackwardTrainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
-
-
 def _in_training_mode(layer, opset: int):
     """A small MLP with ``layer`` in its middle, exported by TorchScript in training mode."""
     import onnx
@@ -185,23 +177,16 @@ def _in_training_mode(layer, opset: int):
     return onnx.load_from_string(buffer.getvalue())
 
 
-def test_a_training_mode_export_at_opset_13_is_refused():
+def test_a_training_mode_export_at_opset_13_trains_with_batch_statistics():
     """Before opset 14, training mode is a BatchNormalization with its running
-    statistics as outputs (no training_mode attribute)."""
+    statistics as outputs (no training_mode attribute): graphkit reads it so."""
     onx = _in_training_mode(torch.nn.BatchNorm1d(8), 13)
     assert all(a.name != "training_mode" for n in onx.graph.node for a in n.attribute), (
         "the export is expected to say training mode by its outputs only"
     )
-    X = np.ones((4, 4), np.float32)
-    with pytest.raises(gk.IncompatibleModelError, match="BatchNormalization node .* training mode"):
-        Trainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
-
-
-def test_a_dropout_in_training_mode_is_refused():
-    onx = _in_training_mode(torch.nn.Dropout(0.5), 18)
-    X = np.ones((4, 4), np.float32)
-    with pytest.raises(gk.IncompatibleModelError, match="Dropout node .* training mode"):
-        Trainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
+    prepared, _ = prepare_for_training(onx, None)
+    (node,) = [n for n in prepared.graph.node if n.op_type == "BatchNormalization"]
+    assert is_marked(node, BATCH_STATISTICS) and list(node.output) == [node.output[0]]
 
 
 def _dynamo_in_train_mode(optimize: bool):
@@ -226,21 +211,16 @@ def _dynamo_in_train_mode(optimize: bool):
     return program.model_proto
 
 
-@pytest.mark.parametrize("optimize", [False, True], ids=["optimize=False", "optimize=True"])
-@pytest.mark.parametrize("trainer", ["full", "forward_backward"])
-def test_a_dynamo_export_in_train_mode_is_refused(optimize, trainer):
-    """dynamo writes a train()-mode BatchNorm as an inference BatchNormalization (or,
-    optimized, folds it into the Gemm), which trains silently as another network; the
-    aten operator it records for the node gives it away."""
-    onx = _dynamo_in_train_mode(optimize)
+def test_a_dynamo_export_in_train_mode_trains_with_batch_statistics():
+    """dynamo writes a train()-mode BatchNorm as an inference BatchNormalization; the
+    aten operator it records for the node gives it away (optimize=True, which folds it
+    into the Gemm, is refused: tests/test_train_mode.py)."""
+    onx = _dynamo_in_train_mode(optimize=False)
     assert not any(a.name == "training_mode" for n in onx.graph.node for a in n.attribute)
-    X = np.ones((4, 4), np.float32)
-    pattern = r"node .* is torch's _native_batch_norm_legit_functional of a BatchNorm in train"
-    with pytest.raises(gk.IncompatibleModelError, match=pattern):
-        if trainer == "full":
-            Trainer(onx, loss="squared_error", max_iter=1).fit(X, np.ones(4, np.float32))
-        else:
-            ForwardBackwardTrainer(onx, max_iter=1).fit(X, np.ones(4, np.float32))
+    prepared, _ = prepare_for_training(onx, None)
+    assert [is_marked(n) for n in prepared.graph.node if n.op_type == "BatchNormalization"] == [
+        True
+    ]
 
 
 def test_a_dynamo_export_in_eval_mode_is_not_refused():
@@ -250,7 +230,7 @@ def test_a_dynamo_export_in_eval_mode_is_not_refused():
     Trainer(onx, loss="cross_entropy", max_iter=1).fit(*_data())
 
 
-def test_running_statistics_as_graph_outputs_are_refused():
+def test_running_statistics_read_as_graph_outputs_are_refused():
     import onnx
     from onnx import TensorProto, helper
 
@@ -261,5 +241,5 @@ def test_running_statistics_as_graph_outputs_are_refused():
     onx.graph.output[-1].name = "bn.running_mean"
     node.output[1] = "bn.running_mean"
     assert isinstance(onx, onnx.ModelProto)
-    with pytest.raises(gk.IncompatibleModelError, match="'bn.running_mean' holds a BatchNorm"):
+    with pytest.raises(gk.IncompatibleModelError, match="outputs its updated running statistics"):
         Trainer(onx, max_iter=1).fit(np.ones((4, 4), np.float32), np.ones(4, np.float32))

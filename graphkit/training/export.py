@@ -206,11 +206,11 @@ def export_info(
     inference = (
         prediction
         if state is None
-        else with_weights(prediction, trained_weights(state, step.weights))
+        else with_weights(prediction, trained_weights(state, step.model_state))
     )
     main = inference.graph
     weights = {t.name for t in main.initializer}
-    missing = [w for w in step.weights if w in resident and w not in weights]
+    missing = [w for w in step.model_state if w in resident and w not in weights]
     if missing:
         raise IncompatibleModelError(
             f"Weights {missing} of the training step are not initializers of the prediction "
@@ -219,7 +219,7 @@ def export_info(
         )
     shared_inputs = {i.name for i in main.input}
     taken = graph_names(main)
-    keep = set(step.weights) | (shared_inputs & {i.name for i in algorithm.graph.input})
+    keep = set(step.model_state) | (shared_inputs & {i.name for i in algorithm.graph.input})
     own_names = graph_names(algorithm.graph)
     avoid = taken | own_names  # fresh_name adds each new name to it
     renamed: dict[str, str] = {}
@@ -231,7 +231,7 @@ def export_info(
         node.name = renamed.get(node.name, node.name)
 
     graph = algorithm.graph
-    own = {n: v for n, v in resident.items() if n not in step.weights}
+    own = {n: v for n, v in resident.items() if n not in step.model_state}
     inputs = [i for i in graph.input if i.name not in keep and i.name not in own]
     del graph.input[:]
     graph.input.extend(inputs)

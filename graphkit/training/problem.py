@@ -57,15 +57,16 @@ class TrainingProblem:
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> TrainingProblem:
         """The problem of training ``model`` (a graph with a loss output): its weights
         are chosen here, once (None: the model's parameters that the loss depends on,
         never its constants). ``backend`` is resolved here, once (a name, or None for
         the default), and every graph of the problem comes from that backend.
-        ``untie_shared_weights`` and ``tie_weights`` are
+        ``untie_shared_weights``, ``tie_weights`` and ``train_mode`` are
         :func:`graphkit.prepare.prepare_for_training`'s."""
         backend = backends.get(backend)
-        user_model = standard_model(model)
+        user_model = standard_model(model, train_mode)
         prepared, weights = prepare_standard_model(
             user_model,
             weights_to_train,

@@ -37,6 +37,7 @@ from graphkit._graph import (
     ELEM_TO_DTYPE,
     elem_type,
     graph_names,
+    renamed_value,
     splice,
     static_shape,
     value_info,
@@ -55,6 +56,7 @@ from graphkit.rewrite import (
     prune,
     weight_values,
 )
+from graphkit.train_mode import training_form
 from graphkit.transforms import Emitter, GradientTransformation, WeightInfo, emit_all
 from graphkit.update_step import (
     LOSS,
@@ -375,10 +377,12 @@ def build_training_step(
     weights = trainable_weights(train_onx, weights_to_train)
     features, label, sample_weight = data_inputs(train_onx, weights, sample_weight_name)
     labels = label_inputs(train_onx, label)
-    values = weight_values(train_onx, weights)
+    form = training_form(train_onx, STEP)
+    buffers = list(form.buffers)
+    values = weight_values(train_onx, [*weights, *buffers])
 
     model = gradient_model(
-        initializers_to_inputs(train_onx, weights), loss_output_name, weights, backend
+        initializers_to_inputs(form.model, [*weights, *buffers]), loss_output_name, weights, backend
     )
     source = backends.get(backend).name
     loss_value = next(o for o in model.graph.output if o.name == loss_output_name)
@@ -386,12 +390,17 @@ def build_training_step(
     update = build_update_step(
         {w: values[w] for w in weights}, optimizer, None, loss_dtype, learning_rate, pack
     )
+    # the forward's own resident values: running statistics, the Dropout masks' seed
+    own = [*buffers, *([form.seed] if form.seed else [])]
     taken = graph_names(model.graph)
-    clash = sorted(set(update.state + [STEP, LOSS_SUM]) & taken)
+    clash = sorted(set(update.state + [LOSS_SUM] + ([] if form.step else [STEP])) & taken)
     if clash:
         raise ValueError(f"Names {clash} of the training step are already used in the graph.")
+    inputs = {i.name for i in model.graph.input}
     model.graph.input.extend(
-        i for i in update.model.graph.input if i.name in {*update.state, STEP, LOSS_SUM}
+        i
+        for i in update.model.graph.input
+        if i.name in {*update.state, STEP, LOSS_SUM} and i.name not in inputs
     )
     wiring = {name: name for name in [*weights, *update.state, STEP, LOSS_SUM]}
     wiring.update({grad_name(w): grad_name(w) for w in weights})
@@ -401,17 +410,28 @@ def build_training_step(
         model.graph.node.append(
             helper.make_node("Identity", [produced[output.name]], [output.name])
         )
+    declared = {i.name: i for i in model.graph.input}
+    updated = {**form.buffers, **({form.seed: form.seed} if form.seed else {})}
+    own_outputs = []
+    for name in own:
+        model.graph.node.append(helper.make_node("Identity", [updated[name]], [next_name(name)]))
+        own_outputs.append(renamed_value(declared[name], next_name(name)))
     del model.graph.output[:]
-    model.graph.output.extend([loss_value, *update.model.graph.output])
+    model.graph.output.extend([loss_value, *update.model.graph.output, *own_outputs])
     model.doc_string = f"graphkit training step: forward, gradient ({source}), " + (
         update.model.doc_string.removeprefix("graphkit update step: ")
     )
+    initial = dict(update.initial)
+    initial.update({b: np.array(values[b]) for b in buffers})
+    if form.seed:
+        initial[form.seed] = np.array(0, dtype=np.int64)
     return TrainingStep(
         model=finalize(model),
         weights=weights,
-        state=update.state,
-        initial=update.initial,
+        state=[*update.state, *own],
+        initial=initial,
         packing=update.packing,
+        buffers=buffers,
         features=features[0],
         label=label,
         sample_weight=sample_weight,

@@ -29,12 +29,15 @@ def untied_prediction(model: onnx.ModelProto, weights: Sequence[str]) -> onnx.Mo
 def trained_weights(
     state: Mapping[str, np.ndarray], weights: Sequence[str], ema: bool = False
 ) -> dict[str, np.ndarray]:
-    """The weights in a training state (``get_state()``: weights, optimizer state,
-    ``step``), or their moving average when ``ema`` (the optimizer's chain must end with
+    """The values of ``weights`` (the weights and buffers, such as running statistics)
+    in a training state (``get_state()``: weights, optimizer state, ``step``), the
+    weights' moving averages instead when ``ema`` (the optimizer's chain must end with
     :func:`graphkit.transforms.ema`)."""
+    values = {n: v for n, v in state.items() if n in weights}
     if ema:
-        return ema_weights(state)
-    return {n: v for n, v in state.items() if n in weights}
+        averages = ema_weights(state)
+        values = {n: v for n, v in values.items() if n not in averages} | averages
+    return values
 
 
 def with_weights(model: onnx.ModelProto, weights: Mapping[str, np.ndarray]) -> onnx.ModelProto:

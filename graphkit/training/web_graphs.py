@@ -77,11 +77,11 @@ def web_graphs(
     initial = initial_state(step)
     resident = {name: initial[name] for name in roles["resident"]}
     training_step = problem.step()
-    weights = [w for w in training_step.weights if w in resident]
+    weights = [w for w in training_step.model_state if w in resident]
 
     # the training graph and the prediction graph, reading the weights as inputs (those
     # the trainer evaluates and predicts with)
-    evaluation = initializers_to_inputs(problem.model, training_step.weights)
+    evaluation = initializers_to_inputs(problem.model, training_step.model_state)
     prediction_graph = strip_loss_output(evaluation)
     evaluate = _forward(backend, evaluation, [roles["loss"]])
     prediction_output = metadata(problem.model).get(META_PREDICTION) or next(
@@ -91,7 +91,7 @@ def web_graphs(
     trained = (
         copy_model(prediction)
         if state is None
-        else with_weights(prediction, trained_weights(state, training_step.weights))
+        else with_weights(prediction, trained_weights(state, training_step.model_state))
     )
     template, trained = _template(trained, weights, resident)
     return WebGraphs(

@@ -93,6 +93,7 @@ class BaseTrainer(
     backend: str | None
     untie_shared_weights: bool
     tie_weights: bool
+    train_mode: bool | None
     rollback: str
     # set by ``_build``
     learning_rate_: GradientTransformation

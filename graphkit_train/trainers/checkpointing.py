@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from graphkit.compat import load_model
+from graphkit.train_mode import DROPOUT_SEED
 from graphkit.update_step import STEP, UpdateStep
 from graphkit_train.trainers.params import as_state
 
@@ -74,6 +75,8 @@ class Checkpointing:
             self.train_losses_ = []
             self.validation_losses_ = []
             self._rng = np.random.default_rng(seed)
+            if DROPOUT_SEED in self.update_step_.state:  # the Dropout masks' stream
+                self._resident[DROPOUT_SEED].update_inplace(dropout_seed(seed))
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(seed)
 
@@ -137,3 +140,10 @@ class Checkpointing:
         for name in ("n_features_in_", "feature_names_in_"):
             if name in state:
                 setattr(self, name, state[name])
+
+
+def dropout_seed(seed: int | None) -> np.ndarray:
+    """The seed of the Dropout masks' stream (:mod:`graphkit.train_mode`) for a fit with
+    ``random_state=seed``: drawn from ``seed`` (None: from fresh entropy), int64."""
+    drawn = np.random.SeedSequence(seed).generate_state(1, np.uint32)[0]
+    return np.array(int(drawn) & 0x7FFFFFFF, dtype=np.int64)

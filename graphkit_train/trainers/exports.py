@@ -120,7 +120,7 @@ class ModelExports:
         """:meth:`get_trained_onnx`, its frozen weights still mapped from their file
         (:mod:`graphkit.tensor_store`): what the exporters write without copying them."""
         self._build()
-        weights = trained_weights(self.get_state(), self.update_step_.weights, ema)
+        weights = trained_weights(self.get_state(), self.update_step_.model_state, ema)
         target = self._untied(self._prediction_model() if model is None else load_model(model))
         return with_weights(target, weights)
 

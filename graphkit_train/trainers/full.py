@@ -127,6 +127,7 @@ class Trainer(BaseTrainer):
         tie_weights: bool = True,
         loss_weights: Mapping[str, float] | None = None,
         rollback: str = "epoch",
+        train_mode: bool | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -194,6 +195,7 @@ class Trainer(BaseTrainer):
             self._backend,
             self.untie_shared_weights,
             self.tie_weights,
+            self.train_mode,
         )
         self.train_onnx_, self.weights_to_train_ = problem.model, problem.weights
         # the graph exported with the trained weights: the user's, linear models written
@@ -228,7 +230,7 @@ class Trainer(BaseTrainer):
             else np.dtype(np.float32)
         )
         # the training graph and the prediction graph, reading the weights as inputs
-        self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.weights)
+        self.evaluation_onnx_ = initializers_to_inputs(self.train_onnx_, step.model_state)
         self.prediction_onnx_ = strip_loss_output(self.evaluation_onnx_)
         self._eval_session = self._session(self.evaluation_onnx_)
         self._predict_session = self._session(self.prediction_onnx_)
@@ -422,7 +424,7 @@ class Trainer(BaseTrainer):
         """Run a session reading the current weights from the resident buffers."""
         binding = session.io_binding()
         current = self._resident
-        for name in self.training_step_.weights:
+        for name in self.training_step_.model_state:  # the weights, running statistics
             binding.bind_ortvalue_input(name, current[name])
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
@@ -659,6 +661,7 @@ class OrtGradientOptimizer(Trainer):
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -130,6 +130,7 @@ class ForwardBackwardTrainer(BaseTrainer):
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()
@@ -547,6 +548,7 @@ class OrtGradientForwardBackwardOptimizer(ForwardBackwardTrainer):
         untie_shared_weights: bool = True,
         rollback: str = "epoch",
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> None:
         self._store_params(locals())
         self._invalidate()

@@ -78,6 +78,14 @@ Shared parameters:
         exporter) reads the weight through a Transpose instead, and a weight read both
         directly and through a Transpose (an embedding and the output layer) is not untied
         (see :mod:`graphkit.tied_weights`). False trains such copies apart.
+    train_mode: which BatchNormalization and Dropout layers train in training mode, as
+        torch's ``model.train()`` runs them (batch statistics and running averages
+        updated with torch's momentum; Dropout masks from a stream seeded by
+        ``random_state``; see :mod:`graphkit.train_mode`). None (the default): those the
+        graph was exported in training mode; True: every one (a model exported in
+        ``eval()`` mode whose BatchNorm should train with batch statistics); False: none.
+        Prediction, evaluation and every exported inference model use the running
+        statistics and no Dropout.
     rollback: what a failed epoch (a non-finite loss or weight, Ctrl-C, a bad streamed or
         held-out batch) returns to. ``"epoch"`` (the default): the state at the start of
         the epoch, from a copy of the trained weights and optimizer state taken then.
@@ -198,8 +206,8 @@ ROLLBACKS = ("epoch", "checkpoint")
 
 def check_common_params(params: Any) -> None:
     """Check the shared parameters that steer the loop (``max_iter``, ``batch_size``,
-    ``n_iter_no_change``, ``validation_fraction``, ``tol``, ``rollback``) of a trainer (or
-    any object holding them as attributes), when it builds.
+    ``n_iter_no_change``, ``validation_fraction``, ``tol``, ``train_mode``, ``rollback``) of
+    a trainer (or any object holding them as attributes), when it builds.
 
     Raises:
         ValueError: naming the parameter and the value.
@@ -213,6 +221,12 @@ def check_common_params(params: Any) -> None:
         )
     if params.tol < 0:
         raise ValueError(f"tol must be >= 0, got {params.tol!r}.")
+    train_mode = getattr(params, "train_mode", None)
+    if train_mode is not None and not isinstance(train_mode, bool):
+        raise ValueError(
+            f"train_mode must be None (as the graph was exported), True or False, got "
+            f"{train_mode!r}."
+        )
     if getattr(params, "rollback", "epoch") not in ROLLBACKS:
         raise ValueError(f"rollback must be one of {list(ROLLBACKS)}, got {params.rollback!r}.")
 

@@ -46,6 +46,7 @@ from graphkit.backends.activations import (
 from graphkit.castlike import castlike_as_cast
 from graphkit.errors import MissingGradientError
 from graphkit.tensor_store import tensor_value
+from graphkit.train_mode import is_marked
 
 REWRITTEN = frozenset(
     {"LayerNormalization", "BatchNormalization", "AveragePool", "CastLike", "CumSum"}
@@ -192,6 +193,8 @@ def _unfold_one_batch_norm(
 ) -> list[onnx.NodeProto] | None:
     rank = info.rank.get(node.input[0])
     if attrs.get("training_mode", 0) or len([o for o in node.output if o]) != 1 or rank is None:
+        return None
+    if is_marked(node):  # it trains with batch statistics (graphkit.train_mode)
         return None
     x, scale, bias, mean, var = node.input
     name = namer(f"{node.name or node.output[0]}/unfolded", info.taken)
