@@ -1,4 +1,5 @@
-"""A nearest-neighbour ``Resize`` by whole factors written as a broadcast.
+"""A nearest-neighbour ``Resize`` by whole factors written as a broadcast, a linear one
+as products by interpolation matrices.
 
 Upsampling by a whole factor ``s`` with the nearest neighbour repeats every element ``s``
 times along each scaled axis (a U-Net decoder's ``nn.Upsample(scale_factor=2)``)::
@@ -16,14 +17,29 @@ constant ``sizes`` that are whole multiples of the input's static extents), wher
 nearest input of output ``i`` is ``i // s``: the ``asymmetric`` coordinates with
 ``nearest_mode="floor"``, or ``half_pixel`` / ``pytorch_half_pixel`` with a rounding
 mode (``(i + 1/2) / s - 1/2`` then lies within half a step of ``i // s``); no ``axes``
-attribute, the default aspect-ratio policy. Any other ``Resize`` is left as it is.
+attribute, the default aspect-ratio policy.
+
+A **linear** ``Resize`` (``nn.Upsample(mode="bilinear")``, ``F.interpolate``) whose
+scaled axes are among the last two and have static extents is a product by a constant
+interpolation matrix per scaled axis: ``A`` of shape ``(m, n)`` maps an axis of ``n``
+elements to ``m``, each output ``i`` reading its two nearest inputs at the source
+coordinate ``c(i)`` (clamped to ``[0, n - 1]``) with weights ``1 - frac(c)`` and
+``frac(c)``::
+
+    Resize(x, scales=[1, 1, s, t], mode="linear")  ==>  MatMul(A_h, MatMul(x, A_w^T))
+
+with ``c(i) = (i + 1/2) / s - 1/2`` (``half_pixel``; ``pytorch_half_pixel`` the same
+but 0 for an output of one element), ``i (n - 1) / (m - 1)`` (``align_corners``), or
+``i / s`` (``asymmetric``). Any other ``Resize`` is left as it is.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from graphkit._graph import constant_tensors, copy_model, graph_names, inferred_dims, namer
 from graphkit.compat import opset_of
@@ -32,26 +48,33 @@ from graphkit.tensor_store import tensor_value
 _ROUNDING = (b"round_prefer_floor", b"round_prefer_ceil")
 
 
-def nearest_resizes_as_broadcasts(model: onnx.ModelProto) -> onnx.ModelProto:
+def resizes_as_broadcasts_or_products(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with each ``Resize`` of its main graph the module docstring takes written
-    as a broadcast (a copy; ``model`` itself when there is none)."""
+    as a broadcast (nearest) or as products (linear): a copy; ``model`` itself when there
+    is none."""
     if not any(n.op_type == "Resize" for n in model.graph.node) or (opset_of(model) or 0) < 13:
         return model  # before opset 13, Unsqueeze took its axes as an attribute
     constants = _scales_and_sizes(model)
     shapes = inferred_dims(model)
-    factors = {}  # by position: a protobuf node's Python object is not kept
+    dtypes = _elem_types(model)
+    replaced = {}  # by position: a protobuf node's Python object is not kept
     for index, node in enumerate(model.graph.node):
         found = _factors(node, constants, shapes)
         if found is not None:
-            factors[index] = found
-    if not factors:
+            replaced[index] = functools.partial(_broadcast, factors=found)
+            continue
+        matrices = _interpolations(node, constants, shapes, dtypes)
+        if matrices is not None:
+            rank = len(shapes[node.input[0]])
+            replaced[index] = functools.partial(_products, matrices=matrices, rank=rank)
+    if not replaced:
         return model
     rewritten = copy_model(model)
     fresh = namer("resize", graph_names(rewritten.graph))
     nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(rewritten.graph.node):
-        found = factors.get(index)
-        nodes.extend([node] if found is None else _broadcast(node, found, fresh))
+        write = replaced.get(index)
+        nodes.extend([node] if write is None else write(node, fresh=fresh))
     del rewritten.graph.node[:]
     rewritten.graph.node.extend(nodes)
     return rewritten
@@ -146,6 +169,116 @@ def _factors(
     return [int(s) for s in whole]
 
 
+def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The element type of every typed tensor of the main graph (inputs, initializers,
+    inferred values)."""
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # inference is a help: an untyped input is left alone
+        graph = model.graph
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    for value in [*graph.input, *graph.value_info]:
+        if value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    return types
+
+
+_COORDINATES = (b"half_pixel", b"pytorch_half_pixel", b"align_corners", b"asymmetric")
+
+
+def _interpolations(
+    node: onnx.NodeProto, constants: dict[str, np.ndarray], shapes: dict, dtypes: dict
+) -> dict[int, np.ndarray] | None:
+    """``{axis: A}`` (the module docstring's interpolation matrices, for the axes it
+    scales) when the linear rule takes ``node``."""
+    if node.op_type != "Resize" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+        return None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    coordinates = attrs.get("coordinate_transformation_mode", b"half_pixel")
+    if (
+        attrs.get("mode") != b"linear"
+        or coordinates not in _COORDINATES
+        or "axes" in attrs
+        or attrs.get("keep_aspect_ratio_policy", b"stretch") != b"stretch"
+        or attrs.get("antialias", 0)
+    ):
+        return None
+    shape = shapes.get(node.input[0])
+    elem = dtypes.get(node.input[0])
+    if shape is None or len(shape) < 2 or elem not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        return None
+    inputs = list(node.input) + [""] * 4
+    if inputs[2] and inputs[2] in constants and constants[inputs[2]].size:
+        scales = constants[inputs[2]].astype(np.float64).reshape(-1)
+        sizes = None
+    elif inputs[3] in constants:
+        sizes = constants[inputs[3]].astype(np.int64).reshape(-1)
+        scales = None
+    else:
+        return None
+    rank = len(shape)
+    count = len(scales if scales is not None else sizes)  # type: ignore[arg-type]
+    if count != rank:
+        return None
+    dtype = helper.tensor_dtype_to_np_dtype(elem)
+    matrices = {}
+    for axis in range(rank):
+        n = shape[axis]
+        scale: float | None
+        if scales is not None:
+            scale = float(scales[axis])
+            m = None if n is None else int(np.floor(n * scale))
+        else:
+            m = int(sizes[axis])  # type: ignore[index]
+            scale = None if n is None else m / n
+        if (scales is not None and scale == 1.0) or (n is not None and m == n):
+            continue
+        if axis < rank - 2 or n is None or m is None or m < 1 or scale is None:
+            return None  # a batch or channel axis, or an unknown extent
+        matrices[axis] = _interpolation(n, m, scale, coordinates).astype(dtype)
+    return matrices or None
+
+
+def _interpolation(n: int, m: int, scale: float, coordinates: bytes) -> np.ndarray:
+    """The ``(m, n)`` matrix of linear interpolation (module docstring)."""
+    i = np.arange(m, dtype=np.float64)
+    if coordinates == b"align_corners":
+        source = i * (n - 1) / (m - 1) if m > 1 else np.zeros(m)
+    elif coordinates == b"asymmetric":
+        source = i / scale
+    else:
+        source = (i + 0.5) / scale - 0.5
+        if coordinates == b"pytorch_half_pixel" and m == 1:
+            source = np.zeros(m)
+    source = np.clip(source, 0, n - 1)
+    low = np.floor(source).astype(np.int64)
+    high = np.minimum(low + 1, n - 1)
+    weight = source - low
+    matrix = np.zeros((m, n))
+    np.add.at(matrix, (np.arange(m), low), 1 - weight)
+    np.add.at(matrix, (np.arange(m), high), weight)
+    return matrix
+
+
+def _products(
+    node: onnx.NodeProto, matrices: dict[int, np.ndarray], rank: int, fresh
+) -> list[onnx.NodeProto]:
+    """``node``'s output as products by the interpolation matrices: the last axis by
+    ``x A^T``, the one before by ``A x`` (MatMul broadcasts over the leading axes)."""
+    current, nodes = node.input[0], []
+    for axis, matrix in sorted(matrices.items(), reverse=True):
+        last = axis == rank - 1
+        name, out = fresh("interpolation"), fresh("interpolated")
+        tensor = onnx.numpy_helper.from_array(np.ascontiguousarray(matrix.T if last else matrix))
+        nodes.append(helper.make_node("Constant", [], [name], value=tensor))
+        nodes.append(
+            helper.make_node("MatMul", [current, name] if last else [name, current], [out])
+        )
+        current = out
+    nodes.append(helper.make_node("Identity", [current], [node.output[0]]))
+    return nodes
+
+
 def _broadcast(node: onnx.NodeProto, factors: list[int], fresh) -> list[onnx.NodeProto]:
     """The nodes of the module docstring's broadcast computing ``node``'s output."""
     x, (y,) = node.input[0], node.output
@@ -179,4 +312,4 @@ def _broadcast(node: onnx.NodeProto, factors: list[int], fresh) -> list[onnx.Nod
     ]
 
 
-__all__ = ["nearest_resizes_as_broadcasts"]
+__all__ = ["resizes_as_broadcasts_or_products"]

@@ -4,8 +4,9 @@ differentiate, each computing what the nodes it replaces computed, in this order
 * the common sequence patterns as tensor operators (:func:`graphkit.sequences.sequences_as_tensors`:
   dynamo's ``SplitToSequence`` + ``SequenceAt``);
 * a ``CastLike`` of a known type as a ``Cast`` (:func:`graphkit.castlike.castlike_as_cast`);
-* a nearest-neighbour ``Resize`` by whole factors as a broadcast
-  (:func:`graphkit.resize.nearest_resizes_as_broadcasts`: a U-Net's upsampling);
+* a nearest-neighbour ``Resize`` by whole factors as a broadcast, a linear one of static
+  extents as products by interpolation matrices
+  (:func:`graphkit.resize.resizes_as_broadcasts_or_products`: a U-Net's upsampling);
 * skl2onnx's linear models as standard operators
   (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
 * BatchNormalization and Dropout in their inference form, those exported in training
@@ -22,7 +23,7 @@ import onnx
 
 from graphkit.castlike import castlike_as_cast
 from graphkit.ml_ops import linear_models_as_standard_ops
-from graphkit.resize import nearest_resizes_as_broadcasts
+from graphkit.resize import resizes_as_broadcasts_or_products
 from graphkit.sequences import sequences_as_tensors
 from graphkit.train_mode import marked_for_training
 
@@ -31,7 +32,7 @@ def as_standard_operators(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites of the module docstring applied (a copy where one
     applies)."""
     model = castlike_as_cast(sequences_as_tensors(model))
-    model = linear_models_as_standard_ops(nearest_resizes_as_broadcasts(model))
+    model = linear_models_as_standard_ops(resizes_as_broadcasts_or_products(model))
     return marked_for_training(model)
 
 

@@ -412,7 +412,7 @@ def _dropout(
         write.nodes.append(helper.make_node("Identity", [keep], [node.output[1]]))
 
 
-def mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray | np.integer | int) -> np.ndarray:
     """The stream's mixing function on int64 values in [0, 2^31): for each shift ``k``
     of :data:`MIX_SHIFTS` and multiplier ``a`` of :data:`MIX_MULTIPLIERS`,
     ``x = ((x ^ (x // 2^k)) a) mod 2^31``; then ``x ^ (x // 2^16)``."""

@@ -65,6 +65,9 @@ class OnnxModule(torch.nn.Module):
             :func:`graphkit.parameters.untie_shared_parameters`).
         tie_weights: one parameter for weights torch ties (see
             :mod:`graphkit.tied_weights`).
+        train_mode: False runs every BatchNormalization and Dropout in inference mode;
+            a graph with layers exported in training mode is refused otherwise (see
+            :class:`graphkit_train.engine.forward_backward.OrtGradientForwardBackward`).
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
@@ -80,6 +83,7 @@ class OnnxModule(torch.nn.Module):
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> None:
         super().__init__()
         self.forward_backward = OrtGradientForwardBackward(
@@ -90,6 +94,7 @@ class OnnxModule(torch.nn.Module):
             backend=backend,
             untie_shared_weights=untie_shared_weights,
             tie_weights=tie_weights,
+            train_mode=train_mode,
         )
         fb = self.forward_backward
         self._torch_device = torch.device(device)
@@ -209,7 +214,7 @@ def _layer_gradients(
     if pending is None:
         # a second backward through a retained graph: onnxruntime-training's state
         # served the first one and cannot serve another, so run the forward again
-        # (the graph is deterministic: prepare refuses dropout in training mode)
+        # (the graph is deterministic: a Dropout in training mode is refused)
         pending = _run_forward(module, ctx.variant, ctx.n_inputs, tensors)
     grads = fb.run_backward(pending, [_to_ortvalue(g) for g in grad_outputs])
     result: list[torch.Tensor | None] = []

@@ -19,7 +19,7 @@ from conftest import (
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit.engine.ort_engine import Runner
-from graphkit.resize import nearest_resizes_as_broadcasts
+from graphkit.resize import resizes_as_broadcasts_or_products
 
 
 def resize(shape, scales=None, sizes=None, **attrs) -> onnx.ModelProto:
@@ -69,7 +69,7 @@ TAKEN = {
 def test_the_broadcast_computes_onnxruntimes_resize(case):
     shape, scales, sizes, attrs = TAKEN[case]
     original = resize(shape, scales, sizes, **attrs)
-    rewritten = nearest_resizes_as_broadcasts(original)
+    rewritten = resizes_as_broadcasts_or_products(original)
     kinds = {n.op_type for n in rewritten.graph.node}
     assert "Resize" not in kinds and "Expand" in kinds
     onnx.checker.check_model(rewritten, full_check=True)
@@ -79,8 +79,48 @@ def test_the_broadcast_computes_onnxruntimes_resize(case):
     np.testing.assert_array_equal(got, expected)
 
 
+LINEAR = {
+    "half_pixel (the default), 2x2": ([None, 2, 3, 4], [1, 1, 2, 2], None, {}),
+    "pytorch_half_pixel, 3x on the width": (
+        [None, 2, 3, 4],
+        [1, 1, 1, 3],
+        None,
+        dict(coordinate_transformation_mode="pytorch_half_pixel"),
+    ),
+    "align_corners, sizes": (
+        [2, 2, 3, 4],
+        None,
+        [2, 2, 7, 5],
+        dict(coordinate_transformation_mode="align_corners"),
+    ),
+    "asymmetric, 1.5x": (
+        [None, 1, 4, 4],
+        [1, 1, 1.5, 2],
+        None,
+        dict(coordinate_transformation_mode="asymmetric"),
+    ),
+    "a reduction": ([None, 1, 6, 6], [1, 1, 0.5, 0.5], None, {}),
+    "rank 3": ([None, 2, 5], [1, 1, 2], None, {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINEAR))
+def test_the_products_compute_onnxruntimes_linear_resize(case):
+    shape, scales, sizes, attrs = LINEAR[case]
+    original = resize(shape, scales, sizes, mode="linear", **attrs)
+    rewritten = resizes_as_broadcasts_or_products(original)
+    kinds = {n.op_type for n in rewritten.graph.node}
+    assert "Resize" not in kinds and "MatMul" in kinds
+    onnx.checker.check_model(rewritten, full_check=True)
+    concrete = [3 if d is None else d for d in shape]
+    X = np.random.default_rng(0).normal(size=concrete).astype(np.float32)
+    (got,), (expected,) = Runner(rewritten)({"X": X}), Runner(original)({"X": X})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 LEFT = {
-    "linear": ([1, 1, 2, 2], dict(mode="linear")),
+    "cubic": ([1, 1, 2, 2], dict(mode="cubic")),
+    "linear on the channels": ([1, 2, 2, 2], dict(mode="linear")),
     "align_corners": ([1, 1, 2, 2], dict(NEAREST, coordinate_transformation_mode="align_corners")),
     "asymmetric rounding": (
         [1, 1, 2, 2],
@@ -98,7 +138,12 @@ LEFT = {
 def test_other_resizes_are_left(case):
     scales, attrs = LEFT[case]
     original = resize([None, 2, 4, 4], scales, **attrs)
-    assert nearest_resizes_as_broadcasts(original) is original
+    assert resizes_as_broadcasts_or_products(original) is original
+
+
+def test_a_linear_resize_of_unknown_extents_is_left():
+    original = resize([None, 2, "H", "W"], [1, 1, 2, 2], mode="linear")
+    assert resizes_as_broadcasts_or_products(original) is original
 
 
 def test_scales_computed_from_a_weight_are_left():
@@ -109,21 +154,21 @@ def test_scales_computed_from_a_weight_are_left():
     graph.initializer.append(numpy_helper.from_array(np.array([2, 2], np.float32), "more"))
     graph.node.insert(0, helper.make_node("Concat", ["scales", "more"], ["all"], axis=0))
     graph.node[1].input[2] = "all"
-    assert nearest_resizes_as_broadcasts(original) is original
+    assert resizes_as_broadcasts_or_products(original) is original
 
 
 class _Decoder:
-    """A U-Net-style piece: a strided Conv down, ReLU, nearest upsampling by 2, a Conv."""
+    """A U-Net-style piece: a strided Conv down, ReLU, upsampling by 2, a Conv."""
 
     @staticmethod
-    def build():
+    def build(mode: str = "nearest", align_corners: bool | None = None):
         import torch
 
         class Net(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
                 self.down = torch.nn.Conv2d(1, 4, 3, stride=2, padding=1)
-                self.up = torch.nn.Upsample(scale_factor=2, mode="nearest")
+                self.up = torch.nn.Upsample(scale_factor=2, mode=mode, align_corners=align_corners)
                 self.out = torch.nn.Conv2d(4, 1, 3, padding=1)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +212,23 @@ def test_a_nearest_upsampling_trains_as_torch(exporter, backend):
     X = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
     y = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
     net = _Decoder.build()
+    onx = _export(net, X, exporter)
+    assert "Resize" in {n.op_type for n in onx.graph.node}
+    assert_sgd_epoch_equals_torch(onx, net, X, y, backend)
+
+
+@requires_torch
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_a_bilinear_upsampling_trains_as_torch(align_corners, exporter, backend):
+    """``nn.Upsample(mode="bilinear")``, a linear ``Resize``: the native backend needed
+    its whole shape, onnxruntime-training has no CPU ``ResizeGrad``; as products by
+    interpolation matrices, 2 SGD steps equal torch's within 1e-5."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+    y = rng.normal(size=(16, 1, 8, 8)).astype(np.float32)
+    net = _Decoder.build("bilinear", align_corners)
     onx = _export(net, X, exporter)
     assert "Resize" in {n.op_type for n in onx.graph.node}
     assert_sgd_epoch_equals_torch(onx, net, X, y, backend)

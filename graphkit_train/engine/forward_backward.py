@@ -29,11 +29,12 @@ from graphkit.backends.base import Backend
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
-from graphkit.errors import DTypeError, ShapeError, UnknownNameError
+from graphkit.errors import DTypeError, IncompatibleModelError, ShapeError, UnknownNameError
 from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
 from graphkit.rewrite import keep_outputs, set_weights, weight_values
 from graphkit.shapes import shape_matches, static_shape
+from graphkit.train_mode import training_layers
 from graphkit.training.specialized import for_rows
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
@@ -85,6 +86,10 @@ class OrtGradientForwardBackward:
         untie_shared_weights: give each parameter slot reading a shared initializer a
             weight of its own (see :func:`graphkit.parameters.untie_shared_parameters`).
         tie_weights: train weights torch ties as one (see :mod:`graphkit.tied_weights`).
+        train_mode: False runs every BatchNormalization and Dropout in inference mode;
+            None (those exported in training mode) and True are refused while
+            forward/backward training does not run training mode
+            (:mod:`graphkit.train_mode`).
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
@@ -106,6 +111,7 @@ class OrtGradientForwardBackward:
         backend: str | Backend | None = None,
         untie_shared_weights: bool = True,
         tie_weights: bool = True,
+        train_mode: bool | None = None,
     ) -> None:
         self.backend = backends.get(backend)
         model, self.weight_names = prepare_for_training(
@@ -114,7 +120,9 @@ class OrtGradientForwardBackward:
             self.backend,
             untie_shared_weights,
             tie_weights=tie_weights,
+            train_mode=train_mode,
         )
+        _refuse_training_layers(model)
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
         self.input_names = list(graph_inputs if input_names is None else input_names)
@@ -398,6 +406,22 @@ class OrtGradientForwardBackward:
     def trained_model(self) -> onnx.ModelProto:
         """The original graph (restricted to ``output_names``) with the current weights."""
         return set_weights(self._model, {n: v.numpy() for n, v in self.weights.items()})
+
+
+def _refuse_training_layers(model: onnx.ModelProto) -> None:
+    """Refuse a BatchNormalization or Dropout that would train in training mode
+    (:mod:`graphkit.train_mode`): forward/backward training runs them in inference mode
+    only, for now."""
+    layers = training_layers(model)
+    if layers:
+        node = layers[0]
+        raise IncompatibleModelError(
+            f"{node.op_type} node {node.name or node.output[0]!r} trains in training mode "
+            "(batch statistics, dropout), which forward/backward training does not run yet. "
+            "Train the model with graphkit_train.Trainer (full training runs it as torch's "
+            "train() does), or pass train_mode=False to train every layer in inference "
+            "mode (running statistics fixed, no dropout)."
+        )
 
 
 _ORT_TYPE = {

@@ -71,12 +71,13 @@ class Checkpointing:
             self._carry_over()
         self._carried = None
         if not ((self.warm_start or resumed) and self._fitted):
-            self._allocate(self.update_step_.initial)
+            initial = self.update_step_.initial
+            if DROPOUT_SEED in initial:  # the Dropout masks' stream, seeded by random_state
+                initial = {**initial, DROPOUT_SEED: dropout_seed(seed)}
+            self._allocate(initial)
             self.train_losses_ = []
             self.validation_losses_ = []
             self._rng = np.random.default_rng(seed)
-            if DROPOUT_SEED in self.update_step_.state:  # the Dropout masks' stream
-                self._resident[DROPOUT_SEED].update_inplace(dropout_seed(seed))
         if self._rng is None:  # state loaded with set_state()
             self._rng = np.random.default_rng(seed)
 

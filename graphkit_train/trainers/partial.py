@@ -179,6 +179,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             backend=self._backend,
             untie_shared_weights=self.untie_shared_weights,
             tie_weights=self.tie_weights,
+            train_mode=self.train_mode,
         )
         dtype = ELEM_TO_DTYPE[prediction.type.tensor_type.elem_type]
         self._prediction_shape = named_shape(prediction)
