@@ -30,8 +30,9 @@ from graphkit.train_mode import (
 
 torch = pytest.importorskip("torch")
 
+from conftest import export_dynamo  # noqa: E402
+
 from graphkit_train import ForwardBackwardTrainer, Trainer  # noqa: E402
-from tests.conftest import export_dynamo  # noqa: E402
 
 BACKENDS = ["native", "ort_training"]
 
@@ -459,3 +460,20 @@ def test_forward_backward_training_refuses_training_mode_naming_the_way(train_mo
     trainer = _trainer("forward_backward", onx, "native", train_mode=False).fit(*_data())
     _torch_eval_sgd(net)
     _assert_state_equals(trainer.get_state(), dict(net.named_parameters()))
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "reference"])
+def test_the_exported_step_continues_the_training_on_any_runtime(runtime):
+    """The exported step (running statistics, the masks' seed and step counter carried
+    as resident state) continues an epoch on PortableTrainer as the trainer continues it."""
+    from graphkit.portable_trainer import PortableTrainer
+
+    onx = _export(_resnet(), "torchscript")
+    X, y = _data()
+    trainer = _trainer("full", onx, "native", random_state=3, max_iter=1, warm_start=True)
+    step = trainer.fit(X, y).export_training_step()
+    expected = trainer.fit(X, y).get_state()
+    portable = PortableTrainer(step, batch_size=BATCH, shuffle=False, runtime=runtime)
+    state = portable.fit(X, y, epochs=1).state()
+    for name, value in expected.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)

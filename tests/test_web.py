@@ -121,7 +121,12 @@ def python_run(
 
 @pytest.mark.parametrize(
     ("model", "mode", "weighted"),
-    [("regressor", "epoch", False), ("classifier", "step", True), ("cnn", "epoch", False)],
+    [
+        ("regressor", "epoch", False),
+        ("classifier", "step", True),
+        ("cnn", "epoch", False),
+        ("cnn_train_mode", "epoch", False),
+    ],
 )
 def test_browser_training_equals_python(site, bundles, tmp_path, model, mode, weighted):
     folder = bundles / model

@@ -20,6 +20,7 @@ from graphkit import backends, losses
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads
+from graphkit.errors import IncompatibleModelError
 from graphkit.gradient import gradient_model
 from graphkit.losses import Loss
 from graphkit.rewrite import (
@@ -32,6 +33,7 @@ from graphkit.rewrite import (
     strip_loss_output,
 )
 from graphkit.shapes import ELEM_TO_DTYPE, named_shape
+from graphkit.train_mode import DROPOUT_SEED
 from graphkit.training.batches import NamedRows, Rows, epoch_batches, shuffled_pieces
 from graphkit.training.problem import TrainingProblem
 from graphkit.training.specialized import Fold, fused_step
@@ -371,6 +373,12 @@ class Trainer(BaseTrainer):
     def _build_distributed(self) -> None:
         """The gradient graph of the loss and the update step, as two sessions."""
         step = self.training_step_
+        if step.buffers or DROPOUT_SEED in step.state:
+            raise IncompatibleModelError(
+                "distributed=True does not run BatchNormalization or Dropout in training mode "
+                "yet (graphkit.train_mode): train on one process, or pass train_mode=False to "
+                "train every layer in inference mode."
+            )
         weighted = initializers_to_inputs(self.train_onnx_, step.weights)
         self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights, self._backend)
         self._gradient_session = self._session(self.gradient_onnx_)
