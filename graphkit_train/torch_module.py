@@ -26,7 +26,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from graphkit.backends.base import Backend
 from graphkit.engine import ort_engine as engine
-from graphkit.errors import DTypeError, ShapeError
+from graphkit.errors import DTypeError, IncompatibleModelError, ShapeError
 from graphkit.rewrite import set_weights
 from graphkit.shapes import shape_matches, static_shape
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, PendingForward
@@ -65,9 +65,8 @@ class OnnxModule(torch.nn.Module):
             :func:`graphkit.parameters.untie_shared_parameters`).
         tie_weights: one parameter for weights torch ties (see
             :mod:`graphkit.tied_weights`).
-        train_mode: False runs every BatchNormalization and Dropout in inference mode;
-            a graph with layers exported in training mode is refused otherwise (see
-            :class:`graphkit_train.engine.forward_backward.OrtGradientForwardBackward`).
+        train_mode: False runs every BatchNormalization and Dropout in inference mode; a
+            graph with layers in training mode (:mod:`graphkit.train_mode`) is refused.
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
@@ -97,6 +96,13 @@ class OnnxModule(torch.nn.Module):
             train_mode=train_mode,
         )
         fb = self.forward_backward
+        if fb.trains_layers_in_training_mode:
+            raise IncompatibleModelError(
+                "OnnxModule does not run BatchNormalization or Dropout in training mode yet "
+                "(graphkit.train_mode): pass train_mode=False to run every layer in inference "
+                "mode, or train the graph with graphkit_train.Trainer or "
+                "ForwardBackwardTrainer."
+            )
         self._torch_device = torch.device(device)
         self.parameter_names: dict[str, str] = {}
         for name in fb.weight_names:

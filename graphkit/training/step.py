@@ -141,6 +141,51 @@ def build_update_step(
     return packed if _kernels(packed.model) < _kernels(plain.model) else plain
 
 
+def batch_name(buffer: str) -> str:
+    """The update step's input holding a buffer's value computed by the batch's forward
+    (:func:`with_buffers`)."""
+    return f"{buffer}.batch"
+
+
+def with_buffers(
+    update: UpdateStep, buffers: Mapping[str, np.ndarray], seed: str | None = None
+) -> UpdateStep:
+    """``update`` carrying the forward's own resident values, for forward/backward
+    training: each buffer ``b`` (a running statistic, initial value ``buffers[b]``)
+    becomes resident, ``b.next`` the value the batch's forward computed, fed as
+    :func:`batch_name`; the Dropout masks' ``seed`` (int64) stays as it is. ``update``
+    itself when there is neither."""
+    if not buffers and seed is None:
+        return update
+    model = onnx.ModelProto()
+    model.CopyFrom(update.model)
+    graph = model.graph
+    for name, value in buffers.items():
+        elem = helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype)
+        shape = list(np.shape(value))
+        graph.input.extend(
+            [value_info(name, elem, shape), value_info(batch_name(name), elem, shape)]
+        )
+        graph.node.append(helper.make_node("Identity", [batch_name(name)], [next_name(name)]))
+        graph.output.append(value_info(next_name(name), elem, shape))
+    initial = {**update.initial, **{b: np.array(v) for b, v in buffers.items()}}
+    carried = list(buffers)
+    if seed is not None:
+        graph.input.append(value_info(seed, TensorProto.INT64, []))
+        graph.node.append(helper.make_node("Identity", [seed], [next_name(seed)]))
+        graph.output.append(value_info(next_name(seed), TensorProto.INT64, []))
+        initial[seed] = np.array(0, dtype=np.int64)
+        carried.append(seed)
+    return UpdateStep(
+        finalize(model, full_check=True),
+        update.weights,
+        [*update.state, *carried],
+        initial,
+        update.packing,
+        buffers=list(buffers),
+    )
+
+
 def _kernels(model: onnx.ModelProto) -> int:
     return sum(node.op_type not in ("Constant", "Identity") for node in model.graph.node)
 

@@ -29,13 +29,14 @@ from graphkit.backends.base import Backend
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads, binding_outputs  # noqa: F401 - re-exported
-from graphkit.errors import DTypeError, IncompatibleModelError, ShapeError, UnknownNameError
+from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.gradient import check_reachable, reaching
 from graphkit.prepare import prepare_for_training
-from graphkit.rewrite import keep_outputs, set_weights, weight_values
+from graphkit.rewrite import initializers_to_inputs, keep_outputs, set_weights, weight_values
 from graphkit.shapes import shape_matches, static_shape
-from graphkit.train_mode import training_layers
+from graphkit.train_mode import TrainingForm, training_form
 from graphkit.training.specialized import for_rows
+from graphkit.update_step import STEP
 
 _FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
 
@@ -86,16 +87,18 @@ class OrtGradientForwardBackward:
         untie_shared_weights: give each parameter slot reading a shared initializer a
             weight of its own (see :func:`graphkit.parameters.untie_shared_parameters`).
         tie_weights: train weights torch ties as one (see :mod:`graphkit.tied_weights`).
-        train_mode: False runs every BatchNormalization and Dropout in inference mode;
-            None (those exported in training mode) and True are refused while
-            forward/backward training does not run training mode
-            (:mod:`graphkit.train_mode`).
+        train_mode: which BatchNormalization and Dropout layers train in training mode
+            (:mod:`graphkit.train_mode`): None, those exported so; True, all; False, none.
+            A training ``forward`` then normalizes with the batch's statistics and updates
+            :attr:`buffers`; ``forward(training=False)`` uses the running statistics.
         device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         inputs_requiring_grad: inputs whose gradient ``backward`` returns by default.
 
     Attributes:
         weights: ``{name: OrtValue}``, the current weight values ``forward`` uses when it
             is given none.
+        buffers: ``{name: OrtValue}``, the running statistics of the layers in training
+            mode, the step counter and the seed of their Dropout masks (empty when none).
     """
 
     def __init__(
@@ -122,7 +125,6 @@ class OrtGradientForwardBackward:
             tie_weights=tie_weights,
             train_mode=train_mode,
         )
-        _refuse_training_layers(model)
         initializers = {i.name for i in model.graph.initializer}
         graph_inputs = [i.name for i in model.graph.input if i.name not in initializers]
         self.input_names = list(graph_inputs if input_names is None else input_names)
@@ -155,6 +157,42 @@ class OrtGradientForwardBackward:
         self._pending: list[PendingForward] = []
         values = weight_values(model, self.weight_names)
         self.weights = {w: self.to_ortvalue(values[w]) for w in self.weight_names}
+        self._layers_in_training_mode(training_form(self._model, STEP))
+
+    # -- training mode (graphkit.train_mode) --------------------------------------------
+
+    def _layers_in_training_mode(self, form: TrainingForm) -> None:
+        """Where BatchNormalization or Dropout layers train in training mode, the graphs
+        the gradient source differentiates are ``form``'s (running statistics as inputs,
+        their updates as outputs after ``output_names``), and :attr:`buffers` holds the
+        running statistics, the step counter and the masks' seed; predictions run the
+        inference form, the running statistics as inputs."""
+        self.buffer_names: list[str] = list(form.buffers)
+        self.buffer_outputs: list[str] = [form.buffers[b] for b in self.buffer_names]
+        self.buffers: dict[str, Any] = {}
+        self._training_model: onnx.ModelProto | None = None
+        self._inference: Any = None
+        if not form.buffers and form.seed is None:
+            return
+        self._training_model = initializers_to_inputs(form.model, self.buffer_names)
+        values = weight_values(self._model, self.buffer_names)
+        self.buffers = {b: self.to_ortvalue(np.array(values[b])) for b in self.buffer_names}
+        if form.seed is not None:
+            self.buffers[STEP] = self.to_ortvalue(np.array(0, np.int64))
+            self.buffers[form.seed] = self.to_ortvalue(np.array(0, np.int64))
+
+    @property
+    def trains_layers_in_training_mode(self) -> bool:
+        """Whether a BatchNormalization or a Dropout of the graph trains in training
+        mode (:mod:`graphkit.train_mode`)."""
+        return self._training_model is not None
+
+    def inference_session(self) -> Any:
+        """The inference form, its weights and running statistics as inputs (built once)."""
+        if self._inference is None:
+            model = initializers_to_inputs(self._model, [*self.weight_names, *self.buffer_names])
+            self._inference = self.backend.inference_session(model, self.providers, self.threads)
+        return self._inference
 
     # -- building ----------------------------------------------------------------------
 
@@ -184,9 +222,10 @@ class OrtGradientForwardBackward:
             gradient = for_rows(base.gradient_model, self.input_names, rows, folds)
             return self._with_agent(gradient, base.forward_model, None, base.grad_of, base.seeds)
         inputs = [n for n in self.input_names if n in requiring]
-        check_reachable(self._model, [*self.weight_names, *inputs], self.output_names)
+        model = self._model if self._training_model is None else self._training_model
+        check_reachable(model, [*self.weight_names, *inputs], self.output_names)
         # mapped weights (graphkit.tensor_store) are read-only inputs to the gradient source
-        lifted, stored = tensor_store.stored_as_inputs(self._model, self.weight_names)
+        lifted, stored = tensor_store.stored_as_inputs(model, self.weight_names)
         graphs = self.backend.forward_backward_graphs(lifted, self.weight_names, inputs)
         gradient = self.backend.prepare_gradient(
             tensor_store.stored_as_initializers(graphs.gradient, stored)
@@ -211,8 +250,10 @@ class OrtGradientForwardBackward:
         """A variant whose TrainingAgent (the backend's runner) runs ``gradient``."""
         seed_inputs = set(seeds.values())
         feed_names = [i.name for i in gradient.graph.input if i.name not in seed_inputs]
-        # the gradients (a native gradient graph also outputs the layer's outputs)
-        outputs = set(self.output_names)
+        # the gradients (a native gradient graph also outputs the layer's outputs, and
+        # the updated running statistics of layers in training mode)
+        forward_outputs = [*self.output_names, *self.buffer_outputs]
+        outputs = set(forward_outputs)
         fetch_names = [o.name for o in gradient.graph.output if o.name not in outputs]
         device = engine.ort_device(self._ort_device, self._device_id)
         agent, session = self.backend.training_agent(
@@ -221,8 +262,8 @@ class OrtGradientForwardBackward:
             self.threads,
             feed_names,
             fetch_names,
-            self.output_names,
-            [seeds[o] for o in self.output_names] if seeds else [],
+            forward_outputs,
+            [seeds[o] for o in forward_outputs] if seeds else [],
             device,
         )
         n_outputs = len(self.output_names)
@@ -298,6 +339,7 @@ class OrtGradientForwardBackward:
             given.update({k: self.to_ortvalue(v) for k, v in weights.items()})
         for name, value in given.items():
             feeds[name] = value
+        feeds.update(self.buffers)  # running statistics, step counter, masks' seed
         return feeds
 
     # -- forward and backward ------------------------------------------------------------
@@ -324,6 +366,12 @@ class OrtGradientForwardBackward:
             if inputs_requiring_grad is None
             else frozenset(inputs_requiring_grad)
         )
+        if not training and self.trains_layers_in_training_mode:
+            session = self.inference_session()
+            wanted = {i.name for i in session.get_inputs()}
+            return session.run_with_ort_values(
+                self.output_names, {n: v for n, v in feeds.items() if n in wanted}
+            )
         variant = self._variant(requiring)
         if not training:
             session = variant.forward_session
@@ -333,7 +381,26 @@ class OrtGradientForwardBackward:
         pending.keep_alive.append(feeds)
         self._pending.append(pending)
         # backward reuses the memory of the forward outputs: hand out copies
-        return [self.to_ortvalue(np.array(o.numpy(), copy=True)) for o in pending.outputs]
+        copies = [self.to_ortvalue(np.array(o.numpy(), copy=True)) for o in pending.outputs]
+        if self.trains_layers_in_training_mode:
+            self.advance(copies[len(self.output_names) :])
+        return copies[: len(self.output_names)]
+
+    def advance(self, updated: Sequence[Any]) -> None:
+        """After a training forward: the running statistics become ``updated`` (the
+        forward's values of :attr:`buffer_outputs`, copied out of its memory), and the step
+        counter the Dropout masks read moves on."""
+        for name, value in zip(self.buffer_names, updated):
+            self.buffers[name] = self.to_ortvalue(value)
+        if STEP in self.buffers:
+            step = int(self.buffers[STEP].numpy()) + 1
+            self.buffers[STEP] = self.to_ortvalue(np.array(step, np.int64))
+
+    def zeros_like(self, values: Sequence[Any]) -> list[Any]:
+        """Zeros shaped as ``values`` (OrtValues): the gradients of the running
+        statistics a training forward outputs beside ``output_names`` (nothing is
+        differentiated through them)."""
+        return [self.to_ortvalue(np.zeros(tuple(v.shape()), _NUMPY[v.data_type()])) for v in values]
 
     def run_forward(self, variant: _Variant, feeds: list[Any]) -> PendingForward:
         """Forward on C OrtValues in ``variant.feed_names`` order, returning the state
@@ -358,6 +425,7 @@ class OrtGradientForwardBackward:
             )
         pending = self._pending[-1]
         grads = self._check_grad_outputs(pending, grad_outputs)
+        grads += self.zeros_like(pending.outputs[len(self.output_names) :])
         self._pending.pop()
         return self.run_backward(pending, [g._ortvalue for g in grads])
 
@@ -367,10 +435,10 @@ class OrtGradientForwardBackward:
         grad_outputs = (
             list(grad_outputs) if isinstance(grad_outputs, (list, tuple)) else [grad_outputs]
         )
-        if len(grad_outputs) != len(pending.outputs):
+        if len(grad_outputs) != len(self.output_names):
             raise ValueError(
-                f"backward got {len(grad_outputs)} gradients for {len(pending.outputs)} outputs "
-                f"{self.output_names}."
+                f"backward got {len(grad_outputs)} gradients for {len(self.output_names)} "
+                f"outputs {self.output_names}."
             )
         values = []
         for name, grad, output in zip(self.output_names, grad_outputs, pending.outputs):
@@ -405,24 +473,16 @@ class OrtGradientForwardBackward:
 
     def trained_model(self) -> onnx.ModelProto:
         """The original graph (restricted to ``output_names``) with the current weights."""
-        return set_weights(self._model, {n: v.numpy() for n, v in self.weights.items()})
+        values = {n: v.numpy() for n, v in self.weights.items()}
+        values.update({b: self.buffers[b].numpy() for b in self.buffer_names})
+        return set_weights(self._model, values)
 
 
-def _refuse_training_layers(model: onnx.ModelProto) -> None:
-    """Refuse a BatchNormalization or Dropout that would train in training mode
-    (:mod:`graphkit.train_mode`): forward/backward training runs them in inference mode
-    only, for now."""
-    layers = training_layers(model)
-    if layers:
-        node = layers[0]
-        raise IncompatibleModelError(
-            f"{node.op_type} node {node.name or node.output[0]!r} trains in training mode "
-            "(batch statistics, dropout), which forward/backward training does not run yet. "
-            "Train the model with graphkit_train.Trainer (full training runs it as torch's "
-            "train() does), or pass train_mode=False to train every layer in inference "
-            "mode (running statistics fixed, no dropout)."
-        )
-
+_NUMPY = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+}
 
 _ORT_TYPE = {
     np.dtype(np.float32): "float",

@@ -20,7 +20,6 @@ from graphkit import backends, losses
 from graphkit.compat import load_model
 from graphkit.engine import ort_engine as engine
 from graphkit.engine.ort_engine import Threads
-from graphkit.errors import IncompatibleModelError
 from graphkit.gradient import gradient_model
 from graphkit.losses import Loss
 from graphkit.rewrite import (
@@ -49,7 +48,7 @@ from graphkit_train.trainers.params import (
     select_learning_rate,
     select_optimizer,
 )
-from graphkit_train.trainers.shared import shared_parameters
+from graphkit_train.trainers.shared import refuse_distributed_training_mode, shared_parameters
 
 
 @shared_parameters
@@ -374,11 +373,7 @@ class Trainer(BaseTrainer):
         """The gradient graph of the loss and the update step, as two sessions."""
         step = self.training_step_
         if step.buffers or DROPOUT_SEED in step.state:
-            raise IncompatibleModelError(
-                "distributed=True does not run BatchNormalization or Dropout in training mode "
-                "yet (graphkit.train_mode): train on one process, or pass train_mode=False to "
-                "train every layer in inference mode."
-            )
+            refuse_distributed_training_mode()
         weighted = initializers_to_inputs(self.train_onnx_, step.weights)
         self.gradient_onnx_ = gradient_model(weighted, step.loss, step.weights, self._backend)
         self._gradient_session = self._session(self.gradient_onnx_)

@@ -35,9 +35,10 @@ from graphkit.engine.ort_engine import Threads
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.rewrite import select_prediction
 from graphkit.shapes import ELEM_TO_DTYPE, named_shape
+from graphkit.train_mode import DROPOUT_SEED
 from graphkit.training.batches import NamedRows, Rows
 from graphkit.training.specialized import folded, for_rows
-from graphkit.training.step import build_update_step
+from graphkit.training.step import batch_name, build_update_step, with_buffers
 from graphkit.transforms import GradientTransformation
 from graphkit.update_step import fuses_into, grad_name
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
@@ -49,7 +50,7 @@ from graphkit_train.trainers.params import (
     select_learning_rate,
     select_optimizer,
 )
-from graphkit_train.trainers.shared import shared_parameters
+from graphkit_train.trainers.shared import refuse_distributed_training_mode, shared_parameters
 
 SPINNING = True
 """Whether the TrainingAgent session's idle threads spin (onnxruntime's default)."""
@@ -191,10 +192,19 @@ class ForwardBackwardTrainer(BaseTrainer):
         self.update_step_ = build_update_step(
             values, self.learning_rate_, self.learning_penalty_, dtype
         )
+        # layers in training mode: the running statistics the forward updates are
+        # resident, the update step writes the forward's values (graphkit.train_mode)
+        self._training_mode = fb.trains_layers_in_training_mode
+        if self._training_mode and self.distributed:
+            refuse_distributed_training_mode()
+        if self._training_mode:
+            buffers = {b: fb.buffers[b].numpy() for b in fb.buffer_names}
+            seed = DROPOUT_SEED if DROPOUT_SEED in fb.buffers else None
+            self.update_step_ = with_buffers(self.update_step_, buffers, seed)
         self._no_input_grads: frozenset[str] = frozenset()
         self._variant = fb._variant(self._no_input_grads)
         # known before any loss or update session is made: their threads depend on it
-        self._fuses = fuses_into(
+        self._fuses = not self._training_mode and fuses_into(
             self._variant.gradient_model,
             self.loss_.gradient_model(dtype, False, self._prediction_shape),
             self.update_step_,
@@ -326,7 +336,11 @@ class ForwardBackwardTrainer(BaseTrainer):
             return
         loss, gradients = self._backward(X, y, w, static)
         names = self._update_inputs
-        self._run_update(binding, loss, names, [gradients[i] for i in range(len(names))])
+        values = [gradients[i] for i in range(len(names))]
+        if self._training_mode:  # the running statistics the forward computed
+            names = [*names, *(batch_name(b) for b in self.update_step_.buffers)]
+            values += [v._ortvalue for v in self._batch_buffers]
+        self._run_update(binding, loss, names, values)
 
     def _run_streamed(
         self, binding: Any, X: Rows, y: np.ndarray, w: np.ndarray | None, specialized: bool
@@ -364,6 +378,11 @@ class ForwardBackwardTrainer(BaseTrainer):
         fb = self.forward_backward_
         features = dict(zip(fb.input_names, map(fb.to_ortvalue, self._feature_arrays(X))))
         current = self._resident
+        if self._training_mode:  # the inference form, with the running statistics
+            session = fb.inference_session()
+            reads = [i.name for i in session.get_inputs()]
+            given = {n: features[n] if n in features else current[n] for n in reads}
+            return session.run_with_ort_values([fb.output_names[0]], given)[0]
         feeds = [features[n] if n in features else current[n] for n in self._feed_sources]
         session = self._variant.forward_session
         names = dict(zip(self._variant.feed_names, feeds))
@@ -399,8 +418,16 @@ class ForwardBackwardTrainer(BaseTrainer):
         features = [engine.c_ortvalue(a, device) for a in arrays]
         # the feeds vector (third) must live until the backward
         fetches, state, _feeds = self._backend.run_forward(variant.agent, self._feeds(features))
+        seeds = []
+        if self._training_mode:  # copied out: the backward reuses the forward's memory
+            updated = engine.wrap(fetches)[1 : 1 + len(fb.buffer_names)]
+            self._batch_buffers = [fb.to_ortvalue(np.array(v.numpy())) for v in updated]
+            self._buffer_seeds = fb.zeros_like(updated)  # alive until the backward ends
+            seeds = [z._ortvalue for z in self._buffer_seeds]
         loss, prediction_grad = self._loss_and_grad(fetches[0], y, w, static=static)
-        gradients = self._backend.run_backward(variant.agent, [prediction_grad._ortvalue], state)
+        gradients = self._backend.run_backward(
+            variant.agent, [prediction_grad._ortvalue, *seeds], state
+        )
         return loss, gradients
 
     def _gradients(self, X: Rows, y: np.ndarray, w: np.ndarray | None) -> tuple[Any, dict]:

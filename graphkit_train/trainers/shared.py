@@ -105,6 +105,7 @@ import re
 import textwrap
 from typing import Any, TypeVar
 
+from graphkit.errors import IncompatibleModelError
 from graphkit_train.trainers.params import check_loop_param
 
 _ENTRY = re.compile(r"([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*):")
@@ -231,4 +232,24 @@ def check_common_params(params: Any) -> None:
         raise ValueError(f"rollback must be one of {list(ROLLBACKS)}, got {params.rollback!r}.")
 
 
-__all__ = ["MARK", "ROLLBACKS", "SHARED_PARAMETERS", "check_common_params", "shared_parameters"]
+def refuse_distributed_training_mode() -> None:
+    """Raise: data-parallel training does not run layers in training mode yet.
+
+    Raises:
+        IncompatibleModelError: always, naming the way out.
+    """
+    raise IncompatibleModelError(
+        "distributed=True does not run BatchNormalization or Dropout in training mode yet "
+        "(graphkit.train_mode): train on one process, or pass train_mode=False to train "
+        "every layer in inference mode."
+    )
+
+
+__all__ = [
+    "MARK",
+    "ROLLBACKS",
+    "SHARED_PARAMETERS",
+    "check_common_params",
+    "refuse_distributed_training_mode",
+    "shared_parameters",
+]
