@@ -19,6 +19,18 @@ lives between one operator that makes it and others that take it apart again:
 
       ==>  Concat(a, b, ..., axis)      (new_axis=1: each Unsqueezed at axis first)
 
+* a ``Loop`` that appends one tensor a turn to a sequence it carries, started empty,
+  read after the loop only by ``ConcatFromSequence`` along axis 0 (dynamo writes
+  ``nn.EmbeddingBag`` so, a bag's row a turn; onnxruntime up to 1.32 crashes creating a
+  session on that graph, in its constant folding, before training could start)::
+
+      seq = Loop(..., SequenceEmpty()) { seq' = SequenceInsert(seq, row) }
+      ConcatFromSequence(seq, axis=0)
+      ==>  rows = Loop(...) { scan output: row }     (rows: turns x row's shape)
+           Reshape(rows, [-1, row's shape[1:]])      (new_axis=1: rows as they are)
+
+  the tensors a Loop stacks as its scan output are those the sequence held.
+
 Any other use of a sequence is left as it is (and refused by the gradient source with
 the operator's name).
 """
@@ -32,12 +44,14 @@ import onnx
 from onnx import helper
 
 from graphkit._graph import constant_tensors, copy_model, graph_names, inferred_dims, namer
+from graphkit.compat import opset_of
 from graphkit.tensor_store import tensor_value
 
 
 def sequences_as_tensors(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the patterns of the module docstring written with tensor operators
     (a copy; ``model`` itself when it has none)."""
+    model = _loops_stacking(model)
     kinds = {n.op_type for n in model.graph.node}
     if not kinds & {"SplitToSequence", "SequenceConstruct"}:
         return model
@@ -178,6 +192,122 @@ def _concat(
         items = lifted
     nodes.append(helper.make_node("Concat", items, [user.output[0]], axis=axis))
     return nodes
+
+
+def _loops_stacking(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each Loop that builds a sequence a turn at a time (module
+    docstring) stacking the tensors as a scan output instead (a copy; ``model`` itself
+    when there is none)."""
+    if (opset_of(model) or 0) < 15 or not any(
+        n.op_type == "SequenceEmpty" for n in model.graph.node
+    ):
+        return model  # (Shape's start attribute is opset 15's)
+    rewritten = copy_model(model)
+    graph = rewritten.graph
+    fresh = namer("sequence", graph_names(graph))
+    found = False
+    while _stack_one(graph, fresh):  # one at a time: each renumbers the Loop's values
+        found = True
+    return rewritten if found else model
+
+
+def _stack_one(graph: onnx.GraphProto, fresh) -> bool:
+    """Rewrite the first Loop-carried sequence of the module docstring's pattern in
+    ``graph``; whether there was one."""
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    outputs = {o.name for o in graph.output}
+    for loop in graph.node:
+        if loop.op_type != "Loop" or loop.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in loop.attribute if a.name == "body")
+        carried = len(loop.input) - 2
+        for k in range(carried):
+            start = producers.get(loop.input[2 + k])
+            final = loop.output[k]
+            concats = readers.get(final, [])
+            if (
+                start is None
+                or start.op_type != "SequenceEmpty"
+                or len(readers[start.output[0]]) != 1
+                or final in outputs
+                or not concats
+                or any(c.op_type != "ConcatFromSequence" for c in concats)
+                or any(_attributes(c).get("axis") != 0 for c in concats)
+            ):
+                continue
+            row = _appended(body, body.input[2 + k].name, body.output[1 + k].name)
+            if row is None:
+                continue
+            _as_scan_output(graph, loop, body, k, row, concats, fresh)
+            graph.node.remove(start)
+            return True
+    return False
+
+
+def _appended(body: onnx.GraphProto, sequence_in: str, sequence_out: str) -> str | None:
+    """The tensor the body appends to its carried sequence, when it only does that: one
+    ``SequenceInsert(sequence_in, row)`` (no position) producing ``sequence_out``."""
+    readers = [n for n in body.node if sequence_in in n.input]
+    if len(readers) != 1:
+        return None
+    (insert,) = readers
+    if (
+        insert.op_type != "SequenceInsert"
+        or len([i for i in insert.input if i]) != 2
+        or insert.input[0] != sequence_in
+        or insert.output[0] != sequence_out
+        or any(sequence_out in n.input for n in body.node)
+    ):
+        return None
+    return insert.input[1]
+
+
+def _as_scan_output(
+    graph: onnx.GraphProto,
+    loop: onnx.NodeProto,
+    body: onnx.GraphProto,
+    k: int,
+    row: str,
+    concats: list[onnx.NodeProto],
+    fresh,
+) -> None:
+    """Carried sequence ``k`` of ``loop`` becomes a scan output of ``row``; each
+    ``ConcatFromSequence`` of it a ``Reshape`` (or an ``Identity``) of the stack."""
+    (insert,) = [n for n in body.node if n.output and n.output[0] == body.output[1 + k].name]
+    body.node.remove(insert)
+    del body.input[2 + k]
+    del body.output[1 + k]
+    scan_value = onnx.ValueInfoProto()
+    scan_value.name = row
+    body.output.append(scan_value)
+    del loop.input[2 + k]
+    stacked = fresh("stacked")
+    outputs = list(loop.output)
+    del outputs[k]
+    del loop.output[:]
+    loop.output.extend([*outputs, stacked])
+    position = list(graph.node).index(loop) + 1
+    for concat in concats:
+        nodes: list[onnx.NodeProto]
+        if _attributes(concat).get("new_axis", 0):
+            nodes = [helper.make_node("Identity", [stacked], [concat.output[0]])]
+        else:  # turns x row's shape -> (turns * row's first extent) x the rest
+            shape, first, target = (fresh(s) for s in ("shape", "first", "target"))
+            nodes = [
+                helper.make_node("Shape", [stacked], [shape], start=2),
+                helper.make_node(
+                    "Constant", [], [first], value=onnx.numpy_helper.from_array(np.array([-1]))
+                ),
+                helper.make_node("Concat", [first, shape], [target], axis=0),
+                helper.make_node("Reshape", [stacked, target], [concat.output[0]]),
+            ]
+        graph.node.remove(concat)
+        for node in reversed(nodes):
+            graph.node.insert(position, node)
 
 
 __all__ = ["sequences_as_tensors"]

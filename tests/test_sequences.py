@@ -200,3 +200,59 @@ def test_a_sequence_left_is_refused_in_the_users_names(trainer):
         )
     with pytest.raises(MissingGradientError, match=r"no path from the weight 'W'.*'native'"):
         fit.fit(X, y)
+
+
+def loop_appending(new_axis: int = 0, also_read: bool = False) -> onnx.ModelProto:
+    """A Loop over the rows of X (N x 4) appending ``row * W`` (1 x 4) a turn to a
+    sequence started empty, concatenated after the loop (dynamo's nn.EmbeddingBag)."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Unsqueeze", ["i", "zero"], ["at"]),
+            helper.make_node("Gather", ["X", "at"], ["row"], axis=0),
+            helper.make_node("Mul", ["row", "W"], ["scaled"]),
+            helper.make_node("SequenceInsert", ["seq_in", "scaled"], ["seq_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_sequence_value_info("seq_in", F32, None),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_sequence_value_info("seq_out", F32, None),
+        ],
+    )
+    nodes = [
+        helper.make_node("Shape", ["X"], ["shape"], end=1),
+        helper.make_node("Squeeze", ["shape"], ["n"]),
+        helper.make_node("SequenceEmpty", [], ["empty"], dtype=F32),
+        helper.make_node("Loop", ["n", "true", "empty"], ["rows"], body=body),
+        helper.make_node("ConcatFromSequence", ["rows"], ["Y"], axis=0, new_axis=new_axis),
+    ]
+    inits = {
+        "W": np.arange(1, 5, dtype=np.float32),
+        "zero": np.array([0], np.int64),
+        "true": np.array(True),
+    }
+    built = model(nodes, {"X": ["N", 4]}, ["Y"], inits, rank=3 if new_axis else 2)
+    if also_read:
+        built.graph.node.append(helper.make_node("SequenceLength", ["rows"], ["count"]))
+        built.graph.output.append(helper.make_tensor_value_info("count", TensorProto.INT64, []))
+    return built
+
+
+@pytest.mark.parametrize("new_axis", [0, 1])
+def test_a_loop_appending_to_a_sequence_is_a_loop_with_a_scan_output(new_axis):
+    original = loop_appending(new_axis)
+    rewritten = sequences_as_tensors(original)
+    kinds = {n.op_type for n in rewritten.graph.node}
+    assert not kinds & {"SequenceEmpty", "ConcatFromSequence"}
+    X = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
+    assert_same_outputs(original, rewritten, {"X": X})
+
+
+def test_a_loop_sequence_read_otherwise_stays():
+    original = loop_appending(also_read=True)
+    assert sequences_as_tensors(original) is original
