@@ -61,6 +61,7 @@ from graphkit.parameters import FLOAT_ELEM_TYPES
 from graphkit.quantized import quantized_as_standard
 from graphkit.rewrite import META_LORA
 from graphkit.tensor_store import tensor_value
+from graphkit.train_mode import DROPOUT, MARK
 
 INITS = ("kaiming", "gaussian")
 """How :func:`add_lora` draws ``A``: PEFT's default (``init_lora_weights=True``) or its
@@ -108,6 +109,9 @@ class Adapter:
     sites: tuple[Site, ...]
     chain: tuple[str, ...] = ()
     module: str | None = None
+    dropout: float = 0.0
+    """PEFT's ``lora_dropout``: the probability that a unit of the adapters' input is
+    dropped while training (a Dropout in training mode, :mod:`graphkit.train_mode`)."""
 
     @property
     def scale(self) -> float:
@@ -138,8 +142,10 @@ def add_lora(
             predicate of the initializer's name.
         rank: the adapters' rank r, 1 <= r <= min(in, out) of every target.
         alpha: the scale's numerator: the adapters add ``(alpha / rank) (x A) B``.
-        dropout: PEFT's ``lora_dropout``; only 0 is supported (graphkit does not train
-            Dropout yet).
+        dropout: PEFT's ``lora_dropout``, in [0, 1): the adapters read ``Dropout(x)``
+            (``B A Dropout(x)``), active while training (its masks from the trainers'
+            seeded stream, :mod:`graphkit.train_mode`), inactive when predicting and in
+            the exported inference and merged models.
         init: ``"kaiming"`` (PEFT's default) or ``"gaussian"``, how ``A`` is drawn.
         random_state: the seed of ``A``'s draw (None: a fresh one).
 
@@ -164,7 +170,8 @@ def add_lora(
     rng = np.random.default_rng(random_state)
     taken = graph_names(out.graph)
     added = [
-        _add_adapter(out.graph, *candidates[name], rank, alpha, init, rng, taken) for name in chosen
+        _add_adapter(out.graph, *candidates[name], rank, alpha, init, rng, taken, dropout)
+        for name in chosen
     ]
     _write_record(out, added)
     return out
@@ -175,11 +182,8 @@ def _check_params(rank: int, alpha: float, dropout: float, init: str) -> None:
         raise LoraError(f"rank must be a positive integer, got {rank!r}.")
     if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
         raise LoraError(f"alpha must be a positive number, got {alpha!r}.")
-    if dropout != 0.0:
-        raise LoraError(
-            f"dropout={dropout!r}: graphkit does not train Dropout yet, so LoRA's dropout "
-            "cannot be applied; use dropout=0.0."
-        )
+    if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+        raise LoraError(f"dropout must lie in [0, 1), got {dropout!r}.")
     if init not in INITS:
         raise LoraError(f"init must be one of {INITS}, not {init!r}.")
 
@@ -381,10 +385,12 @@ def _add_adapter(
     init: str,
     rng: np.random.Generator,
     taken: set[str],
+    dropout: float = 0.0,
 ) -> Adapter:
     """``A``, ``B`` of ``weight`` and the nodes that add ``(alpha / rank) (x A) B`` to
-    each product reading it; the adapters are named after the weight's torch module
-    where the graph says it (``<module>.lora_A.weight``), else after the weight."""
+    each product reading it (``x`` through a Dropout of ratio ``dropout`` if positive);
+    the adapters are named after the weight's torch module where the graph says it
+    (``<module>.lora_A.weight``), else after the weight."""
     layout = readers[0].layout
     if any(r.layout != layout for r in readers):
         raise LoraError(
@@ -416,9 +422,20 @@ def _add_adapter(
     graph.initializer.extend(
         [numpy_helper.from_array(a, a_name), numpy_helper.from_array(b, b_name)]
     )
-    sites = [_add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken) for r in readers]
+    sites = [
+        _add_site(graph, r, a_name, b_name, alpha / rank, dtype, taken, dropout) for r in readers
+    ]
     return Adapter(
-        weight.name, a_name, b_name, rank, float(alpha), layout, tuple(sites), weight.chain, module
+        weight.name,
+        a_name,
+        b_name,
+        rank,
+        float(alpha),
+        layout,
+        tuple(sites),
+        weight.chain,
+        module,
+        float(dropout),
     )
 
 
@@ -440,9 +457,11 @@ def _add_site(
     scale: float,
     dtype: np.dtype,
     taken: set[str],
+    dropout: float = 0.0,
 ) -> Site:
     """After ``reader``'s product: ``y = base + ((x A) B) * scale``, where the product
-    now writes ``base`` (the nodes computed in PEFT's order)."""
+    now writes ``base`` (the nodes computed in PEFT's order); with ``dropout``, ``x`` is
+    ``Dropout(x)`` in its inference form, marked to train in training mode."""
     product = reader.node
     output = product.output[0]
     base = fresh_name(f"{output}/lora_base", taken)
@@ -454,19 +473,34 @@ def _add_site(
     xa, xab, scale_name, scaled = (
         fresh_name(f"{prefix}/{v}", taken) for v in ("xA", "xAB", "s", "sxAB")
     )
+    x = reader.x
+    dropped: list[onnx.NodeProto] = []
+    if dropout > 0:
+        ratio, x = fresh_name(f"{prefix}/ratio", taken), fresh_name(f"{prefix}/dropped", taken)
+        ratio_name, dropout_name = (
+            fresh_name(f"{prefix}/{op}", taken) for op in ("Ratio", "Dropout")
+        )
+        value = numpy_helper.from_array(np.array(dropout, dtype=dtype))
+        dropped = [
+            helper.make_node("Constant", [], [ratio], name=ratio_name, value=value),
+            helper.make_node("Dropout", [reader.x, ratio], [x], name=dropout_name),
+        ]
+        dropped[1].metadata_props.add(key=MARK, value=DROPOUT)
+        names += [ratio_name, dropout_name]
     if reader.layout == "conv":  # A convolves as the product does; B is 1 x 1
         geometry = [
             attr
             for attr in product.attribute
             if attr.name in ("auto_pad", "dilations", "pads", "strides")
         ]
-        first = helper.make_node("Conv", [reader.x, a], [xa], name=names[0])
+        first = helper.make_node("Conv", [x, a], [xa], name=names[0])
         first.attribute.extend(geometry)
         second = helper.make_node("Conv", [xa, b], [xab], name=names[1])
     else:
-        first = helper.make_node("MatMul", [reader.x, a], [xa], name=names[0])
+        first = helper.make_node("MatMul", [x, a], [xa], name=names[0])
         second = helper.make_node("MatMul", [xa, b], [xab], name=names[1])
     nodes = [
+        *dropped,
         first,
         second,
         helper.make_node(
@@ -797,7 +831,7 @@ def _save_peft(
         "base_model_name_or_path": base_model_name_or_path,
         "r": found[0].rank,
         "lora_alpha": int(found[0].alpha) if found[0].alpha.is_integer() else found[0].alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": found[0].dropout,
         "target_modules": modules,  # the full names: PEFT adapts exactly these
         "bias": "none",
         "fan_in_fan_out": False,

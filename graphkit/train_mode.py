@@ -47,15 +47,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphkit._graph import (
-    NodeWriter,
-    axes_for_opset,
-    copy_model,
-    graph_names,
-    inferred_dims,
-    namer,
-)
-from graphkit.compat import opset_of
+from graphkit._graph import GraphInfo, NodeWriter, axes_for_opset, copy_model, namer
 from graphkit.errors import IncompatibleModelError
 from graphkit.tensor_store import tensor_value
 
@@ -128,13 +120,18 @@ def marked_for_training(model: onnx.ModelProto, mode: bool | None = None) -> onn
             exported = _dropout_trains(node, constants)
             del node.input[2:]  # training_mode: inactive in the inference form
             kind = DROPOUT
-            if (exported if mode is None else mode) and len(node.input) > 1 and node.input[1]:
+            if (
+                (exported or is_marked(node, kind) if mode is None else mode)
+                and len(node.input) > 1
+                and node.input[1]
+            ):
                 if node.input[1] not in constants:
                     raise IncompatibleModelError(
                         f"Dropout node {_label(node)!r} computes its ratio at run time: "
                         "graphkit trains a Dropout whose ratio is a constant."
                     )
-        trains = exported if mode is None else mode
+        # a mark made already (a second pass, add_lora's dropout) stands for an export
+        trains = (exported or is_marked(node, kind)) if mode is None else mode
         _set_mark(node, kind if trains else None)
     return out
 
@@ -251,11 +248,9 @@ def training_form(model: onnx.ModelProto, step: str = "step") -> TrainingForm:
     if not marked:
         return TrainingForm(model)
     out = copy_model(model)
-    taken = graph_names(out.graph)
-    opset = opset_of(out)
-    dtypes = _float_types(out)
+    info = GraphInfo(out)  # the names in use, the opset, inferred types and ranks
+    taken, opset = info.taken, info.opset
     constants = _small_constants(out.graph)
-    shapes = inferred_dims(out)
     form = TrainingForm(out)
     dropouts = 0
     nodes: list[onnx.NodeProto] = []
@@ -264,9 +259,9 @@ def training_form(model: onnx.ModelProto, step: str = "step") -> TrainingForm:
             nodes.append(node)
             continue
         write = NodeWriter(namer(f"{_label(node)}/train", taken))
-        elem = dtypes.get(node.input[0], dtypes.get(node.input[1], TensorProto.FLOAT))
+        elem = info.elem.get(node.input[0], TensorProto.FLOAT)
         if node.op_type == "BatchNormalization":
-            rank = len(shapes[node.input[0]]) if node.input[0] in shapes else None
+            rank = info.rank.get(node.input[0])
             mean_next, var_next = _batch_statistics(node, write, elem, rank)
             form.buffers[node.input[3]] = mean_next
             form.buffers[node.input[4]] = var_next
@@ -286,9 +281,12 @@ def training_form(model: onnx.ModelProto, step: str = "step") -> TrainingForm:
         nodes.extend(axes_for_opset(write.nodes, opset))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    statistics = {t.name: t for t in out.graph.initializer if t.name in form.buffers}
     for statistic, updated in form.buffers.items():
-        dims = _initializer_dims(out, statistic)
-        out.graph.output.append(helper.make_tensor_value_info(updated, dtypes[statistic], dims))
+        tensor = statistics[statistic]
+        out.graph.output.append(
+            helper.make_tensor_value_info(updated, tensor.data_type, list(tensor.dims))
+        )
     if dropouts:
         inputs = {i.name for i in out.graph.input}
         for name in (step, DROPOUT_SEED):
@@ -296,18 +294,6 @@ def training_form(model: onnx.ModelProto, step: str = "step") -> TrainingForm:
                 out.graph.input.append(helper.make_tensor_value_info(name, TensorProto.INT64, []))
         form.step, form.seed = step, DROPOUT_SEED
     return form
-
-
-def _float_types(model: onnx.ModelProto) -> dict[str, int]:
-    types = {t.name: t.data_type for t in model.graph.initializer}
-    for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
-        if value.type.tensor_type.elem_type:
-            types[value.name] = value.type.tensor_type.elem_type
-    return types
-
-
-def _initializer_dims(model: onnx.ModelProto, name: str) -> list[int]:
-    return next(list(t.dims) for t in model.graph.initializer if t.name == name)
 
 
 def _scalar(write: NodeWriter, value: float, elem: int) -> str:

@@ -266,3 +266,22 @@ def export_dynamo(net, example: np.ndarray) -> onnx.ModelProto:
             dynamic_shapes=({0: torch.export.Dim("N", min=1)},),
         )
     return program.model_proto
+
+
+_M = 2**31
+
+
+def _mix(x):
+    """graphkit.train_mode's mixing function, written again from its docstring."""
+    x = np.asarray(x, dtype=np.int64) % _M
+    for a, k in ((0x7FEB352D, 16), (0x4C6CA68B, 15), (0x27D4EB2D, 16)):
+        x = ((x ^ (x >> k)) * a) % _M
+    return x ^ (x >> 16)
+
+
+def dropout_uniform(seed: int, step: int, layer: int, size: int) -> np.ndarray:
+    """The uniform numbers the ``layer``-th Dropout in training mode draws at ``step``
+    (graphkit.train_mode's stream, from its docstring's formula): a unit is kept where
+    they are >= p, so torch fed these masks trains as graphkit does."""
+    key = _mix((_mix((_mix(seed) + step % _M) % _M) + layer + 1) % _M)
+    return (_mix((_mix(np.arange(size)) + key) % _M) // 2**7).astype(np.float32) * 2.0**-24

@@ -165,8 +165,9 @@ def test_a_rank_out_of_range_is_refused(rank):
 
 def test_other_bad_parameters_are_refused():
     model = _linear_graph("in_out")
-    with pytest.raises(lora.LoraError, match="Dropout"):
-        lora.add_lora(model, "lin", rank=2, dropout=0.1)
+    for dropout in (-0.1, 1.0):
+        with pytest.raises(lora.LoraError, match="dropout"):
+            lora.add_lora(model, "lin", rank=2, dropout=dropout)
     with pytest.raises(lora.LoraError, match="alpha"):
         lora.add_lora(model, "lin", rank=2, alpha=-1)
     with pytest.raises(lora.LoraError, match="init"):

@@ -18,8 +18,9 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from conftest import INSTALLED_BACKENDS
+from conftest import INSTALLED_BACKENDS, dropout_uniform
 
+import graphkit as gk
 from graphkit import lora, optimizers
 from graphkit.engine import ort_engine
 from graphkit_train import ForwardBackwardTrainer, Trainer
@@ -321,3 +322,70 @@ def test_conv_adapters_after_10_adamw_steps_equal_pefts(backend, tmp_path):
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(net), folder)
     predicted = loaded(torch.from_numpy(X[:BATCH])).detach().numpy()
     np.testing.assert_allclose(predicted, theirs, atol=1e-5 * np.abs(theirs).max())
+
+
+class _FedDropout(torch.nn.Module):
+    """PEFT's lora_dropout with graphkit's masks (layer 0 of the stream) at ``step``."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        self.p, self.seed, self.step = p, seed, 0
+
+    def forward(self, x):
+        u = dropout_uniform(self.seed, self.step, 0, x.numel())
+        self.step += 1
+        return x * torch.from_numpy((u >= self.p).reshape(tuple(x.shape))) / (1 - self.p)
+
+
+@pytest.mark.parametrize("trainer_class", [Trainer, ForwardBackwardTrainer])
+def test_lora_dropout_trains_as_pefts_with_the_same_masks(trainer_class):
+    """``add_lora(dropout=0.3)``: the adapters read Dropout(x) while training (PEFT's
+    ``lora_dropout``, fed graphkit's masks: 10 AdamW steps equal), not when predicting
+    (the merged model equals PEFT's merge), and the PEFT config says so."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(ROWS, 6)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            net.eval(), (torch.from_numpy(X[:BATCH]),), f, dynamo=False, opset_version=18,
+            input_names=["X"], output_names=["Y"], dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
+        )  # fmt: skip
+    adapted = lora.add_lora(
+        onnx.load_from_string(f.getvalue()), "0", rank=2, alpha=ALPHA, dropout=0.3
+    )
+    (adapter,) = lora.adapters(adapted)
+    initial = lora.lora_state(adapted)  # B starts at zero: give the masks work to do
+    initial[adapter.b] = rng.normal(size=initial[adapter.b].shape).astype(np.float32)
+    adapted = gk.set_weights(adapted, initial)
+    trainer = trainer_class(
+        adapted,
+        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
+        loss="squared_error",
+        batch_size=BATCH,
+        max_iter=1,
+        shuffle=False,
+        random_state=1,
+    ).fit(X, y)
+    state = trainer.get_state()
+    config = peft.LoraConfig(r=2, lora_alpha=ALPHA, target_modules=["0"], lora_dropout=0.3)
+    twin = peft.get_peft_model(copy.deepcopy(net), config)
+    layer = twin.get_submodule("base_model.model.0")
+    with torch.no_grad():
+        layer.lora_A["default"].weight.copy_(torch.from_numpy(initial[adapter.a].T))
+        layer.lora_B["default"].weight.copy_(torch.from_numpy(initial[adapter.b].T))
+    layer.lora_dropout["default"] = _FedDropout(0.3, int(state["graphkit.dropout_seed"]))
+    twin.train()
+    _peft_adamw(twin, X, y)
+    for name, theirs in [(adapter.a, layer.lora_A), (adapter.b, layer.lora_B)]:
+        reference = theirs["default"].weight.detach().numpy().T
+        np.testing.assert_allclose(state[name], reference, atol=1e-5 * np.abs(reference).max())
+    merged = lora.merge_lora(trainer.get_trained_onnx())
+    onnx.checker.check_model(merged, full_check=True)
+    assert not any(n.op_type == "Dropout" for n in merged.graph.node)
+    (ours,) = ort_engine.run(merged, {"X": X[:BATCH]}).values()
+    theirs = copy.deepcopy(twin).eval().merge_and_unload()(torch.from_numpy(X[:BATCH]))
+    np.testing.assert_allclose(ours, theirs.detach().numpy(), atol=1e-5)

@@ -30,28 +30,14 @@ from graphkit.train_mode import (
 
 torch = pytest.importorskip("torch")
 
-from conftest import export_dynamo  # noqa: E402
+from conftest import dropout_uniform, export_dynamo  # noqa: E402
 
 from graphkit_train import ForwardBackwardTrainer, Trainer  # noqa: E402
 
 BACKENDS = ["native", "ort_training"]
 
 
-# -- the Dropout stream, from its docstring ---------------------------------------------
-
-M = 2**31
-
-
-def _mix(x):
-    x = np.asarray(x, dtype=np.int64) % M
-    for a, k in ((0x7FEB352D, 16), (0x4C6CA68B, 15), (0x27D4EB2D, 16)):
-        x = ((x ^ (x >> k)) * a) % M
-    return x ^ (x >> 16)
-
-
-def _uniform(seed: int, step: int, layer: int, size: int) -> np.ndarray:
-    key = _mix((_mix((_mix(seed) + step % M) % M) + layer + 1) % M)
-    return (_mix((_mix(np.arange(size)) + key) % M) // 2**7).astype(np.float32) * 2.0**-24
+# -- the Dropout stream, against its docstring's formula (conftest.dropout_uniform) --------
 
 
 def _dropout_graph(shape, ratio: float) -> onnx.ModelProto:
@@ -82,11 +68,11 @@ def _train_dropout(model, x, step, seed):
 def test_the_dropout_masks_follow_the_documented_stream():
     x = np.random.default_rng(0).normal(size=(3, 5, 7)).astype(np.float32)
     y, mask = _train_dropout(_dropout_graph(x.shape, 0.25), x, 11, 12345)
-    keep = (_uniform(12345, 11, 0, x.size) >= 0.25).reshape(x.shape)
+    keep = (dropout_uniform(12345, 11, 0, x.size) >= 0.25).reshape(x.shape)
     np.testing.assert_array_equal(mask, keep)
     np.testing.assert_allclose(y, x * keep / 0.75, rtol=1e-6)
     np.testing.assert_array_equal(
-        uniform_stream(12345, 11, 0, x.size), _uniform(12345, 11, 0, x.size)
+        uniform_stream(12345, 11, 0, x.size), dropout_uniform(12345, 11, 0, x.size)
     )
 
 
@@ -120,12 +106,20 @@ def test_the_dropout_masks_keep_1_minus_p_and_change_every_step():
 # -- BatchNormalization's training form, against torch ------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(6, 3), (5, 3, 7), (4, 3, 5, 6)])
-def test_batch_statistics_and_running_averages_equal_torch(shape):
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((6, 3), np.float32),
+        ((5, 3, 7), np.float32),
+        ((4, 3, 5, 6), np.float32),
+        ((4, 3, 5), np.float64),
+    ],
+)
+def test_batch_statistics_and_running_averages_equal_torch(shape, dtype):
     rng = np.random.default_rng(1)
-    x = rng.normal(2.0, 3.0, size=shape).astype(np.float32)
-    scale, bias = rng.normal(size=3).astype(np.float32), rng.normal(size=3).astype(np.float32)
-    mean, var = rng.normal(size=3).astype(np.float32), rng.random(3).astype(np.float32) + 0.5
+    x = rng.normal(2.0, 3.0, size=shape).astype(dtype)
+    scale, bias = rng.normal(size=3).astype(dtype), rng.normal(size=3).astype(dtype)
+    mean, var = rng.normal(size=3).astype(dtype), rng.random(3).astype(dtype) + 0.5
     node = helper.make_node(
         "BatchNormalization",
         ["x", "s", "b", "m", "v"],
@@ -137,8 +131,16 @@ def test_batch_statistics_and_running_averages_equal_torch(shape):
     graph = helper.make_graph(
         [node],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *shape[1:]])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [
+            helper.make_tensor_value_info(
+                "x", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), ["N", *shape[1:]]
+            )
+        ],
+        [
+            helper.make_tensor_value_info(
+                "y", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), None
+            )
+        ],
         [numpy_helper.from_array(a, n) for a, n in zip((scale, bias, mean, var), "sbmv")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
@@ -189,7 +191,7 @@ class _FedDropout(torch.nn.Module):
         if not self.training:
             return x
         owner = self.owner()
-        u = _uniform(owner.seed, owner.step, self.layer, x.numel())
+        u = dropout_uniform(owner.seed, owner.step, self.layer, x.numel())
         keep = torch.from_numpy((u >= self.p).reshape(tuple(x.shape)))
         return x * keep / (1 - self.p)
 

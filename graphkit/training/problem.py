@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from graphkit import backends
 from graphkit.backends.base import Backend
 from graphkit.gradient import reaching
 from graphkit.prepare import prepare_standard_model, standard_model
+from graphkit.train_mode import DROPOUT_SEED
 from graphkit.training.step import TrainingStep, build_training_step
 from graphkit.transforms import GradientTransformation
 from graphkit.update_step import LOSS
@@ -44,6 +46,11 @@ class TrainingProblem:
     user_model: onnx.ModelProto | None = field(default=None, repr=False, compare=False)
     """The user's graph as graphkit trains and exports it, before the training rewrites
     (:func:`graphkit.prepare.standard_model`): what the trained weights are written into."""
+    dropout_seed: np.ndarray | None = field(default=None, compare=False)
+    """The seed the Dropout masks of every step built start from (an int64 scalar; None:
+    0), where a layer trains in training mode (:mod:`graphkit.train_mode`): a trainer
+    sets it from ``random_state``, so that a step exported before ``fit`` draws the masks
+    the fit draws."""
     _steps: dict[bool, TrainingStep] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -100,7 +107,7 @@ class TrainingProblem:
         if not pack and packed is not None and packed.packing is None:
             return packed  # nothing was packed: the same step
         if pack not in self._steps:
-            self._steps[pack] = build_training_step(
+            step = build_training_step(
                 self.model,
                 self.weights,
                 self.optimizer,
@@ -109,6 +116,9 @@ class TrainingProblem:
                 pack=pack,
                 backend=self.backend,
             )
+            if self.dropout_seed is not None and DROPOUT_SEED in step.initial:
+                step.initial[DROPOUT_SEED] = np.array(self.dropout_seed, dtype=np.int64)
+            self._steps[pack] = step
         return self._steps[pack]
 
 

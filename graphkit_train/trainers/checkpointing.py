@@ -143,6 +143,14 @@ class Checkpointing:
                 setattr(self, name, state[name])
 
 
+def seed_dropout_stream(initial: dict[str, np.ndarray], seed: int | None) -> None:
+    """Set the initial seed of the Dropout masks' stream in a step's ``initial`` values
+    (if it has one) from ``random_state``: a step exported before ``fit`` draws the
+    masks the fit draws."""
+    if DROPOUT_SEED in initial:
+        initial[DROPOUT_SEED] = dropout_seed(seed)
+
+
 def dropout_seed(seed: int | None) -> np.ndarray:
     """The seed of the Dropout masks' stream (:mod:`graphkit.train_mode`) for a fit with
     ``random_state=seed``: drawn from ``seed`` (None: from fresh entropy), int64."""

@@ -41,6 +41,7 @@ from graphkit.transforms import GradientTransformation
 from graphkit.update_step import LOSS_SUM, grad_name
 from graphkit_train.engine.forward_backward import binding_outputs
 from graphkit_train.trainers.base import BaseTrainer
+from graphkit_train.trainers.checkpointing import dropout_seed
 from graphkit_train.trainers.heads import heads_of, recorded_loss
 from graphkit_train.trainers.params import (
     input_value,
@@ -203,6 +204,7 @@ class Trainer(BaseTrainer):
         # with standard operators (their coefficients are the weights)
         assert problem.user_model is not None  # from_model sets it
         self._user_onnx = problem.user_model
+        problem.dropout_seed = dropout_seed(self.random_state)  # the masks' stream
         self.training_step_: TrainingStep = problem.step()
         step = self.update_step_ = self.training_step_
         if self.distributed:  # gradients and update apart, an all-reduce between them

@@ -44,6 +44,7 @@ from graphkit.update_step import fuses_into, grad_name
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, binding_outputs
 from graphkit_train.engine.resident import BindingCache
 from graphkit_train.trainers.base import BaseTrainer
+from graphkit_train.trainers.checkpointing import seed_dropout_stream
 from graphkit_train.trainers.params import (
     input_value,
     providers_for,
@@ -201,6 +202,7 @@ class ForwardBackwardTrainer(BaseTrainer):
             buffers = {b: fb.buffers[b].numpy() for b in fb.buffer_names}
             seed = DROPOUT_SEED if DROPOUT_SEED in fb.buffers else None
             self.update_step_ = with_buffers(self.update_step_, buffers, seed)
+            seed_dropout_stream(self.update_step_.initial, self.random_state)
         self._no_input_grads: frozenset[str] = frozenset()
         self._variant = fb._variant(self._no_input_grads)
         # known before any loss or update session is made: their threads depend on it

@@ -207,11 +207,14 @@ def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
 # -- torch models ------------------------------------------------------------------------
 
 
-def torch_export(net, example, dynamo: bool) -> onnx.ModelProto:
-    """The ONNX graph of a torch module in eval mode, input X (batch N), output Y."""
+def torch_export(net, example, dynamo: bool, train: bool = False) -> onnx.ModelProto:
+    """The ONNX graph of a torch module in eval mode, input X (batch N), output Y; with
+    ``train``, in train() mode as the README's recipe exports it (TorchScript's
+    ``TrainingMode.TRAINING`` without constant folding, dynamo's ``optimize=False``):
+    its BatchNorm and Dropout train as torch's train() runs them."""
     import torch
 
-    net.eval()
+    net.train(train)
     x = torch.as_tensor(example[:2])
     if not dynamo and any(isinstance(m, torch.jit.ScriptModule) for m in net.modules()):
         # torch.onnx.export's own tracer refuses a scripted submodule ("Tried to trace
@@ -232,8 +235,10 @@ def torch_export(net, example, dynamo: bool) -> onnx.ModelProto:
                 dynamic_shapes=({0: batch},),
                 opset_version=18,
                 verbose=False,
+                **({"optimize": False} if train else {}),
             )
             return program.model_proto
+        mode = {"training": torch.onnx.TrainingMode.TRAINING, "do_constant_folding": False}
         torch.onnx.export(
             net,
             (x,),
@@ -243,6 +248,7 @@ def torch_export(net, example, dynamo: bool) -> onnx.ModelProto:
             dynamic_axes={"X": {0: "N"}, "Y": {0: "N"}},
             opset_version=18,
             dynamo=False,
+            **(mode if train else {}),
         )
     return onnx.load_from_string(buffer.getvalue())
 
@@ -310,6 +316,21 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
     elif kind in ("gpt2", "llama"):
         data = next_tokens()
         net = _causal_lm(kind)
+    elif kind == "resnet_train":
+        data = digits(image=True)
+        net = _module_classes()[6]()
+    elif kind == "unet":
+        data = digits(image=True)
+        net = _module_classes()[7]()
+    elif kind == "mlp_rmsnorm":
+        data = digits()
+        net = nn.Sequential(nn.Linear(64, 32), nn.RMSNorm(32), nn.ReLU(), nn.Linear(32, 10))
+    elif kind == "embedding_bag":
+        data = tokens()
+        net = nn.Sequential(nn.EmbeddingBag(50, 16, mode="mean"), nn.Linear(16, 3))
+    elif kind == "bert":
+        data = tokens()
+        net = _bert_classifier()
     elif kind == "if":
         data = digits()
         net = _module_classes()[4](dynamo)
@@ -318,14 +339,23 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
         net = _module_classes()[5](dynamo)
     else:
         raise KeyError(kind)
-    onx = torch_export(net, data.X_train, dynamo)
+    onx = torch_export(net, data.X_train, dynamo, train=kind in _TRAIN_MODE)
     for op_type in _MUST_SURVIVE.get(kind, ()):
         if op_type not in operators(onx.graph):
             raise AssertionError(f"the {kind} model lost its {op_type} in the export")
     return onx, data
 
 
-_MUST_SURVIVE = {"einsum": ("Einsum",), "if": ("If",), "loop": ("Loop",)}
+_MUST_SURVIVE = {
+    "einsum": ("Einsum",),
+    "if": ("If",),
+    "loop": ("Loop",),
+    "resnet_train": ("BatchNormalization", "Dropout"),
+    "unet": ("Resize",),
+    "embedding_bag": ("Loop",),
+}
+_TRAIN_MODE = {"resnet_train"}
+"""The kinds exported in train() mode (:func:`torch_export`'s ``train``)."""
 """The operator each of these cases is there for: an exporter that folds it away fails
 the case instead of testing something else."""
 
@@ -469,7 +499,85 @@ def _module_classes():
         def forward(self, x):
             return self.linear(self.rows(x))
 
-    return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet
+    class ResNet(nn.Module):
+        """Conv-BN-ReLU, a residual block (Conv-BN-ReLU-Conv-BN + skip), Dropout, Linear:
+        exported in train() mode, BatchNorm and Dropout train as torch's train()."""
+
+        def __init__(self) -> None:
+            super().__init__()
+
+            # no bias before a BatchNorm (as ResNets do): its gradient is zero up to
+            # rounding, which Adam would turn into full-size updates, different per runtime
+            def conv(a: int, b: int) -> nn.Conv2d:
+                return nn.Conv2d(a, b, 3, padding=1, bias=False)
+
+            self.stem = nn.Sequential(conv(1, 8), nn.BatchNorm2d(8), nn.ReLU())
+            self.block = nn.Sequential(
+                conv(8, 8), nn.BatchNorm2d(8), nn.ReLU(), conv(8, 8), nn.BatchNorm2d(8)
+            )
+            self.head = nn.Sequential(
+                nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(0.2), nn.Linear(128, 10)
+            )
+
+        def forward(self, x):
+            h = self.stem(x)
+            return self.head(torch.relu(h + self.block(h)))
+
+    class UNet(nn.Module):
+        """A two-level U-Net (skips, nearest and bilinear upsampling) with a classifier
+        head over its output map."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc1 = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU())
+            self.enc2 = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU())
+            self.bottom = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+            self.pool = nn.MaxPool2d(2)
+            self.up_nearest = nn.Upsample(scale_factor=2, mode="nearest")
+            self.up_bilinear = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+            self.dec = nn.Sequential(nn.Conv2d(24, 8, 3, padding=1), nn.ReLU())
+            self.head = nn.Linear(8 * 8 * 8, 10)
+
+        def forward(self, x):
+            e1 = self.enc1(x)  # 8 x 8
+            e2 = self.enc2(self.pool(e1))  # 4 x 4
+            b = e2 + self.up_nearest(self.bottom(self.pool(e2)))  # 2 x 2 -> 4 x 4
+            d = self.dec(torch.cat([e1, self.up_bilinear(b)], dim=1))  # 8 x 8
+            return self.head(d.flatten(1))
+
+    return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet, ResNet, UNet
+
+
+def _bert_classifier():
+    """A one-layer BERT sequence classifier from transformers' config, random weights,
+    returning the logits [N, 3] (no attention mask: every token counts)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+    model = transformers.BertForSequenceClassification(config)
+
+    class Classifier(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).logits
+
+    return Classifier()
 
 
 def _causal_lm(kind: str):
@@ -689,6 +797,57 @@ CASES: list[Case] = [
         epochs=3,
         refused=_ort_refuses("If"),
     ),
+    # training mode (graphkit.train_mode): exported in train(), BatchNorm normalizes with
+    # the batch's statistics and updates its running ones, Dropout drops units
+    *_torch(
+        "ResNet block (BatchNorm, Dropout; train mode)",
+        "resnet_train",
+        "cross_entropy",
+        threshold=ACC,
+        epochs=3,
+    ),
+    # nearest upsampling becomes a broadcast, bilinear a product by interpolation
+    # matrices (graphkit.resize): onnxruntime-training has no CPU ResizeGrad
+    *_torch(
+        "U-Net (nearest, bilinear upsampling)", "unet", "cross_entropy", threshold=ACC, epochs=3
+    ),
+    # TorchScript cannot export aten::rms_norm at opset 18: dynamo only
+    Case(
+        "MLP(RMSNorm)",
+        "torch-dynamo",
+        P(torch_model, "mlp_rmsnorm", True),
+        "cross_entropy",
+        threshold=ACC,
+        epochs=3,
+    ),
+    # nn.EmbeddingBag: TorchScript writes a Loop over the bags, which native differentiates;
+    # dynamo's Loop slices the table at bounds computed per bag, which no backend
+    # differentiates (graphkit.sequences takes its list of rows apart first)
+    Case(
+        "EmbeddingBag(mean)",
+        "torch-script",
+        P(torch_model, "embedding_bag", False),
+        "cross_entropy",
+        threshold=0.7,
+        epochs=3,
+        lr=0.05,
+        refused=_ort_refuses("Loop"),
+    ),
+    Case(
+        "EmbeddingBag(mean)",
+        "torch-dynamo",
+        P(torch_model, "embedding_bag", True),
+        "cross_entropy",
+        threshold=0.7,
+        epochs=3,
+        lr=0.05,
+        refused=(
+            *_ort_refuses("Loop"),
+            ("native", FULL, "Slice"),
+            ("native", FORWARD_BACKWARD, "Slice"),
+        ),
+    ),
+    *_torch("BERT classifier", "bert", "cross_entropy", threshold=0.7, epochs=3),
     # causal language models built from transformers' configs: next-token cross-entropy
     # of [N, T, V] logits against [N, T] labels, positions with nothing to predict
     # ignored; every weight, then LoRA adapters on a frozen base (GPT-2's embedding and

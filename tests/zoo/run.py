@@ -23,6 +23,7 @@ import numpy as np
 import graphkit as gk
 from graphkit import backends, lora
 from graphkit.rewrite import select_prediction
+from graphkit.train_mode import marked_for_training
 from graphkit_train import OrtGradientForwardBackwardOptimizer, OrtGradientOptimizer
 
 from .models import CASES, FORWARD_BACKWARD, FULL, IGNORE, Case, Data
@@ -91,7 +92,9 @@ def metric(data: Data, output: np.ndarray, case: Case) -> float:
 
 
 def initial_metric(onx, data: Data, case: Case) -> float:
-    model, prediction = select_prediction(onx, case.output_index)
+    """The converted model's held-out metric, its BatchNorm and Dropout layers in
+    inference mode (as graphkit predicts with it)."""
+    model, prediction = select_prediction(marked_for_training(onx), case.output_index)
     feeds = {model.graph.input[0].name: data.X_test}
     return metric(data, gk.run(model, feeds)[prediction.name], case)
 
