@@ -6,8 +6,10 @@ writes newer IR versions by default. Each backend declares the newest its runtim
 when it registers (:func:`graphkit.backends.register`), which refuses one that cannot
 load what this module writes.
 Every model graphkit produces goes through :func:`finalize`; every model a user hands in
-goes through :func:`make_compatible`, which converts what can be converted and refuses
-the rest with a message saying what to do.
+goes through :func:`make_compatible`, which converts what can be converted (a model of
+a newer opset goes down with onnx's version converter, opset 23's ``Attention`` and
+``RMSNormalization`` first replaced by onnx's function bodies for them:
+:mod:`graphkit.expand_functions`) and refuses the rest with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from onnx import TensorProto
 
 from graphkit import tensor_store
 from graphkit.errors import IncompatibleModelError
+from graphkit.expand_functions import new_operators_expanded
 
 MAX_IR_VERSION = 10
 """The newest ONNX IR version graphkit writes and loads (onnxruntime-training 1.19.2's)."""
@@ -410,6 +413,9 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
     target = opset
     if opset > MAX_OPSET:
         target = MAX_OPSET
+        # operators with no counterpart at the target (opset 23's Attention): onnx's
+        # own function bodies for them, which convert down like any other operator
+        out = new_operators_expanded(out)
     if min_opset is not None and target < min_opset:
         target = min_opset
     if target != opset:

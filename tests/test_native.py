@@ -39,6 +39,7 @@ from graphkit.errors import MissingGradientError
 from graphkit.prepare import trainable_weights
 from graphkit.rewrite import initializers_to_inputs
 from graphkit.static_shapes import specialize
+from graphkit.train_mode import DROPOUT_SEED, training_form
 
 INSTALLED = {b.name for b in backends.available() if b.installed}
 pytestmark = pytest.mark.skipif(
@@ -124,18 +125,23 @@ def max_relative(got: dict, expected: dict, floor: float = 0.0) -> float:
 @functools.cache
 def zoo_training(case):
     """``(training graph, weights, data)`` of a zoo case; the weights are
-    ``graphkit.prepare.trainable_weights``' choice, the one the trainers make."""
+    ``graphkit.prepare.trainable_weights``' choice, the one the trainers make. A graph
+    whose layers train in training mode is in its training form (batch statistics, the
+    Dropout masks of step 0, seed 0: inputs :func:`zoo_feeds` fills)."""
     onx, data = built(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train = gk.add_loss_output(onx, case.loss, output_index=case.output_index, label_name="y")
-    return train, trainable_weights(train, None), data
+    weights = trainable_weights(train, None)
+    return training_form(train).model, weights, data
 
 
 def zoo_feeds(train: onnx.ModelProto, X: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
     label = next(i for i in train.graph.input if i.name == "y")
     rank = len(label.type.tensor_type.shape.dim)
-    return {train.graph.input[0].name: X, "y": y.reshape(len(y), -1) if rank == 2 else y}
+    feeds = {train.graph.input[0].name: X, "y": y.reshape(len(y), -1) if rank == 2 else y}
+    counters = {"step", DROPOUT_SEED} & {i.name for i in train.graph.input}
+    return feeds | {name: np.array(0, np.int64) for name in counters}
 
 
 @functools.cache

@@ -207,7 +207,9 @@ def skl_pipeline() -> tuple[onnx.ModelProto, Data]:
 # -- torch models ------------------------------------------------------------------------
 
 
-def torch_export(net, example, dynamo: bool, train: bool = False) -> onnx.ModelProto:
+def torch_export(
+    net, example, dynamo: bool, train: bool = False, opset: int = 18
+) -> onnx.ModelProto:
     """The ONNX graph of a torch module in eval mode, input X (batch N), output Y; with
     ``train``, in train() mode as the README's recipe exports it (TorchScript's
     ``TrainingMode.TRAINING`` without constant folding, dynamo's ``optimize=False``):
@@ -233,7 +235,7 @@ def torch_export(net, example, dynamo: bool, train: bool = False) -> onnx.ModelP
                 input_names=["X"],
                 output_names=["Y"],
                 dynamic_shapes=({0: batch},),
-                opset_version=18,
+                opset_version=opset,
                 verbose=False,
                 **({"optimize": False} if train else {}),
             )
@@ -331,6 +333,9 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
     elif kind == "bert":
         data = tokens()
         net = _bert_classifier()
+    elif kind == "attention23":
+        data = digits()
+        net = _module_classes()[8]()
     elif kind == "if":
         data = digits()
         net = _module_classes()[4](dynamo)
@@ -339,7 +344,8 @@ def torch_model(kind: str, dynamo: bool) -> tuple[onnx.ModelProto, Data]:
         net = _module_classes()[5](dynamo)
     else:
         raise KeyError(kind)
-    onx = torch_export(net, data.X_train, dynamo, train=kind in _TRAIN_MODE)
+    opset = 23 if kind == "attention23" else 18
+    onx = torch_export(net, data.X_train, dynamo, train=kind in _TRAIN_MODE, opset=opset)
     for op_type in _MUST_SURVIVE.get(kind, ()):
         if op_type not in operators(onx.graph):
             raise AssertionError(f"the {kind} model lost its {op_type} in the export")
@@ -353,6 +359,7 @@ _MUST_SURVIVE = {
     "resnet_train": ("BatchNormalization", "Dropout"),
     "unet": ("Resize",),
     "embedding_bag": ("Loop",),
+    "attention23": ("Attention", "RMSNormalization"),
 }
 _TRAIN_MODE = {"resnet_train"}
 """The kinds exported in train() mode (:func:`torch_export`'s ``train``)."""
@@ -545,7 +552,24 @@ def _module_classes():
             d = self.dec(torch.cat([e1, self.up_bilinear(b)], dim=1))  # 8 x 8
             return self.head(d.flatten(1))
 
-    return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet, ResNet, UNet
+    class Attention23(nn.Module):
+        """A digit image's 8 rows as 8 tokens: RMSNorm, causal scaled dot-product
+        attention (2 heads), mean over the tokens, Linear; dynamo writes Attention and
+        RMSNormalization at opset 23."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.RMSNorm(8)
+            self.qkv = nn.Linear(8, 48)
+            self.head = nn.Linear(16, 10)
+
+        def forward(self, x):
+            rows = self.norm(x.reshape(x.shape[0], 8, 8))
+            q, k, v = self.qkv(rows).reshape(x.shape[0], 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            h = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.head(h.transpose(1, 2).reshape(x.shape[0], 8, 16).mean(1))
+
+    return EmbeddingBag, Recurrent, Transformer, Einsum, IfNet, LoopNet, ResNet, UNet, Attention23
 
 
 def _bert_classifier():
@@ -848,6 +872,18 @@ CASES: list[Case] = [
         ),
     ),
     *_torch("BERT classifier", "bert", "cross_entropy", threshold=0.7, epochs=3),
+    # opset 23's Attention and RMSNormalization (dynamo only: TorchScript stops at 20)
+    # become onnx's own function bodies, then the model converts down to opset 21
+    Case(
+        "Attention block (opset 23: Attention, RMSNormalization)",
+        "torch-dynamo",
+        P(torch_model, "attention23", True),
+        "cross_entropy",
+        threshold=0.5,  # (chance: 0.1) one small attention layer over the rows
+        epochs=5,
+        optimizer="momentum",  # the keys' bias: see TransformerEncoderLayer
+        lr=0.1,
+    ),
     # causal language models built from transformers' configs: next-token cross-entropy
     # of [N, T, V] logits against [N, T] labels, positions with nothing to predict
     # ignored; every weight, then LoRA adapters on a frozen base (GPT-2's embedding and

@@ -23,6 +23,10 @@ PORTABLE = [  # a LoRA case's graph is its full case's; the default backend is n
     for case in CASES
     if case.refusal(FULL) is None and case.refusal(FULL, "native") is None and not case.lora
 ]
+ON_REFERENCE = list({case.name: case for case in reversed(PORTABLE)}.values())[::-1]
+"""One case per model (its first exporter's) for onnx.reference, numpy's slow kernels:
+what a step computes no longer depends on the exporter once graphkit has prepared it
+(both exporters train in tests/zoo/test_zoo.py, and on plain onnxruntime below)."""
 BATCHES = 3
 
 
@@ -114,7 +118,7 @@ def test_exported_zoo_training_runs_on_plain_onnxruntime(tmp_path):
             )
 
 
-@pytest.mark.parametrize("case", PORTABLE, ids=[c.id for c in PORTABLE])
+@pytest.mark.parametrize("case", ON_REFERENCE, ids=[c.id for c in ON_REFERENCE])
 def test_exported_step_trains_on_onnx_reference(case):
     if not runnable(case):
         pytest.skip("torch is not installed")

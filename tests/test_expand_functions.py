@@ -1,0 +1,122 @@
+"""graphkit/expand_functions.py: opset 23's Attention and RMSNormalization replaced by
+onnx's own function bodies for them, against onnx.reference's kernels of the operators
+(outputs) and torch (a dynamo export at opset 23, trained on both backends)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires_torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from graphkit.expand_functions import new_operators_expanded
+from graphkit.prepare import standard_model
+
+F32 = TensorProto.FLOAT
+
+
+def _model(node, inputs, inits=None, opset=23) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, F32, s) for n, s in inputs.items()],
+        [
+            helper.make_tensor_value_info(
+                node.output[0], F32, [None] * len(next(iter(inputs.values())))
+            )
+        ],
+        [numpy_helper.from_array(v, k) for k, v in (inits or {}).items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
+
+
+CASES = {
+    "attention, causal, 4-D": (
+        helper.make_node("Attention", ["Q", "K", "V"], ["Y"], is_causal=1),
+        {"Q": [2, 3, 5, 4], "K": [2, 3, 5, 4], "V": [2, 3, 5, 4]},
+        None,
+    ),
+    "attention, grouped heads, 3-D, scale": (
+        helper.make_node(
+            "Attention", ["Q", "K", "V"], ["Y"], q_num_heads=4, kv_num_heads=2, scale=0.3
+        ),
+        {"Q": [2, 5, 16], "K": [2, 6, 8], "V": [2, 6, 8]},
+        None,
+    ),
+    "attention, additive mask": (
+        helper.make_node("Attention", ["Q", "K", "V", "M"], ["Y"]),
+        {"Q": [1, 2, 3, 4], "K": [1, 2, 3, 4], "V": [1, 2, 3, 4], "M": [3, 3]},
+        None,
+    ),
+    "rms normalization": (
+        helper.make_node("RMSNormalization", ["X", "S"], ["Y"], axis=-1, epsilon=1e-5),
+        {"X": [3, 4, 6]},
+        {"S": np.linspace(0.5, 1.5, 6).astype(np.float32)},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_expansion_computes_what_the_operator_computes(case):
+    node, inputs, inits = CASES[case]
+    original = _model(node, inputs, inits)
+    expanded = new_operators_expanded(original)
+    assert node.op_type not in {n.op_type for n in expanded.graph.node}
+    onnx.checker.check_model(expanded, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.normal(size=s).astype(np.float32) for n, s in inputs.items()}
+    (got,) = ReferenceEvaluator(expanded).run(None, feeds)
+    (expected,) = ReferenceEvaluator(original).run(None, feeds)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_at_opset_23_is_taken_down_to_graphkits_ceiling():
+    node, inputs, inits = CASES["rms normalization"]
+    standard = standard_model(_model(node, inputs, inits))
+    assert {o.version for o in standard.opset_import if o.domain in ("", "ai.onnx")} == {21}
+    assert standard.ir_version <= 10
+
+
+@requires_torch
+@pytest.mark.parametrize("backend", INSTALLED_BACKENDS)
+def test_an_opset_23_attention_block_trains_as_torch(backend):
+    """dynamo at opset 23 writes F.scaled_dot_product_attention as Attention and
+    nn.RMSNorm as RMSNormalization: expanded, an SGD epoch equals torch's within 1e-5."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(8)
+            self.qkv = torch.nn.Linear(8, 24)
+            self.out = torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            q, k, v = self.qkv(self.norm(x)).reshape(x.shape[0], 6, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            h = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(h.transpose(1, 2).reshape(x.shape[0], 6, 8)).mean(1)
+
+    torch.manual_seed(0)
+    net = Block()
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(16, 6, 8)).astype(np.float32)
+    y = rng.normal(size=(16, 1)).astype(np.float32)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        onx = torch.onnx.export(
+            net,
+            (torch.from_numpy(X[:2]),),
+            dynamo=True,
+            optimize=False,
+            opset_version=23,
+            input_names=["X"],
+            dynamic_shapes=({0: torch.export.Dim("N", min=1)},),
+        ).model_proto
+    assert {"Attention", "RMSNormalization"} <= {n.op_type for n in onx.graph.node}
+    assert_sgd_epoch_equals_torch(onx, net, X, y, backend)
