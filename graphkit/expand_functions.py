@@ -98,7 +98,7 @@ def _body(
     ]
     try:
         schema = defs.get_schema(node.op_type, opset, "")
-        built = schema.get_context_dependent_function(node.SerializeToString(), inputs)
+        built = schema.get_context_dependent_function(node.SerializeToString(), inputs)  # type: ignore[attr-defined]  # (onnx's stubs lack it)
     except Exception:  # no body for this node (an unsupported attribute, say)
         return None
     if not built:
