@@ -58,11 +58,16 @@ def _dropout_graph(shape, ratio: float) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
 
+_SESSIONS: dict[int, ort.InferenceSession] = {}
+
+
 def _train_dropout(model, x, step, seed):
-    form = training_form(marked_for_training(model))
-    session = ort.InferenceSession(form.model.SerializeToString())
+    """The training form of ``model`` (one session per model) on ``x`` at ``step``."""
+    if id(model) not in _SESSIONS:
+        form = training_form(marked_for_training(model))
+        _SESSIONS[id(model)] = ort.InferenceSession(form.model.SerializeToString())
     feeds = {"x": x, "step": np.array(step, np.int64), DROPOUT_SEED: np.array(seed, np.int64)}
-    return session.run(["y", "mask"], feeds)
+    return _SESSIONS[id(model)].run(["y", "mask"], feeds)
 
 
 def test_the_dropout_masks_follow_the_documented_stream():
@@ -96,10 +101,8 @@ def test_the_dropout_masks_keep_1_minus_p_and_change_every_step():
     # the same seed and step: the same mask
     np.testing.assert_array_equal(masks[0], _train_dropout(model, x, 0, 7)[1])
     # expectation: kept units scaled by 1 / (1 - p)
-    small = np.full((64,), 2.0, np.float32)
-    mean = np.mean(
-        [_train_dropout(_dropout_graph((64,), p), small, s, 1)[0] for s in range(400)], 0
-    )
+    small, graph = np.full((64,), 2.0, np.float32), _dropout_graph((64,), p)
+    mean = np.mean([_train_dropout(graph, small, s, 1)[0] for s in range(400)], 0)
     assert abs(mean.mean() - 2.0) < 5 * 2.0 * np.sqrt(p / (1 - p) / (64 * 400))
 
 
@@ -370,15 +373,16 @@ def test_train_mode_false_trains_a_train_export_in_inference_mode():
 def test_the_same_random_state_gives_the_same_run_and_a_checkpoint_resumes_it(kind, tmp_path):
     onx = _export(_resnet(), "torchscript")
     X, y = _data()
-    first = _trainer(kind, onx, "native", random_state=5).fit(X, y).get_state()
-    again = _trainer(kind, onx, "native", random_state=5).fit(X, y).get_state()
-    other = _trainer(kind, onx, "native", random_state=6).fit(X, y).get_state()
+    first = _trainer(kind, onx, "native", random_state=5, max_iter=2).fit(X, y).get_state()
+    again = _trainer(kind, onx, "native", random_state=5, max_iter=2).fit(X, y).get_state()
+    other = _trainer(kind, onx, "native", random_state=6, max_iter=2).fit(X, y).get_state()
     for name in first:
         np.testing.assert_array_equal(first[name], again[name])
     assert not np.array_equal(first["head.weight"], other["head.weight"])
     path = tmp_path / "run.ckpt"
-    _trainer(kind, onx, "native", random_state=5, max_iter=2).fit(X, y, checkpoint=path)
-    resumed = _trainer(kind, onx, "native", random_state=5).fit(X, y, checkpoint=path)
+    _trainer(kind, onx, "native", random_state=5, max_iter=1).fit(X, y, checkpoint=path)
+    resumed = _trainer(kind, onx, "native", random_state=5, max_iter=2)
+    resumed.fit(X, y, checkpoint=path)
     for name, value in first.items():
         np.testing.assert_array_equal(resumed.get_state()[name], value, err_msg=name)
 
