@@ -266,39 +266,35 @@ def _export(net, exporter: str, mode: str = "train") -> onnx.ModelProto:
 
 def _torch_train(net: _ResNet, seed: int, fed: bool = True) -> dict[str, np.ndarray]:
     """torch's SGD of the network in train(), its Dropout fed graphkit's masks."""
-    X, y = _data()
     if fed:
         net.drop = _FedDropout(net.drop.p, 0, net)
     net.seed, net.step = seed, 0
     net.train()
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    _sgd_epochs(net, net.parameters(), after_step=lambda: setattr(net, "step", net.step + 1))
+    return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+
+
+def _sgd_epochs(forward, parameters, after_step=None) -> None:
+    """torch's SGD of the cross entropy of ``forward`` for EPOCHS epochs, the trainers'
+    batches in order."""
+    X, y = _data()
+    optimizer = torch.optim.SGD(parameters, lr=LR)
     for _ in range(EPOCHS):
         for start in range(0, ROWS, BATCH):
             optimizer.zero_grad()
-            logits = net(torch.from_numpy(X[start : start + BATCH]))
+            logits = forward(torch.from_numpy(X[start : start + BATCH]))
             loss = torch.nn.functional.cross_entropy(
                 logits, torch.from_numpy(y[start : start + BATCH])
             )
             loss.backward()
             optimizer.step()
-            net.step += 1
-    return {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+            if after_step is not None:
+                after_step()
 
 
 def _torch_eval_sgd(net: _ResNet) -> None:
     """torch's SGD of the network in eval() (what train_mode=False trains)."""
-    net.eval()
-    X, y = _data()
-    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-    for _ in range(EPOCHS):
-        for start in range(0, ROWS, BATCH):
-            optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(
-                net(torch.from_numpy(X[start : start + BATCH])),
-                torch.from_numpy(y[start : start + BATCH]),
-            )
-            loss.backward()
-            optimizer.step()
+    _sgd_epochs(net.eval(), net.parameters())
 
 
 def _trainer(kind: str, onx, backend: str, **options):
@@ -461,17 +457,7 @@ def test_onnx_module_refuses_training_mode_naming_the_way(train_mode):
     with pytest.raises(gk.IncompatibleModelError, match="OnnxModule .*train_mode=False"):
         OnnxModule(onx, train_mode=train_mode)
     layer = OnnxModule(onx, train_mode=False)
-    X, y = _data()
-    optimizer = torch.optim.SGD(layer.parameters(), lr=LR)
-    for _ in range(EPOCHS):
-        for start in range(0, ROWS, BATCH):
-            optimizer.zero_grad()
-            logits = layer(torch.from_numpy(X[start : start + BATCH]))
-            loss = torch.nn.functional.cross_entropy(
-                logits, torch.from_numpy(y[start : start + BATCH])
-            )
-            loss.backward()
-            optimizer.step()
+    _sgd_epochs(layer, layer.parameters())
     _torch_eval_sgd(net)
     trained = {name: p.detach().numpy() for name, p in layer.named_parameters()}
     expected = {n.replace(".", "_"): p for n, p in net.named_parameters()}
