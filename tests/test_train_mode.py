@@ -58,16 +58,18 @@ def _dropout_graph(shape, ratio: float) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
 
-_SESSIONS: dict[int, ort.InferenceSession] = {}
+_SESSIONS: dict[int, tuple[onnx.ModelProto, ort.InferenceSession]] = {}
+"""One session per dropout graph, keyed by the graph's id (the graph is held too, so
+that its id is not reused by another)."""
 
 
 def _train_dropout(model, x, step, seed):
-    """The training form of ``model`` (one session per model) on ``x`` at ``step``."""
+    """The training form of ``model`` on ``x`` at ``step``."""
     if id(model) not in _SESSIONS:
         form = training_form(marked_for_training(model))
-        _SESSIONS[id(model)] = ort.InferenceSession(form.model.SerializeToString())
+        _SESSIONS[id(model)] = (model, ort.InferenceSession(form.model.SerializeToString()))
     feeds = {"x": x, "step": np.array(step, np.int64), DROPOUT_SEED: np.array(seed, np.int64)}
-    return _SESSIONS[id(model)].run(["y", "mask"], feeds)
+    return _SESSIONS[id(model)][1].run(["y", "mask"], feeds)
 
 
 def test_the_dropout_masks_follow_the_documented_stream():
