@@ -448,6 +448,13 @@ def rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
                 _rename_reads_in(sub, old, new)
 
 
+def rename_subgraph_reads(node: onnx.NodeProto, old: str, new: str) -> None:
+    """Every read of the outer ``old`` in ``node``'s subgraphs (at any depth) reads
+    ``new``; ``node``'s own inputs are left alone."""
+    for sub in _subgraphs(node):
+        _rename_reads_in(sub, old, new)
+
+
 def _rename_reads_in(graph: onnx.GraphProto, old: str, new: str) -> None:
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     defined.update(o for n in graph.node for o in n.output)

@@ -1,6 +1,9 @@
 """The rewrites that leave a user's graph with operators both gradient sources
 differentiate, each computing what the nodes it replaces computed, in this order:
 
+* an ``If`` whose condition is a constant as the branch it takes
+  (:func:`graphkit.constant_branches.constant_branches_taken`: onnxruntime's constant
+  folding crashes on dynamo's ``nn.EmbeddingBag``);
 * the common sequence patterns as tensor operators (:func:`graphkit.sequences.sequences_as_tensors`:
   dynamo's ``SplitToSequence`` + ``SequenceAt``);
 * a ``CastLike`` of a known type as a ``Cast`` (:func:`graphkit.castlike.castlike_as_cast`);
@@ -22,6 +25,7 @@ from __future__ import annotations
 import onnx
 
 from graphkit.castlike import castlike_as_cast
+from graphkit.constant_branches import constant_branches_taken
 from graphkit.ml_ops import linear_models_as_standard_ops
 from graphkit.resize import resizes_as_broadcasts_or_products
 from graphkit.sequences import sequences_as_tensors
@@ -31,7 +35,7 @@ from graphkit.train_mode import marked_for_training
 def as_standard_operators(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with the rewrites of the module docstring applied (a copy where one
     applies)."""
-    model = castlike_as_cast(sequences_as_tensors(model))
+    model = castlike_as_cast(sequences_as_tensors(constant_branches_taken(model)))
     model = linear_models_as_standard_ops(resizes_as_broadcasts_or_products(model))
     return marked_for_training(model)
 

@@ -212,10 +212,11 @@ def on_both_runtimes(model: onnx.ModelProto, feeds: dict) -> list[list[np.ndarra
     ]
 
 
-def assert_sgd_epoch_equals_torch(onx, net, X, y, backend, batch_size=8, lr=0.1) -> None:
+def assert_sgd_epoch_equals_torch(onx, net, X, y, backend, batch_size=8, lr=0.1):
     """One epoch of graphkit's full training (the squared error, SGD at ``lr``, the
     batches in order) of ``onx``, an export of the torch module ``net``, against torch's
-    SGD of ``net`` on the same batches: every parameter within 1e-5. ``net`` is trained."""
+    SGD of ``net`` on the same batches: every parameter within 1e-5. ``net`` is trained;
+    returns graphkit's trainer."""
     import torch
 
     from graphkit import add_loss_output
@@ -244,6 +245,7 @@ def assert_sgd_epoch_equals_torch(onx, net, X, y, backend, batch_size=8, lr=0.1)
         np.testing.assert_allclose(
             state[name], expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max())
         )
+    return trainer
 
 
 def export_dynamo(net, example: np.ndarray) -> onnx.ModelProto:

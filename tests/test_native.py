@@ -447,6 +447,63 @@ def test_slice_gradient_matches_finite_differences(bounds):
     assert_matches_finite_differences(model, ["W", "X"], points)
 
 
+COMPUTED_SLICES = {  # (starts, ends, axes or None) of x (N, 4, 7), computed in the graph
+    **SLICES,
+    "leading axes (the batch's too)": ([1, -3], [1000, 3], None),
+}
+
+
+def _computed_slice_model(bounds: list[int], axes, steps=None) -> onnx.ModelProto:
+    """``loss = sum(s * s) + sum(h)``, ``s = Slice(h, starts, ends[, axes[, steps]])``
+    with starts and ends read from the input ``B`` at run time (dynamo's EmbeddingBag
+    computes them so): never constants to the gradient builder."""
+    k = len(bounds) // 2
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["h0"]),
+        helper.make_node("Tanh", ["h0"], ["h"]),
+        helper.make_node("Cast", ["B"], ["b"], to=TensorProto.INT64),
+        _int64("first", [0]),
+        _int64("middle", [k]),
+        _int64("last", [2 * k]),
+        helper.make_node("Slice", ["b", "first", "middle"], ["starts"]),
+        helper.make_node("Slice", ["b", "middle", "last"], ["ends"]),
+    ]
+    operands = ["h", "starts", "ends"]
+    if axes is not None:
+        nodes.append(_int64("axes", axes))
+        operands.append("axes")
+    if steps is not None:
+        nodes.append(_int64("steps", steps))
+        operands.append("steps")
+    nodes += [
+        helper.make_node("Slice", operands, ["s"]),
+        helper.make_node("Mul", ["s", "s"], ["s2"]),
+        helper.make_node("ReduceSum", ["s2"], ["square"], keepdims=0),
+        helper.make_node("ReduceSum", ["h"], ["plain"], keepdims=0),
+        helper.make_node("Add", ["square", "plain"], ["loss"]),
+    ]
+    rng = np.random.default_rng(1)
+    return make_model(nodes, [("X", ["N", 4, 3]), ("B", [2 * k])], {"W": rng.normal(size=(3, 7))})
+
+
+@pytest.mark.parametrize("bounds", sorted(COMPUTED_SLICES))
+def test_a_slice_at_computed_bounds_matches_finite_differences(bounds):
+    """graphkit's rule for bounds known only at run time: pads computed in the graph,
+    each bound normalized as Slice does (from the end when negative, then clamped)."""
+    starts, ends, axes = COMPUTED_SLICES[bounds]
+    model = _computed_slice_model(starts + ends, axes)
+    rng = np.random.default_rng(0)
+    b = np.array(starts + ends, np.float64)
+    points = [{"X": rng.normal(size=(n, 4, 3)), "B": b} for n in (2, 3)]
+    assert_matches_finite_differences(model, ["W", "X"], points)
+
+
+def test_a_slice_at_computed_bounds_with_a_step_is_refused():
+    model = _computed_slice_model([0, 7], [2], steps=[2])
+    with pytest.raises(MissingGradientError, match="Slice.*steps of 1"):
+        gk.gradient_model(model, "loss", ["W"], backend="native")
+
+
 def _conv_pool_model(count_include_pad: int, rng: np.random.Generator) -> onnx.ModelProto:
     """Conv (pads 1, strides 2) -> Tanh -> AveragePool (3x3, pads 1, strides 2) -> Conv
     (asymmetric pads, strides (2, 1)), the loss a weighted sum of its output."""

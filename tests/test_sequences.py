@@ -256,3 +256,33 @@ def test_a_loop_appending_to_a_sequence_is_a_loop_with_a_scan_output(new_axis):
 def test_a_loop_sequence_read_otherwise_stays():
     original = loop_appending(also_read=True)
     assert sequences_as_tensors(original) is original
+
+
+EXPORTS = ["torchscript", "dynamo", "dynamo recipe (optimize=False)"]
+
+
+@requires_torch
+@pytest.mark.parametrize("export", EXPORTS)
+def test_an_embedding_bag_trains_as_torch_on_native(export):
+    """``nn.EmbeddingBag(mode="mean")`` as each exporter writes it: TorchScript's Loop
+    over the bags, dynamo's Loop slicing the rows at offsets it computes per bag (the
+    native rule for a Slice at computed bounds), and the README's recipe, which adds
+    Ifs on constants that onnxruntime's constant folding crashes on
+    (graphkit.constant_branches). One SGD epoch equals torch's; predictions too."""
+    import torch
+    from zoo.models import torch_export
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.EmbeddingBag(20, 4, mode="mean"), torch.nn.Linear(4, 2))
+    rng = np.random.default_rng(5)
+    X = rng.integers(0, 20, size=(16, 3)).astype(np.int64)
+    y = rng.normal(size=(16, 2)).astype(np.float32)
+    if export == EXPORTS[2]:
+        onx = export_dynamo(net, X)
+    else:
+        onx = torch_export(net, X, dynamo=export == "dynamo")
+    assert "Loop" in {n.op_type for n in onx.graph.node}
+    trainer = assert_sgd_epoch_equals_torch(onx, net, X, y, "native")
+    with torch.no_grad():
+        expected = net(torch.from_numpy(X)).numpy()
+    np.testing.assert_allclose(trainer.predict(X), expected, rtol=1e-5, atol=1e-6)

@@ -249,6 +249,46 @@ def test_multiplying_by_ones_goes():
     same_values(model, out)
 
 
+def test_a_product_by_ones_read_inside_nested_subgraphs_is_renamed_there_too():
+    """dynamo's EmbeddingBag multiplies the table's rows by ones and slices them in an
+    If inside a Loop's body: the read three scopes down follows the rename."""
+    inner = helper.make_graph(
+        [helper.make_node("Relu", ["P"], ["r"])],
+        "inner",
+        [],
+        [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["P"], ["n"])],
+        "other",
+        [],
+        [helper.make_tensor_value_info("n", TensorProto.FLOAT, None)],
+    )
+    body = helper.make_graph(
+        [helper.make_node("If", ["c"], ["branch"], then_branch=inner, else_branch=other)],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("branch", TensorProto.FLOAT, None),
+        ],
+    )
+    nodes = [
+        helper.make_node("Mul", ["X", "ones"], ["P"]),
+        helper.make_node("Loop", ["trips", "yes"], ["Y"], body=body),
+    ]
+    inits = {"ones": np.ones(4, f32), "trips": np.array(2, np.int64), "yes": np.array(True)}
+    model = build(nodes, {"X": [3, 4]}, ["Y"], inits)
+    out = reductions(model)
+    assert "Mul" not in ops(out)
+    onnx.checker.check_model(out, full_check=True)
+    feeds = feeds_for(model)
+    np.testing.assert_array_equal(run(out, feeds)[0], np.stack([np.maximum(feeds["X"], 0)] * 2))
+
+
 def test_ones_that_broadcast_or_a_product_that_is_an_output_stay():
     nodes = [
         helper.make_node("Mul", ["X", "ones"], ["P"]),  # [3, 1] * [1, 4]: broadcasts

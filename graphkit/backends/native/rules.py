@@ -15,7 +15,8 @@ takes any batch size), so these rules replace onnx-ad's for:
   window (a grouped ``ConvTranspose`` with a kernel of ones), which needs the channel
   count and the spatial size only;
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
-  the *sliced* axes only.
+  the *sliced* axes only; with bounds computed in the graph (dynamo's ``EmbeddingBag``),
+  padded by pads computed beside them.
 
 Two rules are graphkit's for speed alone: a ``MaxPool`` whose windows tile its input
 sends its gradient back with a ``MaxUnpool``, not onnx-ad's ``ScatterND``
@@ -317,6 +318,10 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
     from onnx_ad import rules as ad
 
     x = node.input[0]
+    if len(node.input) > 2 and None in (ctx.integers(node.input[1]), ctx.integers(node.input[2])):
+        axes = ad._constant_operand(ctx, node, 3, "axes")
+        steps = ad._constant_operand(ctx, node, 4, "steps")
+        return computed_slice_reverse(ctx, node, grads, axes, steps)
     starts, ends, axes, steps = ad._slice_bounds(ctx, node)
     shape = ctx.shapes.shape(x)
     if (
@@ -342,6 +347,58 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
         before[axis], after[axis] = start, max(extent - end, 0)
     seeded = ctx.full(grads[0], node.output[0])
     padded = ad._pad(ctx, seeded, [*before, 0], [*after, 0])
+    return [padded] + [None] * (len(node.input) - 1)
+
+
+def computed_slice_reverse(
+    ctx: Any, node: Any, grads: list, axes: list[int] | None, steps: list[int] | None
+) -> list:
+    """d/dx of ``y = Slice(x, starts, ends, axes)`` whose bounds are computed in the graph
+    (dynamo's ``EmbeddingBag`` slices each bag's rows at offsets it reads in a ``Loop``):
+    ``dy`` zero-padded by pads computed alongside, each bound normalized as ``Slice``
+    does (a negative one counts from the end, then clamped to ``[0, extent]``; an end
+    before its start gives an empty slice). Steps must be constant ones, the axes constant
+    or absent (the leading ones)."""
+    from onnx_ad import UnsupportedOperator
+
+    if steps is not None and any(s != 1 for s in steps):
+        raise UnsupportedOperator(
+            "Slice with computed bounds is differentiated only with steps of 1"
+        )
+    if ctx.opset < 11:  # Pad reads its pads as an input from opset 11
+        raise UnsupportedOperator("Slice with computed bounds needs opset 11 or later")
+    x = node.input[0]
+    rank = ctx.rank(x)
+    b = ctx.b
+    if axes is None:  # the leading axes, as many as the bounds have entries
+        count = b.op("Size", [node.input[1]], stem="slice_count")
+        scalar = lambda v: b.constant(v, TensorProto.INT64)  # noqa: E731
+        where = b.op("Range", [scalar(0), count, scalar(1)], stem="slice_axes")
+    else:
+        where = b.ints([a % rank for a in axes])
+    extents = b.op("Gather", [b.op("Shape", [x], stem="slice_shape"), where])
+    zero = b.ints([0])
+
+    def bound(operand: str) -> str:
+        """``operand`` as ``Slice`` reads it: from the end when negative, clamped."""
+        value = b.op("Cast", [operand], to=TensorProto.INT64, stem="slice_bound")
+        wrapped = b.op(
+            "Where",
+            [b.op("Less", [value, zero]), b.op("Add", [value, extents]), value],
+        )
+        return b.op("Max", [b.op("Min", [wrapped, extents]), zero], stem="slice_bound")
+
+    start = bound(node.input[1])
+    end = b.op("Max", [bound(node.input[2]), start], stem="slice_end")
+    # pads for every axis of x and the trailing seed axis, zero but on the sliced axes
+    nothing = b.ints([0] * (rank + 1))
+    before = b.op("ScatterElements", [nothing, where, start], stem="pads_before")
+    after = b.op(
+        "ScatterElements", [nothing, where, b.op("Sub", [extents, end])], stem="pads_after"
+    )
+    pads = b.op("Concat", [before, after], axis=0, stem="pads")
+    seeded = ctx.full(grads[0], node.output[0])
+    padded = b.op("Pad", [seeded, pads], mode="constant", stem="padded")
     return [padded] + [None] * (len(node.input) - 1)
 
 

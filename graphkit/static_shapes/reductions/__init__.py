@@ -27,6 +27,7 @@ from graphkit._graph import (
     graph_names,
     outer_reads,
     read_counts,
+    rename_subgraph_reads,
 )
 from graphkit.static_shapes.reductions.context import Context
 from graphkit.static_shapes.reductions.match_ranks import (
@@ -91,6 +92,8 @@ def simplify(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> N
         nodes.extend(replacement if replacement is not None else [node])
     for node in nodes:
         node.input[:] = [follow(renamed, i) for i in node.input]
+        for name in outer_reads(node) & renamed.keys():  # read inside a Loop's body
+            rename_subgraph_reads(node, name, follow(renamed, name))
     nodes = without_orphans(nodes, ctx.orphans, outputs)
     del graph.node[:]
     graph.node.extend(nodes)
