@@ -26,9 +26,11 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from graphkit.backends.base import Backend
 from graphkit.engine import ort_engine as engine
-from graphkit.errors import DTypeError, IncompatibleModelError, ShapeError
+from graphkit.errors import DTypeError, ShapeError
 from graphkit.rewrite import set_weights
 from graphkit.shapes import shape_matches, static_shape
+from graphkit.train_mode import DROPOUT_SEED
+from graphkit.update_step import STEP
 from graphkit_train.engine.forward_backward import OrtGradientForwardBackward, PendingForward
 
 _TORCH_TO_NUMPY = {
@@ -65,12 +67,22 @@ class OnnxModule(torch.nn.Module):
             :func:`graphkit.parameters.untie_shared_parameters`).
         tie_weights: one parameter for weights torch ties (see
             :mod:`graphkit.tied_weights`).
-        train_mode: False runs every BatchNormalization and Dropout in inference mode; a
-            graph with layers in training mode (:mod:`graphkit.train_mode`) is refused.
+        train_mode: which BatchNormalization and Dropout layers run as torch's
+            ``train()`` runs them (:mod:`graphkit.train_mode`): None, those the graph was
+            exported so; True, all; False, none.
 
     Parameter names are the weight names with characters PyTorch does not accept in
     attribute names replaced by ``_`` (``0.weight`` becomes ``0_weight``);
     :attr:`parameter_names` maps them back.
+
+    Layers in training mode follow the module's own ``train()`` / ``eval()``, as torch's
+    do. In ``train()`` a forward normalizes with the batch's statistics, updates the
+    running statistics (torch buffers under the graph's names, :attr:`buffer_names`, in
+    ``state_dict``) and draws Dropout masks from graphkit's stream
+    (:func:`graphkit.train_mode.uniform_stream`: the seed is drawn from torch's generator
+    when the module is made, the step counts training forwards; both are buffers too). In
+    ``eval()`` it uses the running statistics and no Dropout; gradients are not taken
+    there (make the module with ``train_mode=False`` to train in the inference form).
     """
 
     def __init__(
@@ -96,22 +108,29 @@ class OnnxModule(torch.nn.Module):
             train_mode=train_mode,
         )
         fb = self.forward_backward
-        if fb.trains_layers_in_training_mode:
-            raise IncompatibleModelError(
-                "OnnxModule does not run BatchNormalization or Dropout in training mode yet "
-                "(graphkit.train_mode): pass train_mode=False to run every layer in inference "
-                "mode, or train the graph with graphkit_train.Trainer or "
-                "ForwardBackwardTrainer."
-            )
         self._torch_device = torch.device(device)
         self.parameter_names: dict[str, str] = {}
         for name in fb.weight_names:
-            attribute = re.sub(r"\W", "_", name)
-            while attribute in self.parameter_names or hasattr(self, attribute):
-                attribute = f"w_{attribute}"
+            attribute = self._attribute(name)
             self.parameter_names[attribute] = name
             value = torch.from_numpy(fb.weights[name].numpy().copy()).to(self._torch_device)
             self.register_parameter(attribute, torch.nn.Parameter(value))
+        # layers in training mode: running statistics, step counter, the masks' seed
+        self.buffer_names: dict[str, str] = {}
+        for name, ortvalue in fb.buffers.items():
+            attribute = self._attribute(name)
+            self.buffer_names[attribute] = name
+            value = torch.from_numpy(np.array(ortvalue.numpy(), copy=True))
+            if name == DROPOUT_SEED:  # torch.manual_seed makes the masks reproducible
+                value = torch.randint(0, 2**31 - 1, (), dtype=torch.int64)
+            self.register_buffer(attribute, value.to(self._torch_device))
+
+    def _attribute(self, name: str) -> str:
+        """``name`` as an attribute torch accepts, unused so far."""
+        attribute = re.sub(r"\W", "_", name)
+        while attribute in self.parameter_names or hasattr(self, attribute):
+            attribute = f"w_{attribute}"
+        return attribute
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         fb = self.forward_backward
@@ -123,8 +142,38 @@ class OnnxModule(torch.nn.Module):
         for name, tensor in zip(fb.input_names, inputs):
             self._check(name, tensor, fb._input_values[name])
         params = [getattr(self, a) for a in self.parameter_names]
-        outputs = _OnnxFunction.apply(self, len(inputs), *inputs, *params)
+        if fb.trains_layers_in_training_mode and not self.training:
+            outputs = self._inference(inputs, params)
+        else:
+            outputs = _OnnxFunction.apply(self, len(inputs), *inputs, *params)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def buffer_values(self) -> dict[str, torch.Tensor]:
+        """The layers' buffers by their graph names (running statistics, the step
+        counter and the masks' seed)."""
+        return {name: getattr(self, a) for a, name in self.buffer_names.items()}
+
+    def _inference(
+        self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """``eval()`` of a graph with layers in training mode: the inference form, on the
+        running statistics, without gradients."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*inputs, *params)):
+            raise RuntimeError(
+                "OnnxModule in eval() takes no gradient through its BatchNormalization and "
+                "Dropout layers in training mode: call .train() to train them as torch's "
+                "train() does, run eval() under torch.no_grad(), or make the module with "
+                "train_mode=False to train it in inference mode."
+            )
+        fb = self.forward_backward
+        session = fb.inference_session()
+        by_name = dict(zip(fb.input_names, inputs))
+        by_name.update(zip(self.parameter_names.values(), params))
+        by_name.update(self.buffer_values())
+        wanted = [i.name for i in session.get_inputs()]
+        feeds = engine.wrap([_to_ortvalue(by_name[n]) for n in wanted])
+        results = session.run_with_ort_values(fb.output_names, dict(zip(wanted, feeds)))
+        return tuple(_to_tensor(r).clone() for r in results)
 
     def _check(self, name: str, tensor: torch.Tensor, expected: onnx.ValueInfoProto) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -144,11 +193,14 @@ class OnnxModule(torch.nn.Module):
             )
 
     def trained_model(self) -> onnx.ModelProto:
-        """The ONNX graph with the current parameter values."""
-        weights = {
+        """The ONNX graph with the current parameter values (and running statistics)."""
+        values = {
             w: getattr(self, a).detach().cpu().numpy() for a, w in self.parameter_names.items()
         }
-        return set_weights(self.forward_backward.trained_model(), weights)
+        statistics = self.forward_backward.buffer_names
+        values.update({n: getattr(self, a).cpu().numpy() for a, n in self.buffer_names.items()
+                       if n in statistics})  # fmt: skip
+        return set_weights(self.forward_backward.trained_model(), values)
 
 
 class _OnnxFunction(torch.autograd.Function):
@@ -169,11 +221,18 @@ class _OnnxFunction(torch.autograd.Function):
             name for i, name in enumerate(fb.input_names) if ctx.needs_input_grad[2 + i]
         )
         variant = fb._variant(requiring)
-        pending = _run_forward(module, variant, n_inputs, tensors)
+        # the buffers as this forward read them, for a second backward's forward
+        buffers = {n: b.clone() for n, b in module.buffer_values().items()}
+        pending = _run_forward(module, variant, n_inputs, tensors, buffers)
         ctx.save_for_backward(*tensors)
         ctx.pending, ctx.variant, ctx.module, ctx.n_inputs = pending, variant, module, n_inputs
+        ctx.buffers = buffers
         # backward reuses the memory of the forward outputs: clone them (on their device)
-        return tuple(_to_tensor(o).clone() for o in pending.outputs)
+        outputs = [_to_tensor(o).clone() for o in pending.outputs]
+        n_outputs = len(fb.output_names)
+        if buffers:  # the running statistics move on, and the masks' step
+            _advance(module, outputs[n_outputs:])
+        return tuple(outputs[:n_outputs])
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -219,10 +278,13 @@ def _layer_gradients(
     ctx.pending = None  # release the execution state: one backward consumes it
     if pending is None:
         # a second backward through a retained graph: onnxruntime-training's state
-        # served the first one and cannot serve another, so run the forward again
-        # (the graph is deterministic: a Dropout in training mode is refused)
-        pending = _run_forward(module, ctx.variant, ctx.n_inputs, tensors)
-    grads = fb.run_backward(pending, [_to_ortvalue(g) for g in grad_outputs])
+        # served the first one and cannot serve another, so run the forward again on
+        # the buffers the first one read (the same batch statistics and masks)
+        pending = _run_forward(module, ctx.variant, ctx.n_inputs, tensors, ctx.buffers)
+    seeds = [_to_ortvalue(g) for g in grad_outputs]
+    # the running statistics' updates are outputs too: nothing is differentiated through
+    seeds += [o._ortvalue for o in fb.zeros_like(pending.outputs[len(grad_outputs) :])]
+    grads = fb.run_backward(pending, seeds)
     result: list[torch.Tensor | None] = []
     result += [_to_tensor(grads[n]) if n in grads else None for n in fb.input_names]
     result += [_to_tensor(grads[w]) for w in module.parameter_names.values()]
@@ -230,16 +292,33 @@ def _layer_gradients(
 
 
 def _run_forward(
-    module: OnnxModule, variant: Any, n_inputs: int, tensors: Sequence[torch.Tensor]
+    module: OnnxModule,
+    variant: Any,
+    n_inputs: int,
+    tensors: Sequence[torch.Tensor],
+    buffers: dict[str, torch.Tensor],
 ) -> PendingForward:
-    """The training forward of ``variant`` on the layer's inputs then its weights."""
+    """The training forward of ``variant`` on the layer's inputs then its weights, and
+    the buffers of its layers in training mode."""
     fb = module.forward_backward
     by_name = dict(zip(fb.input_names, tensors[:n_inputs]))
     by_name.update(zip(module.parameter_names.values(), tensors[n_inputs:]))
+    by_name.update(buffers)
     ordered = [by_name[n] for n in fb.feed_sources(variant)]
     pending = fb.run_forward(variant, [_to_ortvalue(t) for t in ordered])
     pending.keep_alive.append(ordered)  # the feeds share these tensors' memory
     return pending
+
+
+def _advance(module: OnnxModule, updated: Sequence[torch.Tensor]) -> None:
+    """After a training forward: the running statistics become ``updated``, in place (as
+    torch's BatchNorm updates its buffers), and the masks' step counter moves on."""
+    buffers = module.buffer_values()
+    with torch.no_grad():
+        for name, value in zip(module.forward_backward.buffer_names, updated):
+            buffers[name].copy_(value)
+        if STEP in buffers:
+            buffers[STEP].add_(1)
 
 
 __all__ = ["OnnxModule"]

@@ -27,6 +27,7 @@ from graphkit.train_mode import (
     training_form,
     uniform_stream,
 )
+from graphkit.update_step import STEP
 
 torch = pytest.importorskip("torch")
 
@@ -448,17 +449,71 @@ def test_a_batch_norm_dynamo_folded_in_train_mode_is_refused():
         )
 
 
-@pytest.mark.parametrize("train_mode", [None, True])
-def test_onnx_module_refuses_training_mode_naming_the_way(train_mode):
-    """OnnxModule does not run training mode yet: it refuses naming train_mode=False, and
-    with it trains as torch's eval()."""
+def _module_state(layer) -> dict[str, np.ndarray]:
+    """An OnnxModule's parameters and buffers by their graph names."""
+    state = {n: getattr(layer, a).detach().numpy() for a, n in layer.parameter_names.items()}
+    state.update({n: b.numpy() for n, b in layer.buffer_values().items()})
+    return state
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_onnx_module_trains_as_torch_train_mode_trains_it(exporter):
+    """The ResNet as a torch layer, trained by torch.optim in train(): 20 SGD steps
+    equal torch's own train() fed the same masks (weights and running statistics); in
+    eval() it predicts as torch's eval(), and refuses a gradient there, naming the ways."""
+    from graphkit_train import OnnxModule
+
+    net = _resnet()
+    onx = _export(net, exporter)
+    layer = OnnxModule(onx)
+    assert layer.training  # torch's default, as for any module
+    seed = int(layer.buffer_values()[DROPOUT_SEED])
+    _sgd_epochs(layer, layer.parameters())
+    expected = _torch_train(net, seed)
+    _assert_state_equals(_module_state(layer), expected)
+    assert int(layer.buffer_values()[STEP]) == EPOCHS * ROWS // BATCH
+
+    X, _ = _data()
+    layer.eval(), net.eval()
+    with torch.no_grad():
+        got, want = layer(torch.from_numpy(X)), net(torch.from_numpy(X))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="train_mode=False"):
+        layer(torch.from_numpy(X))
+    statistics = {k: v for k, v in expected.items() if "running" in k}
+    trained = {t.name: numpy_helper.to_array(t) for t in layer.trained_model().graph.initializer}
+    _assert_state_equals(trained, statistics)
+
+
+def test_onnx_module_backward_twice_through_a_retained_graph_sees_the_same_batch():
+    """A second backward reruns the forward on the buffers the first one read: the
+    gradients double, as torch's do, and the running statistics moved once."""
+    from graphkit_train import OnnxModule
+
+    net = _resnet()
+    layer = OnnxModule(_export(net, "torchscript"))
+    net.drop = _FedDropout(net.drop.p, 0, net)
+    net.seed, net.step = int(layer.buffer_values()[DROPOUT_SEED]), 0
+    net.train()
+    X, y = (torch.from_numpy(a[:BATCH]) for a in _data())
+    for model in (layer, net):
+        loss = torch.nn.functional.cross_entropy(model(X), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    grads = {layer.parameter_names[n]: p.grad.numpy() for n, p in layer.named_parameters()}
+    expected = {n: p.grad for n, p in net.named_parameters()}
+    _assert_state_equals(grads, expected)
+    statistics = {k: v for k, v in net.state_dict().items() if "running" in k}
+    _assert_state_equals(_module_state(layer), statistics)
+
+
+def test_onnx_module_with_train_mode_false_trains_as_torch_eval():
     from graphkit_train import OnnxModule
 
     net = _resnet()
     onx = _export(net, "torchscript")
-    with pytest.raises(gk.IncompatibleModelError, match="OnnxModule .*train_mode=False"):
-        OnnxModule(onx, train_mode=train_mode)
     layer = OnnxModule(onx, train_mode=False)
+    assert not layer.buffer_names
     _sgd_epochs(layer, layer.parameters())
     _torch_eval_sgd(net)
     trained = {name: p.detach().numpy() for name, p in layer.named_parameters()}
