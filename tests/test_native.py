@@ -504,6 +504,36 @@ def test_a_slice_at_computed_bounds_with_a_step_is_refused():
         gk.gradient_model(model, "loss", ["W"], backend="native")
 
 
+def test_a_concat_of_undeclared_extents_matches_finite_differences():
+    """TorchScript's rotate_half: ``Concat(-x2, x1)`` of halves sliced at an extent it
+    computes from ``Shape``, so none is declared; the gradient is split by extents read
+    at run time. Two batch sizes."""
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["h0"]),
+        helper.make_node("Tanh", ["h0"], ["h"]),
+        helper.make_node("Shape", ["h"], ["shape"]),
+        _int64("last", [2]),
+        _int64("two", [2]),
+        _int64("zero", [0]),
+        _int64("end", [2**62]),
+        helper.make_node("Gather", ["shape", "last"], ["width"]),
+        helper.make_node("Div", ["width", "two"], ["half"]),
+        helper.make_node("Slice", ["h", "zero", "half", "last"], ["x1"]),
+        helper.make_node("Slice", ["h", "half", "end", "last"], ["x2"]),
+        helper.make_node("Neg", ["x2"], ["minus_x2"]),
+        helper.make_node("Concat", ["minus_x2", "x1", "h"], ["rotated"], axis=-1),
+        helper.make_node("Mul", ["rotated", "R"], ["weighted"]),
+        helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0),
+    ]
+    rng = np.random.default_rng(2)
+    model = make_model(
+        nodes, [("X", ["N", 4, 3]), ("R", ["N", 4, 16])], {"W": rng.normal(size=(3, 8))}
+    )
+    points = [{"X": rng.normal(size=(n, 4, 3)), "R": rng.normal(size=(n, 4, 16))} for n in (2, 3)]
+    assert "Split" in {n.op_type for n in native_gradient(model, "loss", ["W"]).graph.node}
+    assert_matches_finite_differences(model, ["W", "X"], points)
+
+
 def _conv_pool_model(count_include_pad: int, rng: np.random.Generator) -> onnx.ModelProto:
     """Conv (pads 1, strides 2) -> Tanh -> AveragePool (3x3, pads 1, strides 2) -> Conv
     (asymmetric pads, strides (2, 1)), the loss a weighted sum of its output."""

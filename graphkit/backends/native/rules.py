@@ -16,7 +16,9 @@ takes any batch size), so these rules replace onnx-ad's for:
   count and the spatial size only;
 * ``Slice``: the gradient zero-padded back to the input's shape, which needs the size of
   the *sliced* axes only; with bounds computed in the graph (dynamo's ``EmbeddingBag``),
-  padded by pads computed beside them.
+  padded by pads computed beside them;
+* ``Concat``: the gradient split by the operands' extents, read at run time where one is
+  not declared (TorchScript's rotary embedding).
 
 Two rules are graphkit's for speed alone: a ``MaxPool`` whose windows tile its input
 sends its gradient back with a ``MaxUnpool``, not onnx-ad's ``ScatterND``
@@ -402,6 +404,27 @@ def computed_slice_reverse(
     return [padded] + [None] * (len(node.input) - 1)
 
 
+def concat_reverse(ctx: Any, node: Any, grads: list) -> list:
+    """d/dx_i of ``y = Concat(x_1, ..., x_k, axis)``: ``dy`` split along ``axis`` into
+    the operands' extents. Where one is not declared (TorchScript's rotary embedding
+    concatenates halves whose extent it computes from ``Shape``), the extents are read
+    at run time and the gradient ``Split`` by them (onnx-ad's rule needs them all
+    declared)."""
+    from onnx_ad import rules as ad
+
+    axis = ad._concat_axis(ctx, node)
+    shapes = [ctx.shapes.shape(name) for name in node.input]
+    if all(shape is not None and shape[axis] is not None for shape in shapes) or ctx.opset < 13:
+        return ad._concat_reverse(ctx, node, grads)
+    b = ctx.b
+    where = b.ints([axis])
+    extents = [b.op("Gather", [b.op("Shape", [x], stem="concat_shape"), where]) for x in node.input]
+    sizes = b.op("Concat", extents, axis=0, stem="concat_extents")
+    seeded = ctx.full(grads[0], node.output[0])
+    parts = b.op("Split", [seeded, sizes], outputs=len(node.input), axis=axis, stem="a_concat")
+    return [parts] if isinstance(parts, str) else list(parts)
+
+
 def batch_norm_reverse(ctx: Any, node: Any, grads: list) -> list:
     """Inference BatchNormalization ``y = s (x - m) / sqrt(v + e) + b``: onnx-ad's rule
     for x, s and b, and the statistics too (an exporter may tie a trained weight to them,
@@ -521,6 +544,7 @@ REVERSE: dict[str, Rule] = {
     "MaxPool": max_pool_reverse,
     "Relu": relu_reverse,
     "Slice": slice_reverse,
+    "Concat": concat_reverse,
     "LSTM": recurrent.lstm_reverse,
     "GRU": recurrent.gru_reverse,
 }

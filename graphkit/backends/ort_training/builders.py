@@ -80,7 +80,7 @@ def explain_builder_failure(exc: BaseException, hint: str = "") -> MissingGradie
     found = _NO_BUILDER.search(str(exc))
     if found:
         op_type, node = found.groups()
-        offer = hint if op_type in MODULE_BUILDER_ONLY else NATIVE_HINT
+        offer = hint + NATIVE_HINT if op_type in MODULE_BUILDER_ONLY else NATIVE_HINT
         return MissingGradientError(
             f"{NAME} has no gradient for operator {op_type!r} "
             f"(node {node!r}). Rewrite that part with differentiable operators "
