@@ -4,16 +4,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.graphkit-installed
-# pip compiles every module of every package it installs (torch's and transformers'
-# thousands); without that, Python compiles what is imported, once: each environment
-# installs in about half the time (torch's plain environment: 38 s -> 20 s)
-PIP_FLAGS := --quiet --no-compile
 
 .PHONY: demo test docs test-native test-plain-torch test-floors lint typecheck bench bench-envs bench-peers bench-finetune-env bench-finetune bench-lora zoo-table web web-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # Plain onnxruntime (the latest release) in an environment of its own: it shares its
 # import name with onnxruntime-training, so the two never meet. The suite runs graphkit's
@@ -23,7 +19,7 @@ PLAIN_STAMP := $(PLAIN)/.installed
 
 $(PLAIN_STAMP):
 	$(PYTHON) -m venv $(PLAIN)
-	$(PLAIN)/bin/python -m pip install $(PIP_FLAGS) onnxruntime numpy onnx
+	$(PLAIN)/bin/python -m pip install --quiet onnxruntime numpy onnx
 	touch $(PLAIN_STAMP)
 
 # The native backend alone, on the newest CPython this machine has among 3.13 and later
@@ -36,8 +32,8 @@ NATIVE_STAMP := $(NATIVE)/.graphkit-installed
 
 $(NATIVE_STAMP): pyproject.toml
 	$(NEWEST_PYTHON) -m venv $(NATIVE)
-	$(NATIVE)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
-	$(NATIVE)/bin/python -m pip install $(PIP_FLAGS) -e ".[dev,cpu,peft]"
+	$(NATIVE)/bin/python -m pip install --quiet --upgrade pip
+	$(NATIVE)/bin/python -m pip install --quiet -e ".[dev,cpu,peft]"
 	touch $(NATIVE_STAMP)
 
 # The torch bridge (OnnxModule, DDP) on plain onnxruntime, where torch's wheel is (CPython
@@ -50,9 +46,9 @@ $(PLAIN_TORCH_STAMP): pyproject.toml
 	$(PLAIN_TORCH)/bin/python -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
 	print("\n".join(d["project"]["dependencies"] + d["project"]["optional-dependencies"]["cpu"]))' \
 	> $(PLAIN_TORCH)/requirements.txt
-	$(PLAIN_TORCH)/bin/python -m pip install $(PIP_FLAGS) -r $(PLAIN_TORCH)/requirements.txt \
+	$(PLAIN_TORCH)/bin/python -m pip install --quiet -r $(PLAIN_TORCH)/requirements.txt \
 	torch==2.13.0 pytest hypothesis scikit-learn skl2onnx
-	$(PLAIN_TORCH)/bin/python -m pip install $(PIP_FLAGS) --no-deps -e .
+	$(PLAIN_TORCH)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(PLAIN_TORCH_STAMP)
 
 # The floors: graphkit-onnx[cpu] with the lowest release of each dependency that
@@ -71,7 +67,7 @@ FLOORS_TESTS := tests/test_install.py tests/test_fused.py tests/test_counter.py 
 $(FLOORS_STAMP): pyproject.toml .ci/floors.txt
 	rm -rf $(FLOORS)
 	$(FLOORS_PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/python -m pip install $(PIP_FLAGS) -c .ci/floors.txt -e ".[cpu]" pytest hypothesis
+	$(FLOORS)/bin/python -m pip install --quiet -c .ci/floors.txt -e ".[cpu]" pytest hypothesis
 	touch $(FLOORS_STAMP)
 
 # The web export's browser tests and benchmark: onnxruntime-web and playwright-core from
@@ -113,7 +109,7 @@ web: $(STAMP) web-deps
 # before graphkit-onnx: an environment made before the rename drops it.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip uninstall --quiet --yes graphkit 2>/dev/null || true
-	$(BIN)/python -m pip install $(PIP_FLAGS) -e ".[dev,ort-training,docs]" torch==2.13.0 \
+	$(BIN)/python -m pip install --quiet -e ".[dev,ort-training,docs]" torch==2.13.0 \
 	peft==0.21.2 transformers==4.57.6
 	touch $(STAMP)
 
