@@ -337,11 +337,25 @@ class _FedDropout(torch.nn.Module):
         return x * torch.from_numpy((u >= self.p).reshape(tuple(x.shape))) / (1 - self.p)
 
 
-@pytest.mark.parametrize("trainer_class", [Trainer, ForwardBackwardTrainer])
+def _onnx_module_adamw(adapted, X, y):
+    """``OnnxModule`` of ``adapted`` trained by torch's AdamW (its parameters: the
+    adapters): its state by graph names, the masks' seed included, and its trained
+    model."""
+    from graphkit_train import OnnxModule
+
+    module = OnnxModule(adapted)
+    seed = module.buffer_values()["graphkit.dropout_seed"]
+    _adamw(module, list(module.parameters()), X, y)
+    state = {n: getattr(module, a).detach().numpy() for a, n in module.parameter_names.items()}
+    return {**state, "graphkit.dropout_seed": seed.numpy()}, module.trained_model()
+
+
+@pytest.mark.parametrize("trainer_class", [Trainer, ForwardBackwardTrainer, "OnnxModule"])
 def test_lora_dropout_trains_as_pefts_with_the_same_masks(trainer_class):
     """``add_lora(dropout=0.3)``: the adapters read Dropout(x) while training (PEFT's
-    ``lora_dropout``, fed graphkit's masks: 10 AdamW steps equal), not when predicting
-    (the merged model equals PEFT's merge), and the PEFT config says so."""
+    ``lora_dropout``, fed graphkit's masks: 10 AdamW steps equal; through both trainers
+    and ``OnnxModule`` in ``train()``), not when predicting (the merged model equals
+    PEFT's merge), and the PEFT config says so."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     rng = np.random.default_rng(0)
@@ -361,16 +375,19 @@ def test_lora_dropout_trains_as_pefts_with_the_same_masks(trainer_class):
     initial = lora.lora_state(adapted)  # B starts at zero: give the masks work to do
     initial[adapter.b] = rng.normal(size=initial[adapter.b].shape).astype(np.float32)
     adapted = gk.set_weights(adapted, initial)
-    trainer = trainer_class(
-        adapted,
-        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
-        loss="squared_error",
-        batch_size=BATCH,
-        max_iter=1,
-        shuffle=False,
-        random_state=1,
-    ).fit(X, y)
-    state = trainer.get_state()
+    if trainer_class == "OnnxModule":
+        state, trained = _onnx_module_adamw(adapted, X, y)
+    else:
+        trainer = trainer_class(
+            adapted,
+            optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
+            loss="squared_error",
+            batch_size=BATCH,
+            max_iter=1,
+            shuffle=False,
+            random_state=1,
+        ).fit(X, y)
+        state, trained = trainer.get_state(), trainer.get_trained_onnx()
     config = peft.LoraConfig(r=2, lora_alpha=ALPHA, target_modules=["0"], lora_dropout=0.3)
     twin = peft.get_peft_model(copy.deepcopy(net), config)
     layer = twin.get_submodule("base_model.model.0")
@@ -383,7 +400,7 @@ def test_lora_dropout_trains_as_pefts_with_the_same_masks(trainer_class):
     for name, theirs in [(adapter.a, layer.lora_A), (adapter.b, layer.lora_B)]:
         reference = theirs["default"].weight.detach().numpy().T
         np.testing.assert_allclose(state[name], reference, atol=1e-5 * np.abs(reference).max())
-    merged = lora.merge_lora(trainer.get_trained_onnx())
+    merged = lora.merge_lora(trained)
     onnx.checker.check_model(merged, full_check=True)
     assert not any(n.op_type == "Dropout" for n in merged.graph.node)
     (ours,) = ort_engine.run(merged, {"X": X[:BATCH]}).values()
