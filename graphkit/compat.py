@@ -7,9 +7,10 @@ when it registers (:func:`graphkit.backends.register`), which refuses one that c
 load what this module writes.
 Every model graphkit produces goes through :func:`finalize`; every model a user hands in
 goes through :func:`make_compatible`, which converts what can be converted (a model of
-a newer opset goes down with onnx's version converter, opset 23's ``Attention`` and
-``RMSNormalization`` first replaced by onnx's function bodies for them:
-:mod:`graphkit.expand_functions`) and refuses the rest with a message saying what to do.
+a newer opset goes down with onnx's version converter, the operators opset 21 lacks
+(opset 23's ``Attention``, ``RMSNormalization``...) first replaced by onnx's function
+bodies for them: :mod:`graphkit.expand_functions`) and refuses the rest with a message
+saying what to do.
 """
 
 from __future__ import annotations
@@ -415,7 +416,7 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
         target = MAX_OPSET
         # operators with no counterpart at the target (opset 23's Attention): onnx's
         # own function bodies for them, which convert down like any other operator
-        out = new_operators_expanded(out)
+        out = new_operators_expanded(out, MAX_OPSET)
     if min_opset is not None and target < min_opset:
         target = min_opset
     if target != opset:

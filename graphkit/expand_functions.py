@@ -1,19 +1,22 @@
 """Operators newer than graphkit's opset ceiling, expanded into the ones they are made of.
 
-ONNX defines some operators as functions of older ones, their bodies built for each
-node from its attributes and input types (a *context-dependent* function). torch's
-dynamo exporter writes two of them from opset 23 on: ``Attention``
-(``F.scaled_dot_product_attention``) and ``RMSNormalization`` (``nn.RMSNorm``). Neither
-exists at opset 21, the newest onnxruntime-training 1.19.2 loads, so onnx's version
-converter cannot take such a model down to it. :func:`new_operators_expanded`, which
+ONNX defines some operators as functions of older ones: a fixed body (``Swish``,
+``SwiGLU``), or one built for each node from its attributes and input types (a
+*context-dependent* function: ``Attention``, ``RMSNormalization``, ``RotaryEmbedding``).
+torch's dynamo exporter writes ``Attention`` (``F.scaled_dot_product_attention``) and
+``RMSNormalization`` (``nn.RMSNorm``) from opset 23 on. None of these exists at opset 21,
+the newest onnxruntime-training 1.19.2 loads, so onnx's version converter cannot take
+such a model down to it. :func:`new_operators_expanded`, which
 :func:`graphkit.compat.make_compatible` runs before converting a model down, replaces
-each of these nodes by the body onnx itself builds for it
-(``OpSchema.get_context_dependent_function``): the same function, in operators every
+each node of an operator the ceiling's opset lacks by the body onnx itself has for it
+(``OpSchema.get_context_dependent_function``, or ``OpSchema.function_body`` with the
+node's attributes, or their defaults, bound): the same function, in operators every
 backend differentiates, after which the model converts down like any other::
 
     Y = Attention(Q, K, V, attn_mask, is_causal=1)
     ==>  the MatMul, Mul (scale), Add / Where (mask), Softmax, MatMul of onnx's body
 
+A body that holds such an operator itself (``SwiGLU``'s ``Swish``) is expanded in turn.
 Only the main graph is expanded; a node whose input types shape inference cannot give
 is left as it is (and refused by the opset conversion, naming the opset).
 """
@@ -23,14 +26,25 @@ from __future__ import annotations
 import onnx
 from onnx import defs
 
-EXPANDED = frozenset({"Attention", "RMSNormalization"})
-"""The operators :func:`new_operators_expanded` expands (opset 23's, as dynamo writes them)."""
+ROUNDS = 4
+"""How many times bodies are expanded in turn (a body holding a newer operator)."""
 
 
-def new_operators_expanded(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with each node of :data:`EXPANDED` in its main graph replaced by onnx's
-    function body for it (a copy; ``model`` itself when there is none)."""
-    if not any(_expandable(n) for n in model.graph.node):
+def new_operators_expanded(model: onnx.ModelProto, ceiling: int = 21) -> onnx.ModelProto:
+    """``model`` with each node of its main graph whose operator does not exist at opset
+    ``ceiling`` replaced by onnx's function body for it (a copy; ``model`` itself when
+    there is none)."""
+    out = model
+    for _ in range(ROUNDS):
+        expanded = _expanded_once(out, ceiling)
+        if expanded is out:
+            break
+        out = expanded
+    return out
+
+
+def _expanded_once(model: onnx.ModelProto, ceiling: int) -> onnx.ModelProto:
+    if not any(_expandable(n, ceiling) for n in model.graph.node):
         return model
     try:
         typed = onnx.shape_inference.infer_shapes(model).graph
@@ -46,7 +60,7 @@ def new_operators_expanded(model: onnx.ModelProto) -> onnx.ModelProto:
     nodes: list[onnx.NodeProto] = []
     expanded = False
     for node in out.graph.node:
-        body = _body(node, types, opsets.get("", 0)) if _expandable(node) else None
+        body = _body(node, types, opsets.get("", 0)) if _expandable(node, ceiling) else None
         if body is None:
             nodes.append(node)
             continue
@@ -76,8 +90,15 @@ def _namer(graph: onnx.GraphProto):
     return fresh
 
 
-def _expandable(node: onnx.NodeProto) -> bool:
-    return node.op_type in EXPANDED and node.domain in ("", "ai.onnx")
+def _expandable(node: onnx.NodeProto, ceiling: int) -> bool:
+    """Whether ``node`` is a standard operator opset ``ceiling`` does not have."""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    try:
+        defs.get_schema(node.op_type, ceiling, "")
+    except defs.SchemaError:
+        return defs.has(node.op_type)
+    return False
 
 
 def _tensor_type(tensor: onnx.TensorProto) -> onnx.TypeProto:
@@ -98,12 +119,40 @@ def _body(
     ]
     try:
         schema = defs.get_schema(node.op_type, opset, "")
+        if schema.has_function:  # type: ignore[attr-defined]  # (onnx's stubs lack it)
+            return _bound(schema, node)
         built = schema.get_context_dependent_function(node.SerializeToString(), inputs)  # type: ignore[attr-defined]  # (onnx's stubs lack it)
     except Exception:  # no body for this node (an unsupported attribute, say)
         return None
     if not built:
         return None
     return onnx.FunctionProto.FromString(built)
+
+
+def _bound(schema: defs.OpSchema, node: onnx.NodeProto) -> onnx.FunctionProto:
+    """``schema``'s fixed body, each reference to an attribute (``@alpha``) replaced by
+    ``node``'s value for it, else the schema's default (else the attribute left out)."""
+    given = {a.name: a for a in node.attribute}
+    body = onnx.FunctionProto()
+    body.CopyFrom(schema.function_body)
+    for inner in body.node:
+        kept = []
+        for attribute in inner.attribute:
+            if not attribute.ref_attr_name:
+                kept.append(attribute)
+                continue
+            source = given.get(attribute.ref_attr_name)
+            if source is None and attribute.ref_attr_name in schema.attributes:
+                default = schema.attributes[attribute.ref_attr_name].default_value
+                source = default if default.type else None
+            if source is not None:
+                bound = onnx.AttributeProto()
+                bound.CopyFrom(source)
+                bound.name = attribute.name
+                kept.append(bound)
+        del inner.attribute[:]
+        inner.attribute.extend(kept)
+    return body
 
 
 def _inlined(
@@ -141,4 +190,4 @@ def _inlined(
     return nodes
 
 
-__all__ = ["EXPANDED", "new_operators_expanded"]
+__all__ = ["new_operators_expanded"]

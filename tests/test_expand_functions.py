@@ -1,6 +1,7 @@
-"""graphkit/expand_functions.py: opset 23's Attention and RMSNormalization replaced by
-onnx's own function bodies for them, against onnx.reference's kernels of the operators
-(outputs) and torch (a dynamo export at opset 23, trained on both backends)."""
+"""graphkit/expand_functions.py: operators newer than opset 21 (opset 23's Attention,
+RMSNormalization and RotaryEmbedding, Swish, SwiGLU) replaced by onnx's own function
+bodies for them, against onnx.reference's kernels of the operators (outputs) and torch
+(a dynamo export at opset 23, trained on both backends)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import INSTALLED_BACKENDS, assert_sgd_epoch_equals_torch, requires
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from graphkit.errors import IncompatibleModelError
 from graphkit.expand_functions import new_operators_expanded
 from graphkit.prepare import standard_model
 
@@ -70,6 +72,58 @@ def test_the_expansion_computes_what_the_operator_computes(case):
     (got,) = ReferenceEvaluator(expanded).run(None, feeds)
     (expected,) = ReferenceEvaluator(original).run(None, feeds)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+_ROTARY_POSITIONS = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
+_ANGLES = np.outer(np.arange(8), [1.0, 0.1]).astype(np.float32)
+NEWER = {  # (node, inputs, initializers, opset): bodies with attributes bound, nested
+    "swish, alpha given (opset 24)": (
+        helper.make_node("Swish", ["X"], ["Y"], alpha=0.7),
+        {"X": [3, 5]},
+        None,
+        24,
+    ),
+    "swish, alpha defaulted": (helper.make_node("Swish", ["X"], ["Y"]), {"X": [3, 5]}, None, 24),
+    "swiglu, a body holding a swish (opset 28)": (
+        helper.make_node("SwiGLU", ["X", "B"], ["Y"], alpha=1.5),
+        {"X": [3, 5], "B": [3, 5]},
+        None,
+        28,
+    ),
+    "rotary embedding (opset 23)": (
+        helper.make_node("RotaryEmbedding", ["X", "cos", "sin", "positions"], ["Y"], interleaved=1),
+        {"X": [2, 2, 4, 4]},
+        {"cos": np.cos(_ANGLES), "sin": np.sin(_ANGLES), "positions": _ROTARY_POSITIONS},
+        23,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEWER))
+def test_every_newer_operator_with_a_body_is_expanded(case):
+    """Any operator opset 21 lacks and onnx defines a body for, fixed (its attributes
+    bound, or their defaults) or context-dependent, against onnx.reference's own kernel
+    of the operator."""
+    node, inputs, inits, opset = NEWER[case]
+    original = _model(node, inputs, inits, opset=opset)
+    expanded = new_operators_expanded(original)
+    assert not {"Swish", "SwiGLU", "RotaryEmbedding"} & {n.op_type for n in expanded.graph.node}
+    onnx.checker.check_model(expanded, full_check=True)
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.normal(size=s).astype(np.float32) for n, s in inputs.items()}
+    (got,) = ReferenceEvaluator(expanded).run(None, feeds)
+    (expected,) = ReferenceEvaluator(original).run(None, feeds)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    converted = standard_model(original)  # then down to graphkit's ceiling
+    assert {o.version for o in converted.opset_import if o.domain in ("", "ai.onnx")} == {21}
+
+
+def test_an_operator_without_a_body_is_left_to_the_conversion_which_names_it():
+    node = helper.make_node("CumProd", ["X", "axis"], ["Y"])
+    model = _model(node, {"X": [3, 4]}, {"axis": np.array(0, np.int64)}, opset=26)
+    assert new_operators_expanded(model) is model
+    with pytest.raises(IncompatibleModelError, match="opset 26.*No Previous Version of CumProd"):
+        standard_model(model)
 
 
 def test_a_model_at_opset_23_is_taken_down_to_graphkits_ceiling():
