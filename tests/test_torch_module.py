@@ -67,6 +67,25 @@ def test_gradients_match_torch_autograd(layer_and_twin):
     assert_grads_match(layer, twin)
 
 
+def test_each_batch_size_runs_graphs_of_its_own_up_to_a_bound(exported):
+    """The first SPECIALIZED_SIZES batch sizes get graphs specialized to them, the others
+    the graphs of any size: every size's outputs and gradients equal torch's."""
+    from graphkit_train.torch_module import SPECIALIZED_SIZES
+
+    net, onx = exported
+    layer = OnnxModule(onx)
+    for rows in range(1, SPECIALIZED_SIZES + 3):
+        zero_grads(layer, net)
+        X = torch.randn(rows, 3, dtype=torch.float64)
+        dY = torch.randn(rows, 2, dtype=torch.float64)
+        out, expected = layer(X), net(X)
+        np.testing.assert_allclose(out.detach().numpy(), expected.detach().numpy(), rtol=1e-12)
+        out.backward(dY)
+        expected.backward(dY)
+        assert_grads_match(layer, net)
+    assert layer._specialized == set(range(1, SPECIALIZED_SIZES + 1))
+
+
 def test_retain_graph_second_backward_accumulates_again(layer_and_twin):
     layer, twin = layer_and_twin
     zero_grads(layer, twin)
