@@ -158,6 +158,20 @@ def _adamw(forward, trained, X, y) -> None:
         adamw.step()
 
 
+def _adamw_fit(trainer_class, adapted, X, y, **options):
+    """One epoch of graphkit's ``trainer_class`` with torch's AdamW settings, the
+    batches in order (the 10 steps ``_adamw`` takes)."""
+    return trainer_class(
+        adapted,
+        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
+        loss="squared_error",
+        batch_size=BATCH,
+        max_iter=1,
+        shuffle=False,
+        **options,
+    ).fit(X, y)
+
+
 def _peft_adamw(twin, X, y) -> None:
     _adamw(twin, [p for p in twin.parameters() if p.requires_grad], X, y)
 
@@ -191,15 +205,7 @@ def test_adapters_after_10_adamw_steps_equal_pefts(exported, kind, exporter, bac
     net, onx = exported(kind, exporter)
     adapted = lora.add_lora(onx, TARGETS[kind], rank=RANK, alpha=ALPHA, random_state=0)
     X, y = _data(kind)
-    trainer = Trainer(
-        adapted,
-        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
-        loss="squared_error",
-        batch_size=BATCH,
-        max_iter=1,
-        shuffle=False,
-        backend=backend,
-    ).fit(X, y)
+    trainer = _adamw_fit(Trainer, adapted, X, y, backend=backend)
     assert sorted(trainer.update_step_.weights) == sorted(lora.adapter_names(adapted))
     twin = _peft_twin(net, adapted, kind)
     _peft_adamw(twin, X, y)
@@ -236,15 +242,7 @@ def test_forward_backward_trainer_trains_the_adapters_as_peft(exported, backend)
     net, onx = exported("llama", "torchscript")
     adapted = lora.add_lora(onx, TARGETS["llama"], rank=RANK, alpha=ALPHA, random_state=0)
     X, y = _data("llama")
-    trainer = ForwardBackwardTrainer(
-        adapted,
-        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
-        loss="squared_error",
-        batch_size=BATCH,
-        max_iter=1,
-        shuffle=False,
-        backend=backend,
-    ).fit(X, y)
+    trainer = _adamw_fit(ForwardBackwardTrainer, adapted, X, y, backend=backend)
     twin = _peft_twin(net, adapted, "llama")
     _peft_adamw(twin, X, y)
     _assert_adapters_equal(trainer.get_state(), twin, adapted)
@@ -292,15 +290,7 @@ def test_conv_adapters_after_10_adamw_steps_equal_pefts(backend, tmp_path):
     adapted = lora.add_lora(onx, "0", rank=RANK, alpha=ALPHA, random_state=0)
     (adapter,) = lora.adapters(adapted)
     assert adapter.layout == "conv" and adapter.module == "0"
-    trainer = Trainer(
-        adapted,
-        optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
-        loss="squared_error",
-        batch_size=BATCH,
-        max_iter=1,
-        shuffle=False,
-        backend=backend,
-    ).fit(X, y)
+    trainer = _adamw_fit(Trainer, adapted, X, y, backend=backend)
     config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["0"], lora_dropout=0.0)
     twin = peft.get_peft_model(copy.deepcopy(net), config)
     initial = lora.lora_state(adapted)
@@ -378,15 +368,7 @@ def test_lora_dropout_trains_as_pefts_with_the_same_masks(trainer_class):
     if trainer_class == "OnnxModule":
         state, trained = _onnx_module_adamw(adapted, X, y)
     else:
-        trainer = trainer_class(
-            adapted,
-            optimizer=optimizers.adamw(learning_rate=LR, weight_decay=DECAY),
-            loss="squared_error",
-            batch_size=BATCH,
-            max_iter=1,
-            shuffle=False,
-            random_state=1,
-        ).fit(X, y)
+        trainer = _adamw_fit(trainer_class, adapted, X, y, random_state=1)
         state, trained = trainer.get_state(), trainer.get_trained_onnx()
     config = peft.LoraConfig(r=2, lora_alpha=ALPHA, target_modules=["0"], lora_dropout=0.3)
     twin = peft.get_peft_model(copy.deepcopy(net), config)
