@@ -16,6 +16,7 @@ that training changes, so nothing computed from one is ever taken for a constant
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
@@ -30,6 +31,13 @@ from graphkit._graph import (
     graph_names,
     rename_tensors,
 )
+
+RANDOM = frozenset(
+    {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
+     "Multinomial", "Dropout"}
+)  # fmt: skip
+"""Operators whose result is drawn anew at each run: never taken for a constant (a branch
+chosen by one draw would be chosen for every run)."""
 
 MAX_ELEMENTS = 8192
 """The largest input or output (in elements) a condition is computed through."""
@@ -62,12 +70,12 @@ def _inline(graph: onnx.GraphProto, outer: Mapping[str, np.ndarray], taken: set[
             known[tensor.name] = numpy_helper.to_array(tensor)
     changed = False
     nodes: list[onnx.NodeProto] = []
-    pending = list(graph.node)
+    pending = deque(graph.node)
     while pending:
-        node = pending.pop(0)
+        node = pending.popleft()
         if node.op_type == "If" and node.domain in ("", "ai.onnx") and node.input[0] in known:
             branch = _branch(node, bool(np.asarray(known[node.input[0]]).reshape(-1)[0]))
-            pending[:0] = _as_nodes(branch, node, graph, taken)
+            pending.extendleft(reversed(_as_nodes(branch, node, graph, taken)))
             changed = True
             continue
         for sub in _subgraphs(node):
@@ -109,7 +117,7 @@ def _evaluate(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> None:
     """Adds ``node``'s outputs to ``known`` where it computes them from known values of
     at most :data:`MAX_ELEMENTS` elements, a ``Constant`` its value (a node that fails to
     evaluate adds nothing: it is left for onnxruntime)."""
-    if node.domain not in ("", "ai.onnx"):
+    if node.domain not in ("", "ai.onnx") or node.op_type in RANDOM:
         return
     inputs = [i for i in node.input if i]
     if any(True for _ in _subgraphs(node)) or not all(i in known for i in inputs):
@@ -127,4 +135,4 @@ def _evaluate(node: onnx.NodeProto, known: dict[str, np.ndarray]) -> None:
             known[name] = np.asarray(value)
 
 
-__all__ = ["MAX_ELEMENTS", "constant_branches_taken"]
+__all__ = ["MAX_ELEMENTS", "RANDOM", "constant_branches_taken"]

@@ -121,6 +121,7 @@ class OnnxModule(torch.nn.Module):
             value = torch.from_numpy(fb.weights[name].numpy().copy()).to(self._torch_device)
             self.register_parameter(attribute, torch.nn.Parameter(value))
         self._specialized: set[int] = set()  # the row counts with graphs of their own
+        self._batched = all(_symbolic_batch(fb._input_values[n]) for n in fb.input_names)
         # layers in training mode: running statistics, step counter, the masks' seed
         self.buffer_names: dict[str, str] = {}
         for name, ortvalue in fb.buffers.items():
@@ -161,9 +162,7 @@ class OnnxModule(torch.nn.Module):
         first dimension is not a symbolic batch, the inputs' row counts differ, or
         :data:`SPECIALIZED_SIZES` sizes have graphs already."""
         rows = {int(t.shape[0]) if t.dim() else -1 for t in inputs}
-        fb = self.forward_backward
-        batched = all(_symbolic_batch(fb._input_values[n]) for n in fb.input_names)
-        if not batched or len(rows) != 1 or -1 in rows:
+        if not self._batched or len(rows) != 1 or -1 in rows:
             return None
         (count,) = rows
         if count not in self._specialized and len(self._specialized) >= SPECIALIZED_SIZES:

@@ -139,3 +139,16 @@ def test_an_if_on_data_or_on_a_float_initializer_stays():
     ]
     model = _model(nodes, inits)
     assert constant_branches_taken(model) is model
+
+
+def test_an_if_on_a_random_draw_stays():
+    """A condition drawn anew at each run is no constant, though its inputs are."""
+    nodes = [
+        helper.make_node("RandomUniform", [], ["u"], shape=[1]),
+        helper.make_node("Constant", [], ["half"], value_float=0.5),
+        helper.make_node("Less", ["u", "half"], ["heads"]),
+        helper.make_node("Squeeze", ["heads"], ["cond"]),
+        _if("cond", "Y"),
+    ]
+    model = _model(nodes)
+    assert constant_branches_taken(model) is model

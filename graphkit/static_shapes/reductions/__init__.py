@@ -92,8 +92,9 @@ def simplify(graph: onnx.GraphProto, shapes: Mapping[str, tuple[int, ...]]) -> N
         nodes.extend(replacement if replacement is not None else [node])
     for node in nodes:
         node.input[:] = [follow(renamed, i) for i in node.input]
-        for name in outer_reads(node) & renamed.keys():  # read inside a Loop's body
-            rename_subgraph_reads(node, name, follow(renamed, name))
+        if renamed and any(True for _ in _subgraphs(node)):  # read inside a Loop's body
+            for name in outer_reads(node) & renamed.keys():
+                rename_subgraph_reads(node, name, follow(renamed, name))
     nodes = without_orphans(nodes, ctx.orphans, outputs)
     del graph.node[:]
     graph.node.extend(nodes)
