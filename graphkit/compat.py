@@ -1,16 +1,20 @@
 """The IR-version and opset policy: one place decides what the backends load.
 
-graphkit writes models every registered backend loads: IR version <= 10 and opset <= 21,
-what onnxruntime-training 1.19.2 (the ``ort_training`` backend) loads, while onnx >= 1.18
-writes newer IR versions by default. Each backend declares the newest its runtime loads
-when it registers (:func:`graphkit.backends.register`), which refuses one that cannot
-load what this module writes.
-Every model graphkit produces goes through :func:`finalize`; every model a user hands in
-goes through :func:`make_compatible`, which converts what can be converted (a model of
-a newer opset goes down with onnx's version converter, the operators opset 21 lacks
-(opset 23's ``Attention``, ``RMSNormalization``...) first replaced by onnx's function
-bodies for them: :mod:`graphkit.expand_functions`) and refuses the rest with a message
-saying what to do.
+A :class:`Ceiling` is the newest IR version and ``ai.onnx`` opset a backend trains and
+writes. :data:`PORTABLE` (IR 10, opset 21) is what every backend loads: what
+onnxruntime-training 1.19.2 (the ``ort_training`` backend) loads, and what graphkit
+writes where no backend is named (its own loss and update graphs, a model given at an
+older opset). The native backend's ceiling is what the installed onnxruntime loads
+(``Backend.ceiling``: opset 28 and IR 14 on onnxruntime 1.32, 21 and 10 on 1.19.2), so
+that a model exported at opset 23 trains and is written at opset 23 there.
+onnx >= 1.18 writes newer IR versions than an opset needs by default: every model
+graphkit produces goes through :func:`finalize`, which writes the IR version its opset
+needs (10 up to opset 21). Every model a user hands in goes through
+:func:`make_compatible`, which converts what can be converted to a backend's ceiling (a
+model of a newer opset goes down with onnx's version converter, the operators the
+ceiling's opset lacks (opset 23's ``Attention``, ``RMSNormalization``...) first replaced
+by onnx's function bodies for them: :mod:`graphkit.expand_functions`) and refuses the
+rest with a message saying what to do.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import PureWindowsPath
+from typing import NamedTuple
 
 import onnx
 from onnx import TensorProto
@@ -29,9 +34,23 @@ from graphkit.errors import IncompatibleModelError
 from graphkit.expand_functions import new_operators_expanded
 
 MAX_IR_VERSION = 10
-"""The newest ONNX IR version graphkit writes and loads (onnxruntime-training 1.19.2's)."""
+"""The newest ONNX IR version every backend loads (onnxruntime-training 1.19.2's)."""
 MAX_OPSET = 21
-"""The newest ``ai.onnx`` opset graphkit writes and loads (onnxruntime-training 1.19.2's)."""
+"""The newest ``ai.onnx`` opset every backend loads (onnxruntime-training 1.19.2's)."""
+
+
+class Ceiling(NamedTuple):
+    """The newest ONNX IR version and ``ai.onnx`` opset a backend trains and writes."""
+
+    ir_version: int
+    opset: int
+
+
+PORTABLE = Ceiling(MAX_IR_VERSION, MAX_OPSET)
+"""What every backend loads, and what graphkit writes where no backend is named."""
+NEWEST = Ceiling(onnx.IR_VERSION, onnx.defs.onnx_opset_version())
+"""The newest IR version and opset the installed onnx knows (a runtime's ceiling is at
+most this: graphkit checks and converts models with onnx)."""
 
 DSL_OPSET = 18
 """The ``ai.onnx`` opset graphkit's onnxscript functions are written against."""
@@ -382,16 +401,21 @@ def set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
     model.opset_import.append(onnx.helper.make_opsetid(domain, version))
 
 
-def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onnx.ModelProto:
-    """Return a copy of ``model`` that every backend can load.
+def make_compatible(
+    model: onnx.ModelProto, min_opset: int | None = None, ceiling: Ceiling = PORTABLE
+) -> onnx.ModelProto:
+    """Return a copy of ``model`` that a backend of that ``ceiling`` can load.
 
     Args:
         model: any ONNX model.
         min_opset: raise the ``ai.onnx`` opset to at least this version (used when
             graphkit pieces written for :data:`DSL_OPSET` are merged into the model).
+        ceiling: the newest IR version and opset to keep (a backend's ``ceiling``;
+            :data:`PORTABLE`, what every backend loads, by default).
 
     Returns:
-        A converted copy with IR version <= 10 and ``min_opset <= opset <= 21``.
+        A converted copy with IR version <= ``ceiling.ir_version`` and ``min_opset <=
+        opset <= ceiling.opset``.
 
     Raises:
         IncompatibleModelError: the IR version or opset cannot be converted; the model
@@ -404,7 +428,7 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
     out.CopyFrom(model)
     _merge_opset_imports(out)
     _declare_io_shapes(out)
-    _lower_ir_version(out)
+    _lower_ir_version(out, ceiling.ir_version)
     opset = opset_of(out)
     if opset is None:
         raise IncompatibleModelError(
@@ -412,15 +436,15 @@ def make_compatible(model: onnx.ModelProto, min_opset: int | None = None) -> onn
             "onnx.helper.make_opsetid('', 18) in opset_imports."
         )
     target = opset
-    if opset > MAX_OPSET:
-        target = MAX_OPSET
+    if opset > ceiling.opset:
+        target = ceiling.opset
         # operators with no counterpart at the target (opset 23's Attention): onnx's
         # own function bodies for them, which convert down like any other operator
-        out = new_operators_expanded(out, MAX_OPSET)
+        out = new_operators_expanded(out, ceiling.opset)
     if min_opset is not None and target < min_opset:
         target = min_opset
     if target != opset:
-        out = _convert_opset(out, opset, target)
+        out = _convert_opset(out, opset, target, ceiling)
     else:
         check_valid(out)
     return out
@@ -496,21 +520,27 @@ def finalize(
 ) -> onnx.ModelProto:
     """Stamp a model graphkit built so that every backend loads it.
 
-    Sets the IR version to at most :data:`MAX_IR_VERSION`, checks the ``ai.onnx`` opset is
-    at most :data:`MAX_OPSET` and runs
-    ``onnx.checker`` (with type and shape inference when ``full_check``).
-    Modifies ``model`` in place and returns it.
+    Sets the IR version to at most the one its ``ai.onnx`` opset needs
+    (:func:`ir_version_for`: :data:`MAX_IR_VERSION` up to opset 21, which onnx >= 1.18
+    would stamp newer) and runs ``onnx.checker`` (with type and shape inference when
+    ``full_check``). Modifies ``model`` in place and returns it.
     """
-    model.ir_version = min(model.ir_version or MAX_IR_VERSION, MAX_IR_VERSION)
-    opset = opset_of(model)
-    if opset is not None and opset > MAX_OPSET:
-        raise IncompatibleModelError(
-            f"graphkit produced a model with ai.onnx opset {opset} > {MAX_OPSET}; "
-            "this is a bug in graphkit, please report it."
-        )
+    needed = ir_version_for(opset_of(model) or DSL_OPSET)
+    model.ir_version = min(model.ir_version or needed, needed)
     if check:
         onnx.checker.check_model(_checkable(model), full_check=full_check)
     return model
+
+
+def ir_version_for(opset: int) -> int:
+    """The IR version graphkit writes a model of ``ai.onnx`` opset ``opset`` with: the
+    oldest that opset needs (onnx's table), :data:`MAX_IR_VERSION` at least, so that
+    every model up to opset 21 loads on every backend."""
+    try:
+        needed = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", opset)])
+    except Exception:  # an opset newer than this onnx release: the newest IR it knows
+        needed = onnx.IR_VERSION
+    return max(MAX_IR_VERSION, needed)
 
 
 _RUNTIME_DOMAIN = "graphkit.onnxruntime_internal"
@@ -555,18 +585,20 @@ def _merge_opset_imports(model: onnx.ModelProto) -> None:
     model.opset_import.extend(onnx.helper.make_opsetid(d, v) for d, v in versions.items())
 
 
-def _lower_ir_version(model: onnx.ModelProto) -> None:
-    if model.ir_version <= MAX_IR_VERSION:
+def _lower_ir_version(model: onnx.ModelProto, ceiling: int = MAX_IR_VERSION) -> None:
+    if model.ir_version <= ceiling:
         return
-    too_new = sorted({_type_name(t) for t in _elem_types(model.graph) if t > _MAX_IR10_ELEM_TYPE})
-    if too_new:
-        raise IncompatibleModelError(
-            f"The model has IR version {model.ir_version} and uses element types "
-            f"{', '.join(too_new)} that IR version {MAX_IR_VERSION} (the newest "
-            "every backend loads) does not have. Convert those tensors to "
-            "float32 or float16 before training."
-        )
-    model.ir_version = MAX_IR_VERSION
+    if ceiling <= MAX_IR_VERSION:
+        too_new = {_type_name(t) for t in _elem_types(model.graph) if t > _MAX_IR10_ELEM_TYPE}
+        if too_new:
+            raise IncompatibleModelError(
+                f"The model has IR version {model.ir_version} and uses element types "
+                f"{', '.join(sorted(too_new))} that IR version {ceiling} (the newest the "
+                "backend loads) does not have. Convert those tensors to float32 or "
+                "float16 before training, or train on the native backend with an "
+                "onnxruntime that loads them."
+            )
+    model.ir_version = ceiling
 
 
 def _type_name(elem: int) -> str:
@@ -592,7 +624,9 @@ def _elem_types(graph: onnx.GraphProto):
                 yield from _elem_types(sub)
 
 
-def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.ModelProto:
+def _convert_opset(
+    model: onnx.ModelProto, source: int, target: int, ceiling: Ceiling = PORTABLE
+) -> onnx.ModelProto:
     from onnx import version_converter
 
     try:
@@ -612,9 +646,9 @@ def _convert_opset(model: onnx.ModelProto, source: int, target: int) -> onnx.Mod
         direction = "down" if target < source else "up"
         raise IncompatibleModelError(
             f"The model uses ai.onnx opset {source}; graphkit needs opset {target} "
-            f"(graphkit's backends train opsets {DSL_OPSET} to {MAX_OPSET}) and "
+            f"(the backend trains opsets {DSL_OPSET} to {ceiling.opset}) and "
             f"onnx.version_converter could not convert it {direction}: "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}. " + _REEXPORT_HINT
         ) from exc
-    converted.ir_version = min(converted.ir_version, MAX_IR_VERSION)
+    converted.ir_version = min(converted.ir_version, ceiling.ir_version)
     return converted

@@ -20,7 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from graphkit._graph import GraphInfo, copy_model, int_constant, namer
-from graphkit.compat import DSL_OPSET, MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
+from graphkit.compat import DSL_OPSET, NEWEST, make_compatible, opset_of
 
 
 def linear_models_as_standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -39,11 +39,9 @@ def linear_models_as_standard_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """
     if not any(n.domain == "ai.onnx.ml" and n.op_type in _ML_REWRITES for n in model.graph.node):
         return copy_model(model)
-    # ReduceMax takes axes as an input from opset 18 on; a model already in the range
-    # graphkit writes (prepare_for_training made it so) is not converted again
-    written = (
-        model.ir_version <= MAX_IR_VERSION and DSL_OPSET <= (opset_of(model) or 0) <= MAX_OPSET
-    )
+    # ReduceMax takes axes as an input from opset 18 on; a model already there (standard_model
+    # made it compatible with its backend) is not converted again
+    written = DSL_OPSET <= (opset_of(model) or 0) <= NEWEST.opset
     out = copy_model(model) if written else make_compatible(model, min_opset=DSL_OPSET)
     info = GraphInfo(out)
     nodes: list[onnx.NodeProto] = []

@@ -6,7 +6,8 @@ gradient is built. Each rewrite computes the same function as the nodes it repla
 * the model is raised to the opset graphkit's loss and update graphs are written for
   (:data:`graphkit.compat.DSL_OPSET`), so that they can join its gradient graph in one
   session (:func:`graphkit.update_step.fuses_into`); one onnx cannot convert keeps its
-  own opset and trains in separate sessions (:func:`compatible_for_training`);
+  own opset and trains in separate sessions (:func:`compatible_for_training`); one newer
+  than the backend's ceiling (``Backend.ceiling``) goes down to it;
 * skl2onnx's linear models become standard operators whose coefficients are
   initializers (:func:`graphkit.ml_ops.linear_models_as_standard_ops`);
 * a ``CastLike`` whose target type is known becomes a ``Cast``
@@ -44,8 +45,8 @@ from graphkit._graph import copy_model
 from graphkit.backends.base import Backend
 from graphkit.compat import (
     DSL_OPSET,
-    MAX_IR_VERSION,
-    MAX_OPSET,
+    PORTABLE,
+    Ceiling,
     check_tensor_sizes,
     make_compatible,
     opset_of,
@@ -93,8 +94,9 @@ def prepare_for_training(
     loss, whose own terms on a weight (a penalty) keep reading the trained weight.
     ``train_mode`` is :func:`standard_model`'s.
     """
+    backend = backends.get(backend)
     return prepare_standard_model(
-        standard_model(model, train_mode),
+        standard_model(model, train_mode, backend.ceiling),
         weights_to_train,
         backend,
         untie_shared_weights,
@@ -127,8 +129,12 @@ def prepare_standard_model(
     return backends.get(backend).prepare(model), weights
 
 
-def standard_model(model: onnx.ModelProto, train_mode: bool | None = None) -> onnx.ModelProto:
-    """A copy of ``model`` every backend loads, at :data:`~graphkit.compat.DSL_OPSET` where
+def standard_model(
+    model: onnx.ModelProto, train_mode: bool | None = None, ceiling: Ceiling = PORTABLE
+) -> onnx.ModelProto:
+    """A copy of ``model`` a backend of that ``ceiling`` loads (``Backend.ceiling``;
+    :data:`~graphkit.compat.PORTABLE`: every backend), at
+    :data:`~graphkit.compat.DSL_OPSET` at least where
     onnx can convert it (:func:`compatible_for_training`), its linear models in standard
     operators, its ``CastLike`` nodes of a known type ``Cast`` nodes, its sequence
     patterns tensor operators, its BatchNormalization and Dropout in their inference
@@ -142,35 +148,38 @@ def standard_model(model: onnx.ModelProto, train_mode: bool | None = None) -> on
     that already: it is copied, not converted and checked again (a trainer's build
     prepares the model once).
     """
-    if _standard_already(model):
+    if _standard_already(model, ceiling):
         check_tensor_sizes(model)  # metadata is no proof: a short tensor is still refused
         standard = copy_model(model)
     else:
-        standard = as_standard_operators(compatible_for_training(quantized_as_standard(model)))
+        standard = as_standard_operators(
+            compatible_for_training(quantized_as_standard(model), ceiling)
+        )
     return standard if train_mode is None else marked_for_training(standard, train_mode)
 
 
-def _standard_already(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` is add_loss_output's result: compatible at the DSL's opset, with no
-    ``ai.onnx.ml`` operator and no tensor stored outside it."""
+def _standard_already(model: onnx.ModelProto, ceiling: Ceiling) -> bool:
+    """Whether ``model`` is add_loss_output's result: compatible at the DSL's opset up to
+    ``ceiling``, with no ``ai.onnx.ml`` operator and no tensor stored outside it."""
     return (
         META_LOSS in metadata(model)
-        and model.ir_version <= MAX_IR_VERSION
-        and DSL_OPSET <= (opset_of(model) or 0) <= MAX_OPSET
+        and model.ir_version <= ceiling.ir_version
+        and DSL_OPSET <= (opset_of(model) or 0) <= ceiling.opset
         and not any(n.domain == "ai.onnx.ml" for n in model.graph.node)
         and not any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     )
 
 
-def compatible_for_training(model: onnx.ModelProto) -> onnx.ModelProto:
-    """:func:`~graphkit.compat.make_compatible`, at opset :data:`~graphkit.compat.DSL_OPSET`
-    at least where onnx's converter can raise it (a forward/backward trainer's batch is
-    then one session call: a transformer exported at opset 17 trained 1.3x slower in four
-    calls), at the model's own opset where it cannot."""
+def compatible_for_training(model: onnx.ModelProto, ceiling: Ceiling = PORTABLE) -> onnx.ModelProto:
+    """:func:`~graphkit.compat.make_compatible` up to ``ceiling``, at opset
+    :data:`~graphkit.compat.DSL_OPSET` at least where onnx's converter can raise it (a
+    forward/backward trainer's batch is then one session call: a transformer exported at
+    opset 17 trained 1.3x slower in four calls), at the model's own opset where it
+    cannot."""
     try:
-        return make_compatible(model, min_opset=DSL_OPSET)
+        return make_compatible(model, min_opset=DSL_OPSET, ceiling=ceiling)
     except IncompatibleModelError:
-        return make_compatible(model)  # raises what cannot be loaded at all
+        return make_compatible(model, ceiling=ceiling)  # raises what cannot be loaded at all
 
 
 def trainable_weights(

@@ -44,11 +44,14 @@ from graphkit._graph import (
 )
 from graphkit.compat import (
     DSL_OPSET,
+    PORTABLE,
+    Ceiling,
     check_tensor_sizes,
     finalize,
     load_model,
     make_compatible,
 )
+from graphkit.engine import ort_engine
 from graphkit.errors import DTypeError, ShapeError, UnknownNameError
 from graphkit.parameters import FLOAT_ELEM_TYPES, parameter_names
 from graphkit.quantized import quantized_as_standard
@@ -181,8 +184,9 @@ def add_loss_output(
 
     Args:
         onx: the prediction graph, a ModelProto, its bytes or a path (converted to a
-            supported IR version / opset if needed; its operators made ones both
-            gradient sources take: :mod:`graphkit.standard_ops`).
+            supported IR version / opset if needed: kept up to what the installed
+            onnxruntime loads, the native backend's ``ceiling``; its operators made
+            ones both gradient sources take: :mod:`graphkit.standard_ops`).
         score_name: ``"squared_error"``/``"l2"``, ``"absolute_error"``/``"l1"``,
             ``"elastic"`` (``l1_weight``, ``l2_weight``), ``"huber"`` (``delta``),
             ``"log"`` (log loss on probabilities: multiclass on an (N, K) output, binary
@@ -243,7 +247,9 @@ def add_loss_output(
             "label_name is one input name for one loss; a dict {output: label input} goes "
             "with a loss per output (score_name as a dict)."
         )
-    compatible = make_compatible(quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET)
+    compatible = make_compatible(
+        quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET, ceiling=_runtime_ceiling()
+    )
     model, prediction = select_prediction(as_standard_operators(compatible), output_index)
     loss = _head_loss(score_name, kwargs, prediction)
 
@@ -270,6 +276,17 @@ def add_loss_output(
         },
     )
     return finalize(model)
+
+
+def _runtime_ceiling() -> Ceiling:
+    """What the installed onnxruntime loads (:func:`graphkit.engine.ort_engine.runtime_ceiling`:
+    the native backend's ceiling, and onnxruntime-training's 21 where that is the build
+    installed), or :data:`~graphkit.compat.PORTABLE` where none is: a training graph loads
+    where it was built. No backend is resolved here (a trainer resolves its own once)."""
+    try:
+        return ort_engine.runtime_ceiling()
+    except ImportError:
+        return PORTABLE
 
 
 _WEIGHT_PLACEHOLDER = "graphkit.sample_weight"
@@ -379,7 +396,9 @@ def _add_loss_per_output(
         )
     if not scores:
         raise ValueError("The dict of losses is empty: give a loss for at least one output.")
-    compatible = make_compatible(quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET)
+    compatible = make_compatible(
+        quantized_as_standard(load_model(onx)), min_opset=DSL_OPSET, ceiling=_runtime_ceiling()
+    )
     model = as_standard_operators(compatible)
     outputs = [o.name for o in model.graph.output]
     heads = list(scores)

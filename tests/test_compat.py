@@ -9,7 +9,15 @@ from conftest import linear_regression_onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from graphkit import IncompatibleModelError, add_loss_output
-from graphkit.compat import MAX_IR_VERSION, MAX_OPSET, make_compatible, opset_of
+from graphkit.compat import (
+    MAX_IR_VERSION,
+    MAX_OPSET,
+    PORTABLE,
+    Ceiling,
+    finalize,
+    make_compatible,
+    opset_of,
+)
 from graphkit.engine.ort_engine import Runner
 
 
@@ -115,3 +123,83 @@ def test_inputs_and_outputs_without_a_shape():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     with pytest.raises(gk.IncompatibleModelError, match=r"\['X', 'Y'\] declare an element type"):
         gk.add_loss_output(model, "squared_error")
+
+
+# -- a backend's ceiling: what its onnxruntime loads ----------------------------------------
+
+# what each onnxruntime this project installs loads, found by hand (REFERENCE.md): 1.19.2 is
+# onnxruntime-training's, 1.32.0 the plain wheel on CPython 3.11 and 3.13
+KNOWN_CEILINGS = {"1.19.2": Ceiling(10, 21), "1.32.0": Ceiling(14, 28)}
+
+
+def test_the_runtime_ceiling_is_what_that_onnxruntime_loads():
+    from graphkit.engine import ort_engine
+
+    version = ort_engine.version()
+    if version not in KNOWN_CEILINGS:
+        pytest.skip(f"no ceiling recorded for onnxruntime {version}")
+    assert ort_engine.runtime_ceiling() == KNOWN_CEILINGS[version]
+
+
+def test_each_backend_writes_up_to_its_ceiling():
+    """native: what its onnxruntime loads; ort_training: opset 21 and IR 10 always."""
+    from graphkit import backends
+    from graphkit.engine import ort_engine
+
+    installed = {b.name for b in backends.available() if b.installed}
+    if "native" in installed:
+        assert backends.get("native").ceiling == ort_engine.runtime_ceiling()
+    if "ort_training" in installed:
+        assert backends.get("ort_training").ceiling == PORTABLE == Ceiling(10, 21)
+
+
+def _attention_model(opset: int) -> onnx.ModelProto:
+    """``Y = Attention(X W_q, X W_k, X W_v)``, a model of ``opset`` (23 or later)."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["X", f"W{c}"], [c]) for c in "qkv"]
+    nodes.append(
+        helper.make_node("Attention", ["q", "k", "v"], ["Y"], q_num_heads=2, kv_num_heads=2)
+    )
+    graph = helper.make_graph(
+        nodes,
+        "attention",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3, 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 3, 4])],
+        [
+            numpy_helper.from_array(rng.normal(size=(4, 4)).astype(np.float32), f"W{c}")
+            for c in "qkv"
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=11)
+
+
+@pytest.mark.parametrize(
+    "ceiling, kept",
+    [(Ceiling(11, 23), True), (Ceiling(11, 22), False), (PORTABLE, False)],
+    ids=["opset 23 kept", "down to 22", "down to 21"],
+)
+def test_a_model_is_converted_down_to_the_ceiling_and_no_further(ceiling, kept):
+    """At or under the ceiling a model keeps its opset and its Attention; above it, the
+    Attention is onnx's function body and the opset the ceiling's. Either way it computes
+    what onnx.reference's Attention kernel computes on the original."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = _attention_model(23)
+    converted = make_compatible(model, ceiling=ceiling)
+    assert opset_of(converted) == min(23, ceiling.opset)
+    assert converted.ir_version <= ceiling.ir_version
+    assert ("Attention" in {n.op_type for n in converted.graph.node}) is kept
+    X = np.random.default_rng(1).normal(size=(2, 3, 4)).astype(np.float32)
+    (expected,) = ReferenceEvaluator(model).run(None, {"X": X})
+    (got,) = ReferenceEvaluator(converted).run(None, {"X": X})
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opset, ir", [(18, 10), (21, 10), (23, 11), (24, 12), (28, 14)])
+def test_finalize_writes_the_ir_version_an_opset_needs(opset, ir):
+    """onnx >= 1.18 stamps its newest IR version; an opset-21 model must say 10 for
+    onnxruntime 1.19.2 to load it, an opset-23 one needs 11 (onnx's versioning table)."""
+    model = _attention_model(23) if opset >= 23 else model_with(10, opset, np.ones((2, 1)))
+    model.opset_import[0].version = opset
+    model.ir_version = onnx.IR_VERSION
+    assert finalize(model, check=False).ir_version == ir

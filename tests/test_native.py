@@ -447,6 +447,55 @@ def test_slice_gradient_matches_finite_differences(bounds):
     assert_matches_finite_differences(model, ["W", "X"], points)
 
 
+STRIDED_SLICES = {  # (starts, ends, axes, steps) of x (N, 4, 7)
+    "every other entry (an interleaved rotary embedding's x[..., ::2])": ([0], [7], [2], [2]),
+    "odd entries": ([1], [1000], [-1], [2]),
+    "step 3, the end not reached": ([1], [7], [2], [3]),
+    "one entry, the step past the end": ([5], [7], [2], [4]),
+    "negative start": ([-6], [100], [2], [2]),
+    "two axes, both strided": ([1, 0], [4, 1000], [1, 2], [2, 3]),
+    "two axes, one strided": ([0, 2], [3, -1], [1, 2], [1, 2]),
+}
+
+
+@pytest.mark.parametrize("bounds", sorted(STRIDED_SLICES))
+def test_a_strided_slice_gradient_matches_finite_differences(bounds):
+    """A step above 1: the gradient's entries spread ``step`` apart, zeros between."""
+    starts, ends, axes, steps = STRIDED_SLICES[bounds]
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["h0"]),
+        helper.make_node("Tanh", ["h0"], ["h"]),
+        _int64("starts", starts),
+        _int64("ends", ends),
+        _int64("axes", axes),
+        _int64("steps", steps),
+        helper.make_node("Slice", ["h", "starts", "ends", "axes", "steps"], ["s"]),
+        helper.make_node("Mul", ["s", "s"], ["s2"]),
+        helper.make_node("ReduceSum", ["s2"], ["square"], keepdims=0),
+        helper.make_node("ReduceSum", ["h"], ["plain"], keepdims=0),
+        helper.make_node("Add", ["square", "plain"], ["loss"]),
+    ]
+    rng = np.random.default_rng(0)
+    model = make_model(nodes, [("X", ["N", 4, 3])], {"W": rng.normal(size=(3, 7))})
+    points = [{"X": rng.normal(size=(n, 4, 3))} for n in (2, 3)]
+    assert_matches_finite_differences(model, ["W", "X"], points)
+
+
+def test_a_reversed_slice_is_refused_naming_it():
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["h"]),
+        _int64("starts", [-1]),
+        _int64("ends", [-1000]),
+        _int64("axes", [2]),
+        _int64("steps", [-1]),
+        helper.make_node("Slice", ["h", "starts", "ends", "axes", "steps"], ["s"]),
+        helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0),
+    ]
+    model = make_model(nodes, [("X", ["N", 4, 3])], {"W": np.ones((3, 7))})
+    with pytest.raises(MissingGradientError, match="Slice"):
+        gk.gradient_model(model, "loss", ["W"], backend="native")
+
+
 COMPUTED_SLICES = {  # (starts, ends, axes or None) of x (N, 4, 7), computed in the graph
     **SLICES,
     "leading axes (the batch's too)": ([1, -3], [1000, 3], None),

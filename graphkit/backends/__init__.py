@@ -34,8 +34,8 @@ class _Entry:
     installed: Callable[[], bool]
     install: str
     description: str
-    max_ir_version: int = 10  # the newest ONNX IR version its runtime loads
-    max_opset: int = 21  # the newest ai.onnx opset its runtime implements
+    max_ir_version: int = 10  # the newest ONNX IR version every runtime it supports loads
+    max_opset: int = 21  # the newest ai.onnx opset every runtime it supports implements
 
 
 _BACKENDS: dict[str, _Entry] = {}
@@ -56,8 +56,9 @@ def register(
     """Register the backend ``name``, implemented by the package ``module`` (which
     defines ``BACKEND``); ``installed()`` says whether its runtime is importable, and
     ``max_ir_version`` / ``max_opset`` are the newest ONNX IR version and ``ai.onnx``
-    opset its runtime loads: at least what graphkit writes (:data:`graphkit.compat.MAX_IR_VERSION`,
-    :data:`graphkit.compat.MAX_OPSET`)."""
+    opset every runtime it supports loads: at least what every backend loads
+    (:data:`graphkit.compat.PORTABLE`), which graphkit's own graphs are written at. The
+    backend's ``ceiling`` may be newer where its installed runtime is."""
     if name in _BACKENDS:
         raise ValueError(f"backend {name!r} is already registered")
     if (max_ir_version, max_opset) < (MAX_IR_VERSION, MAX_OPSET) or max_opset < MAX_OPSET:
@@ -149,8 +150,8 @@ register(
     install="pip install 'graphkit-onnx[cpu]' (CUDA: 'graphkit-onnx[gpu]'): onnx-ad==0.3.0 "
     "and an onnxruntime",
     description="standard-ONNX gradients (onnx-ad rules), run by plain onnxruntime",
-    # graphkit writes what onnxruntime-training 1.19.2 loads (graphkit.compat), so that
-    # what one backend trained the other loads
+    # every onnxruntime it runs on loads opset 21 (its ceiling, Backend.ceiling, is what
+    # the installed onnxruntime loads: opset 28 on 1.32)
     max_ir_version=10,
     max_opset=21,
 )

@@ -17,7 +17,9 @@ onnxruntime build: :mod:`graphkit.engine.ort_engine`).
 A **forward/backward runner** runs a forward/backward gradient graph as two calls, or one
 batch with the loss and the update fused in (:class:`ForwardBackwardRunner`).
 
-A :class:`Backend` is the three under a name; :func:`graphkit.backends.get` chooses one.
+A :class:`Backend` is the three under a name, with its :attr:`Backend.ceiling` (the
+newest IR version and opset it trains and writes); :func:`graphkit.backends.get`
+chooses one.
 The trainers, :class:`graphkit_train.torch_module.OnnxModule` and the exports use no
 member of a backend that :class:`Backend` does not declare (``tests/test_backend.py``
 trains with a fake backend that has exactly these members).
@@ -31,6 +33,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import onnx
+
+from graphkit.compat import Ceiling
 
 
 @dataclass
@@ -201,6 +205,13 @@ class Backend(GradientSource, Engine, ForwardBackwardRunner, Protocol):
 
     name: str
     description: str
+
+    @property
+    def ceiling(self) -> Ceiling:
+        """The newest IR version and ``ai.onnx`` opset this backend trains and writes: a
+        model given newer is converted down to it, one given older keeps its own
+        (:func:`graphkit.compat.make_compatible`)."""
+        ...
 
 
 @dataclass(frozen=True)

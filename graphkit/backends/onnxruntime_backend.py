@@ -14,6 +14,7 @@ from typing import Any
 
 import onnx
 
+from graphkit.compat import NEWEST, Ceiling
 from graphkit.engine import ort_engine
 
 
@@ -22,6 +23,18 @@ class OnnxruntimeBackend:
 
     name: str
     description: str
+    builds_for: Ceiling = NEWEST
+    """The newest IR version and opset its gradient source builds graphs for."""
+
+    @property
+    def ceiling(self) -> Ceiling:
+        """:attr:`builds_for`, at most what the installed onnxruntime loads
+        (:func:`graphkit.engine.ort_engine.runtime_ceiling`)."""
+        runtime = ort_engine.runtime_ceiling()
+        return Ceiling(
+            min(self.builds_for.ir_version, runtime.ir_version),
+            min(self.builds_for.opset, runtime.opset),
+        )
 
     def inference_session(
         self,

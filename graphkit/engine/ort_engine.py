@@ -32,6 +32,7 @@ import onnx
 
 from graphkit import runtime_check, tensor_store
 from graphkit._graph import all_graphs
+from graphkit.compat import MAX_IR_VERSION, MAX_OPSET, NEWEST, Ceiling, ir_version_for
 from graphkit.engine.cuda_splits import split_long_axes_as_slices
 from graphkit.engine.cuda_unpools import max_unpools_as_scatters
 from graphkit.errors import IncompatibleModelError
@@ -164,6 +165,42 @@ def version_tuple() -> tuple[int, int]:
     """``(major, minor)`` of the installed onnxruntime."""
     major, minor = version().split(".")[:2]
     return int(major), int(minor)
+
+
+@functools.cache
+def runtime_ceiling() -> Ceiling:
+    """The newest IR version and ``ai.onnx`` opset the installed onnxruntime loads (at
+    most :data:`graphkit.compat.NEWEST`, what onnx knows), found by loading a one-node
+    model at each, newest first, once per process: onnxruntime publishes no such number
+    (1.19.2 loads opset 21 and IR 10; 1.32, opset 28 and IR 14)."""
+    opset = next(
+        (o for o in range(NEWEST.opset, MAX_OPSET, -1) if _loads(ir_version_for(o), o)),
+        MAX_OPSET,
+    )
+    ir = next(
+        (v for v in range(NEWEST.ir_version, MAX_IR_VERSION, -1) if _loads(v, MAX_OPSET)),
+        MAX_IR_VERSION,
+    )
+    return Ceiling(ir, opset)
+
+
+def _loads(ir_version: int, opset: int) -> bool:
+    """Whether onnxruntime loads an ``Identity`` of IR ``ir_version``, opset ``opset``."""
+    from onnx import helper
+
+    value = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value], [])
+    graph.output.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1]))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    ort = onnxruntime()
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a refusal is the answer, not an error to print
+    try:
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception:
+        return False
+    return True
 
 
 EXECUTION_MODES = ("sequential", "parallel")
@@ -458,13 +495,14 @@ def run(model: Any, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Run ``model`` once on CPU with numpy ``feeds``; return ``{output name: array}``.
 
     ``model`` is a ModelProto, its bytes or a path; it goes through the same
-    compatibility policy as training (:func:`graphkit.compat.make_compatible`). A
+    compatibility policy as training (:func:`graphkit.compat.make_compatible`, up to what
+    the installed onnxruntime loads: :func:`runtime_ceiling`). A
     convenience for notebooks and tests (it builds a session on every call): the
     training runtime keeps its sessions bound instead.
     """
     from graphkit.compat import load_model, make_compatible
 
-    runner = Runner(make_compatible(load_model(model)))
+    runner = Runner(make_compatible(load_model(model), ceiling=runtime_ceiling()))
     unknown = sorted(set(feeds) - set(runner.input_names))
     missing = sorted(set(runner.input_names) - set(feeds))
     if unknown or missing:

@@ -73,7 +73,7 @@ class TrainingProblem:
         ``untie_shared_weights``, ``tie_weights`` and ``train_mode`` are
         :func:`graphkit.prepare.prepare_for_training`'s."""
         backend = backends.get(backend)
-        user_model = standard_model(model, train_mode)
+        user_model = standard_model(model, train_mode, backend.ceiling)
         prepared, weights = prepare_standard_model(
             user_model,
             weights_to_train,

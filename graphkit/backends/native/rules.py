@@ -315,8 +315,10 @@ _WHOLE = 2**31 - 1
 
 
 def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
-    """d/dx of ``y = Slice(x, starts, ends, axes)`` (steps of 1): ``dy`` zero-padded by
-    what the slice cut off each sliced axis."""
+    """d/dx of ``y = Slice(x, starts, ends, axes, steps)``: ``dy`` zero-padded by what
+    the slice cut off each sliced axis, its entries first spread ``step`` apart along an
+    axis sliced with a step above 1 (:func:`_spread`). A negative step is onnx-ad's
+    (which refuses it)."""
     from onnx_ad import rules as ad
 
     x = node.input[0]
@@ -326,30 +328,54 @@ def slice_reverse(ctx: Any, node: Any, grads: list) -> list:
         return computed_slice_reverse(ctx, node, grads, axes, steps)
     starts, ends, axes, steps = ad._slice_bounds(ctx, node)
     shape = ctx.shapes.shape(x)
-    if (
-        starts is None
-        or ends is None
-        or shape is None
-        or steps is not None
-        and any(s != 1 for s in steps)
-    ):
+    if starts is None or ends is None or shape is None:
         return ad._slice_reverse(ctx, node, grads)
     rank = len(shape)
     axes = list(range(len(starts))) if axes is None else [a % rank for a in axes]
+    steps = [1] * len(axes) if steps is None else list(steps)
     # an axis taken whole (0 to the end: dynamo's `x[:, -1]` slices the batch axis so)
     # needs no padding, its extent unknown or not
-    cut = [(a, s, e) for a, s, e in zip(axes, starts, ends) if not (s == 0 and e >= _WHOLE)]
-    if not _known(shape, [a for a, _, _ in cut]):
-        return ad._slice_reverse(ctx, node, grads)
+    cut = [
+        (a, s, e, k)
+        for a, s, e, k in zip(axes, starts, ends, steps)
+        if not (s == 0 and e >= _WHOLE and k == 1)
+    ]
+    if any(k < 1 for *_, k in cut) or not _known(shape, [a for a, *_ in cut]):
+        return ad._slice_reverse(ctx, node, grads)  # a reversed slice: onnx-ad's refusal
+    seeded = ctx.full(grads[0], node.output[0])
     before, after = [0] * rank, [0] * rank
-    for axis, start, end in cut:
+    for axis, start, end, step in cut:
         extent = shape[axis]
         start = min(max(start + extent if start < 0 else start, 0), extent)
         end = min(max(end + extent if end < 0 else end, 0), extent)
-        before[axis], after[axis] = start, max(extent - end, 0)
-    seeded = ctx.full(grads[0], node.output[0])
+        taken = max(0, -(-(end - start) // step))  # ceil((end - start) / step)
+        if step > 1 and taken > 1:
+            if ctx.opset < 15:  # Shape's start and end arrived in opset 15
+                return ad._slice_reverse(ctx, node, grads)
+            seeded = _spread(ctx, seeded, rank + 1, axis, taken, step)
+        reach = (taken - 1) * step + 1 if taken else 0
+        before[axis], after[axis] = start, max(extent - start - reach, 0)
     padded = ad._pad(ctx, seeded, [*before, 0], [*after, 0])
     return [padded] + [None] * (len(node.input) - 1)
+
+
+def _spread(ctx: Any, value: str, rank: int, axis: int, count: int, step: int) -> str:
+    """``value`` (of rank ``rank``) with its ``count`` entries along ``axis`` ``step``
+    apart, zeros between them: the adjoint of taking every ``step``-th entry (an
+    interleaved rotary embedding slices ``x[..., ::2]``). A new axis after ``axis`` is
+    zero-padded to ``step`` and merged back in (``[.., count, ..] -> [.., count, step, ..]
+    -> [.., count * step, ..]``), and the zeros after the last entry are cut off."""
+    b = ctx.b
+    grown = b.op("Unsqueeze", [value, b.ints([axis + 1])], stem="strided")
+    pads = [0] * (2 * (rank + 1))
+    pads[rank + 1 + axis + 1] = step - 1
+    gapped = b.op("Pad", [grown, b.ints(pads)], mode="constant", stem="strided")
+    head = [b.op("Shape", [gapped], end=axis, stem="strided_head")] if axis else []
+    tail = b.op("Shape", [gapped], start=axis + 2, stem="strided_tail")
+    merged = b.op("Concat", [*head, b.ints([count * step]), tail], axis=0, stem="strided")
+    joined = b.op("Reshape", [gapped, merged], stem="strided")
+    reach = (count - 1) * step + 1
+    return b.op("Slice", [joined, b.ints([0]), b.ints([reach]), b.ints([axis])], stem="strided")
 
 
 def computed_slice_reverse(

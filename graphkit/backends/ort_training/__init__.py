@@ -40,6 +40,7 @@ from graphkit.backends.ort_training import (
     rewrites,
 )
 from graphkit.backends.ort_training.builders import ModuleGraphs
+from graphkit.compat import PORTABLE
 from graphkit.engine import ort_engine
 
 
@@ -52,6 +53,7 @@ class OrtTrainingBackend(OnnxruntimeBackend):
 
     name = "ort_training"
     description = "gradients from onnxruntime-training 1.19.2's builders, run by its TrainingAgent"
+    builds_for = PORTABLE  # what its builders and the TrainingAgent load
 
     # -- gradient source --------------------------------------------------------------
 
