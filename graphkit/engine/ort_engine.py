@@ -170,9 +170,9 @@ def version_tuple() -> tuple[int, int]:
 @functools.cache
 def runtime_ceiling() -> Ceiling:
     """The newest IR version and ``ai.onnx`` opset the installed onnxruntime loads (at
-    most :data:`graphkit.compat.NEWEST`, what onnx knows), found by loading a one-node
-    model at each, newest first, once per process: onnxruntime publishes no such number
-    (1.19.2 loads opset 21 and IR 10; 1.32, opset 28 and IR 14)."""
+    most :data:`graphkit.compat.NEWEST`, what onnx knows), found by loading a small model
+    at each, newest first, once per process (:func:`_loads`): onnxruntime publishes no
+    such number (1.19.2 loads opset 21 and IR 10; 1.32, opset 28 and IR 14)."""
     opset = next(
         (o for o in range(NEWEST.opset, MAX_OPSET, -1) if _loads(ir_version_for(o), o)),
         MAX_OPSET,
@@ -185,17 +185,43 @@ def runtime_ceiling() -> Ceiling:
 
 
 def _loads(ir_version: int, opset: int) -> bool:
-    """Whether onnxruntime loads an ``Identity`` of IR ``ir_version``, opset ``opset``."""
+    """Whether onnxruntime loads, at IR ``ir_version`` and opset ``opset``, a chain of the
+    shape operators graphkit's gradients emit whose newest versions are recent (``Cast``,
+    ``Reshape``, ``Squeeze``, ``Pad``... each changed at opsets 23 to 25): a runtime that
+    knows an opset but lacks one of its kernels does not count as loading it."""
     from onnx import helper
 
-    value = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [value], [])
-    graph.output.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1]))
+    i64 = onnx.TensorProto.INT64
+    nodes = [
+        helper.make_node("Cast", ["x"], ["cast"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Constant", [], ["dims"], value=helper.make_tensor("d", i64, [2], [3, 2])),
+        helper.make_node("Reshape", ["cast", "dims"], ["reshaped"]),
+        helper.make_node("Constant", [], ["axis"], value=helper.make_tensor("a", i64, [1], [0])),
+        helper.make_node("Unsqueeze", ["reshaped", "axis"], ["unsqueezed"]),
+        helper.make_node("Squeeze", ["unsqueezed", "axis"], ["squeezed"]),
+        helper.make_node("Transpose", ["squeezed"], ["transposed"]),
+        helper.make_node(
+            "Constant", [], ["pads"], value=helper.make_tensor("p", i64, [4], [0, 0, 0, 1])
+        ),
+        helper.make_node("Pad", ["transposed", "pads"], ["padded"]),
+        helper.make_node("Flatten", ["padded"], ["flat"]),
+        helper.make_node("Shape", ["flat"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("Identity", ["zeros"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = ir_version
     ort = onnxruntime()
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a refusal is the answer, not an error to print
+    # every node kept as it is, so that each one's kernel is looked up
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     except Exception:
