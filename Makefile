@@ -121,10 +121,16 @@ PYTEST_WORKERS ?= 2
 demo: $(STAMP)
 	$(BIN)/graphkit-train --output out/demo
 
+# the later parts' environments, installed two at a time once the main run is over (pip
+# keeps about one core busy: plain-torch 38 s and native 42 s one after the other)
+LATER_STAMPS = $(PLAIN_TORCH_STAMP) $(if $(NEWEST_PYTHON),$(NATIVE_STAMP)) \
+	$(if $(FLOORS_PYTHON),$(FLOORS_STAMP))
+
 test: $(STAMP) $(PLAIN_STAMP) web-deps
 	$(MAKE) --no-print-directory typecheck
 	$(MAKE) --no-print-directory docs
 	GRAPHKIT_PLAIN_ORT_PYTHON=$(PLAIN)/bin/python $(BIN)/python -m pytest tests -n $(PYTEST_WORKERS)
+	$(MAKE) --no-print-directory -j2 $(LATER_STAMPS)
 	$(MAKE) --no-print-directory test-plain-torch
 	$(MAKE) --no-print-directory test-native
 	$(MAKE) --no-print-directory test-floors
