@@ -522,10 +522,13 @@ def finalize(
 
     Sets the IR version to at most the one its ``ai.onnx`` opset needs
     (:func:`ir_version_for`: :data:`MAX_IR_VERSION` up to opset 21, which onnx >= 1.18
-    would stamp newer) and runs ``onnx.checker`` (with type and shape inference when
-    ``full_check``). Modifies ``model`` in place and returns it.
+    would stamp newer; a model holding element types IR 10 lacks, which only a backend of
+    a newer ceiling takes, keeps its own) and runs ``onnx.checker`` (with type and shape
+    inference when ``full_check``). Modifies ``model`` in place and returns it.
     """
     needed = ir_version_for(opset_of(model) or DSL_OPSET)
+    if needed == MAX_IR_VERSION and any(t > _MAX_IR10_ELEM_TYPE for t in _elem_types(model.graph)):
+        needed = max(model.ir_version, needed)  # its element types need its IR version
     model.ir_version = min(model.ir_version or needed, needed)
     if check:
         onnx.checker.check_model(_checkable(model), full_check=full_check)

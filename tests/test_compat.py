@@ -203,3 +203,15 @@ def test_finalize_writes_the_ir_version_an_opset_needs(opset, ir):
     model.opset_import[0].version = opset
     model.ir_version = onnx.IR_VERSION
     assert finalize(model, check=False).ir_version == ir
+
+
+def test_finalize_keeps_the_ir_version_newer_element_types_need(rng):
+    """An opset-21 model holding a FLOAT4E2M1 tensor, as a backend whose ceiling is IR 11
+    or newer takes it, keeps IR 11: the IR version that type arrived in (onnx's
+    TensorProto docs), where opset 21 alone needs only 10."""
+    model = model_with(11, 21, rng.normal(size=(2, 1)))
+    model.graph.initializer.append(
+        TensorProto(name="scale", data_type=23, dims=[2], raw_data=b"\x21")
+    )
+    assert finalize(model, check=False).ir_version == 11
+    onnx.checker.check_model(model)
